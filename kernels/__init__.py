@@ -1,0 +1,1 @@
+"""Triton kernels for ironlm (shipped inside the wheel as ``ironlm.kernels``)."""

@@ -1,0 +1,3 @@
+from ironlm import _core
+
+__all__ = ["_core"]

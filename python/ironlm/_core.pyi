@@ -1,0 +1,193 @@
+"""Type stubs for ``ironlm._core``, the Rust bookkeeping core (see rust/src/py.rs).
+
+Times are seconds as floats. Unless a ``now`` is passed, the core uses its own monotonic
+clock (``ironlm._core.monotonic()``), so Python and Rust agree on time.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+class CoreError(Exception):
+    """Base class of every error raised by the core."""
+
+class QueueFullError(CoreError):
+    """The waiting queue already holds ``max_queue_len`` requests (the server answers 503)."""
+
+class RequestTooLargeError(CoreError, ValueError):
+    """prompt + max_tokens can never fit: beyond ``max_model_len`` or the whole KV cache."""
+
+class DuplicateRequestError(CoreError, ValueError):
+    """A request with this id is already in the core."""
+
+def monotonic() -> float:
+    """The core's clock, in seconds."""
+
+class BlockAllocator:
+    """Fixed pool of KV blocks with reference counts, fork and copy-on-write."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_free(self) -> int: ...
+    @property
+    def num_used(self) -> int: ...
+    @property
+    def num_cached(self) -> int: ...
+    def allocate(self) -> int:
+        """One free block with ref count 1; raises ``CoreError`` when none is free."""
+    def incref(self, block: int) -> None: ...
+    def decref(self, block: int) -> None: ...
+    def ref_count(self, block: int) -> int: ...
+    def fork(self, blocks: Sequence[int]) -> list[int]:
+        """Share ``blocks`` with a new holder (each ref count + 1); returns the same ids."""
+    def append_slot(self, blocks: list[int], num_tokens: int) -> tuple[list[int], tuple[int, int] | None]:
+        """Make room for token number ``num_tokens`` (0-based) of a sequence owning ``blocks``.
+
+        Returns the updated block list and, when the last block was shared and partly
+        filled, the ``(src, dst)`` copy-on-write pair the caller must copy on the KV tensors.
+        """
+
+class RadixCache:
+    """Block-granular radix tree over token ids with LRU eviction of unlocked leaves."""
+
+    def __init__(self, allocator: BlockAllocator) -> None: ...
+    def match_prefix(self, tokens: Sequence[int], namespace: str | None = None) -> list[int]:
+        """Blocks caching the longest block-aligned prefix of ``tokens``, never all of it."""
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], namespace: str | None = None) -> int:
+        """Cache the full blocks of ``tokens``; returns how many tokens were already cached."""
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` least-recently-used unlocked cached blocks; returns how many."""
+    def reset(self) -> None: ...
+    @property
+    def num_cached_blocks(self) -> int: ...
+    @property
+    def num_evictable_blocks(self) -> int: ...
+    @property
+    def queries(self) -> int:
+        """Prompt tokens looked up so far."""
+    @property
+    def hits(self) -> int:
+        """Prompt tokens found cached so far."""
+
+class RequestQueue:
+    """Waiting requests under one policy: ``fcfs``, ``priority`` or ``deadline``."""
+
+    def __init__(self, policy: str = "fcfs", max_len: int | None = None) -> None: ...
+    def push(
+        self,
+        request_id: str,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        arrival_time: float | None = None,
+    ) -> None: ...
+    def pop(self) -> str | None: ...
+    def peek(self) -> str | None: ...
+    def remove(self, request_id: str) -> bool: ...
+    def expire(self, now: float | None = None) -> list[str]:
+        """Remove and return the requests whose timeout has passed."""
+    def __len__(self) -> int: ...
+    def __contains__(self, request_id: str) -> bool: ...
+
+class SchedulerPlan:
+    """Everything the model runner needs for one step. Arrays are freshly built numpy arrays.
+
+    Rows of the token batch (length T) are grouped by sequence in batch order (length B).
+    """
+
+    input_ids: npt.NDArray[np.int64]  # [T]
+    positions: npt.NDArray[np.int64]  # [T]
+    slot_mapping: npt.NDArray[np.int64]  # [T] block * block_size + offset
+    block_tables: npt.NDArray[np.int32]  # [B, max_blocks_in_batch], padded with 0
+    query_start_loc: npt.NDArray[np.int64]  # [B + 1] cumulative query lengths
+    seq_lens: npt.NDArray[np.int64]  # [B] context length after this step (cached + computed + new)
+    context_lens: npt.NDArray[np.int64]  # [B] tokens already in the KV cache before this step
+    seq_slots: npt.NDArray[np.int64]  # [B] sequence handle of each batch row
+    logits_indices: npt.NDArray[np.int64]  # [S] token rows whose logits are sampled (may repeat for n > 1)
+    sample_slots: npt.NDArray[np.int64]  # [S] sequence handle receiving each sampled token
+    cow_pairs: npt.NDArray[np.int64]  # [K, 2] (src, dst) block copies to run before the forward
+    new_request_ids: list[str]  # admitted for the first time this step
+    preempted_request_ids: list[str]  # sent back to the queue this step (recompute)
+    finished: list[tuple[str, int, str]]  # (request id, seq slot, reason) e.g. timed out while waiting
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache for requests admitted this step
+    max_query_len: int
+    max_seq_len: int
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def is_empty(self) -> bool: ...
+
+class Scheduler:
+    """Continuous-batching scheduler owning the queue, the allocator and the radix cache."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 4096,
+        policy: str = "fcfs",
+        enable_prefix_caching: bool = True,
+        max_queue_len: int | None = None,
+    ) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | npt.NDArray[np.int64],
+        max_tokens: int,
+        *,
+        min_tokens: int = 0,
+        n: int = 1,
+        priority: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        namespace: str | None = None,
+        arrival_time: float | None = None,
+    ) -> list[int]:
+        """Queue a request; returns its ``n`` sequence slots (stable handles until finished).
+
+        ``deadline``: TTFT deadline, seconds after arrival (policy ``deadline``).
+        ``timeout``: seconds after arrival after which a still-waiting request finishes
+        with reason ``timeout``. Raises QueueFullError, RequestTooLargeError,
+        DuplicateRequestError or ValueError.
+        """
+    def schedule(self, now: float | None = None) -> SchedulerPlan: ...
+    def update(self, sampled_token_ids: npt.NDArray[np.int64]) -> list[tuple[str, int, str]]:
+        """Append one token per ``plan.sample_slots`` row of the last plan.
+
+        Applies max_tokens, min_tokens, EOS / stop_token_ids (unless ignore_eos) and
+        max_model_len; returns ``(request id, seq slot, reason)`` for each sequence that
+        finished (reason ``length`` or ``stop``). Finished sequences' blocks go to the
+        radix cache.
+        """
+    def finish(self, slot: int, reason: str = "stop") -> bool:
+        """Finish one sequence now (e.g. a stop string matched); frees its blocks."""
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (all its sequences) wherever it is; frees its blocks."""
+    def output_token_ids(self, slot: int) -> list[int]: ...
+    def has_unfinished(self) -> bool: ...
+    def reset_prefix_cache(self) -> bool:
+        """Drop every unlocked cached block; False if some are still in use."""
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    def stats(self) -> dict[str, int]:
+        """Counters without a scan: num_waiting, num_running, num_preemptions, num_timeouts,
+        prefix_queries, prefix_hits, blocks_total, blocks_free, blocks_used, blocks_cached,
+        num_aborted, num_finished."""
