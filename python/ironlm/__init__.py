@@ -1,3 +1,32 @@
-from ironlm import _core
+"""ironlm: a small, fast LLM inference and serving engine."""
 
-__all__ = ["_core"]
+from ironlm import _core
+from ironlm.config import EngineConfig
+from ironlm.outputs import CompletionOutput, Logprob, RequestOutput
+
+__version__ = _core.__version__
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # torch/transformers load only when the model side is used, so `import ironlm` stays light.
+    if name == "LLM":
+        from ironlm.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from ironlm.engine import LLMEngine
+        return LLMEngine
+    if name == "SamplingParams":
+        from ironlm.sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'ironlm' has no attribute {name!r}")

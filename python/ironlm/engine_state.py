@@ -1,0 +1,94 @@
+"""Per-request state the engine keeps on the Python side: outputs, detokenizers, timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ironlm.detokenizer import IncrementalDetokenizer
+from ironlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ironlm.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[EngineSequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=[seq.output() for seq in self.seqs], finished=self.finished, metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens, error=self.error,
+        )
+
+
+@dataclass(eq=False)
+class EngineSequence:
+    index: int
+    slot: int
+    request: EngineRequest
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @classmethod
+    def create(cls, index: int, slot: int, request: EngineRequest, tokenizer) -> EngineSequence:
+        p = request.params
+        detok = None
+        if p.detokenize:
+            detok = IncrementalDetokenizer(
+                tokenizer, request.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+                spaces_between_special_tokens=p.spaces_between_special_tokens, stop=p.stop_strings,
+                include_stop_str_in_output=p.include_stop_str_in_output)
+        return cls(index, slot, request, detok, logprobs=[] if p.logprobs is not None else None)
+
+    def append(self, token: int, logprob: float, top: tuple[list[int], list[float]] | None,
+               tokenizer) -> str | None:
+        """Record one sampled token; returns the stop string if one matched."""
+        self.token_ids.append(token)
+        self.cumulative_logprob += logprob
+        if self.logprobs is not None:
+            entry = {token: Logprob(logprob, decoded_token=tokenizer.decode([token]))}
+            if top is not None:
+                k = self.request.params.logprobs or 0
+                for rank, (tid, lp) in enumerate(zip(top[0][:k], top[1][:k]), start=1):
+                    if tid == token:
+                        entry[token].rank = rank
+                    else:
+                        entry[tid] = Logprob(lp, rank=rank, decoded_token=tokenizer.decode([tid]))
+            self.logprobs.append(entry)
+        if self.detok is None:
+            return None
+        delta = self.detok.add([token])
+        return delta.stop_str if delta.stopped else None
+
+    def finish(self, reason: str, eos_token_ids) -> None:
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = reason
+        if reason == "stop" and self.stop_reason is None and self.token_ids:
+            last = self.token_ids[-1]
+            if last in eos_token_ids or last in (self.request.params.stop_token_ids or ()):
+                self.stop_reason = None if last in eos_token_ids else last
+
+    def output(self) -> CompletionOutput:
+        text = self.detok.output_text if self.detok is not None else ""
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )

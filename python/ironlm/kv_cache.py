@@ -1,0 +1,58 @@
+"""Paged KV tensors: sizing, allocation and copy-on-write block copies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ironlm.config import EngineConfig, parse_bytes
+
+_CPU_DEFAULT_BYTES = 1 << 30
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
+
+
+def num_kv_blocks(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device,
+                  profile: Callable[[int], None]) -> int:
+    """`num_kv_blocks` if set, else `kv_cache_memory`, else (GPU) a share of the free memory
+    left after a profiling forward of a full token budget, else (CPU) 1 GiB."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = bytes_per_block(model_config, config.block_size, dtype)
+    budget = parse_bytes(config.kv_cache_memory)
+    if budget is None and device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        profile(config.max_num_batched_tokens or 8192)
+        free, total = torch.cuda.mem_get_info(device)
+        peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+        budget = int(free - (1 - config.gpu_memory_utilization) * total - peak_extra)
+    if budget is None:
+        budget = _CPU_DEFAULT_BYTES
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory ({budget} bytes) is smaller than one KV block ({per_block} bytes)")
+    return int(blocks)
+
+
+def allocate_kv_caches(model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> KVCaches:
+    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model_config.num_layers)]
+
+
+def copy_blocks(kv_caches: KVCaches, pairs: np.ndarray) -> None:
+    """Copy-on-write: block `src` → block `dst` in every layer, all pairs at once."""
+    device = kv_caches[0][0].device
+    src = torch.from_numpy(np.ascontiguousarray(pairs[:, 0])).to(device)
+    dst = torch.from_numpy(np.ascontiguousarray(pairs[:, 1])).to(device)
+    for k, v in kv_caches:
+        k[dst] = k[src]
+        v[dst] = v[src]

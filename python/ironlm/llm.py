@@ -1,0 +1,146 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ironlm.config import EngineConfig
+from ironlm.engine import LLMEngine
+from ironlm.outputs import RequestOutput
+from ironlm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """Batch generation over one model. `model=None` serves the built-in SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 block_size: int = 16, kv_cache_memory: int | str | None = None,
+                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs", seed: int = 0,
+                 **kwargs) -> None:
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
+            num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy, seed=seed, **kwargs)
+        self.engine = LLMEngine(config)
+        self._finished: list[RequestOutput] = []
+        self._busy_seconds = 0.0
+        self._generated = 0
+        self._prompt_tokens = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority must have one entry per prompt")
+        ids = []
+        engine = self.engine
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = f"llm-{id(self)}-{time.monotonic_ns()}-{i}"
+                engine.add_request(rid, prompt, p, priority=0 if priority is None else priority[i])
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))}
+            for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        return params
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        start = time.perf_counter()
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        bar.update(1)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine lost {len(pending)} requests")  # a bug, never a hang
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        self._busy_seconds += time.perf_counter() - start
+        outputs = [done[rid] for rid in ids]
+        self._finished.extend(outputs)
+        self._generated += sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        self._prompt_tokens += sum(len(o.prompt_token_ids) for o in outputs)
+        return outputs
+
+    def get_metrics(self) -> dict:
+        """Throughput, TTFT/TPOT statistics, prefix-cache hit rate, KV usage, preemptions."""
+        stats = self.engine.stats()
+        ttft = [o.metrics.ttft for o in self._finished if o.metrics.ttft is not None]
+        tpot = []
+        for o in self._finished:
+            m, n = o.metrics, max((len(c.token_ids) for c in o.outputs), default=0)
+            if n > 1 and m.finished_time and m.first_token_time:
+                tpot.append((m.finished_time - m.first_token_time) / (n - 1))
+        busy = self._busy_seconds or float("nan")
+        queries = stats["prefix_cache_queries"]
+        return {
+            "num_requests": len(self._finished),
+            "elapsed_s": self._busy_seconds,
+            "prompt_tokens": self._prompt_tokens,
+            "output_tokens": self._generated,
+            "output_tokens_per_s": self._generated / busy,
+            "total_tokens_per_s": (self._generated + self._prompt_tokens) / busy,
+            "requests_per_s": len(self._finished) / busy,
+            "ttft_s": _summary(ttft),
+            "tpot_s": _summary(tpot),
+            "prefix_cache_hit_rate": stats["prefix_cache_hits"] / queries if queries else 0.0,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": stats["prefix_cache_hits"],
+            "kv_cache_usage_perc": stats["kv_cache_usage_perc"],
+            "num_preemptions": stats["num_preemptions"],
+            "step_breakdown_s": self.engine.step_breakdown(),
+        }
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    arr = np.asarray(values)
+    return {"mean": float(arr.mean()), "median": float(np.median(arr)),
+            "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}

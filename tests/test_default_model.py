@@ -1,0 +1,44 @@
+"""The built-in default model (SmolLM2-135M-Instruct, GGUF from PyPI) against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ironlm import LLM, SamplingParams
+from ironlm.model.default import default_model_path
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three colors."}],
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(kv_cache_memory="256MiB", max_model_len=2048)
+
+
+def test_default_model_greedy_matches_transformers(llm: LLM):
+    path = default_model_path()
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    prompts = [llm.engine.apply_chat_template(m) for m in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs):
+            expected = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(prompt):].tolist()
+            assert out.outputs[0].token_ids == expected
+
+
+def test_default_model_chat_speaks_english(llm: LLM):
+    out = llm.chat(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    metrics = llm.get_metrics()
+    assert metrics["output_tokens"] > 0 and metrics["output_tokens_per_s"] > 0

@@ -1,0 +1,80 @@
+"""The offline `LLM` API surface: inputs, outputs, stops, errors, metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from ironlm import LLM, SamplingParams
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    path = make_tiny_model(tmp_path_factory.mktemp("api"), arch="llama")
+    return LLM(str(path), num_kv_blocks=128, block_size=4, max_model_len=256)
+
+
+def test_string_prompts_in_order_with_timing(llm: LLM):
+    prompts = ["hello world", "the quick brown fox", "a"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    for o in outs:
+        assert o.finished and len(o.outputs) == 1
+        c = o.outputs[0]
+        assert len(c.token_ids) == 5 and c.finish_reason == "length"
+        # a trailing partial UTF-8 character is held back, never emitted as U+FFFD
+        assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        assert o.prompt_token_ids == llm.get_tokenizer().encode(o.prompt)
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM):
+    base = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_at = base.token_ids[3]
+    first = base.token_ids.index(stop_at)
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_stop_string_truncates_text(llm: LLM):
+    base = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(base.text) > 4
+    stop = base.text[2:4]
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[: base.text.index(stop)]
+    assert llm.engine.stats()["blocks_used"] == 0
+
+
+def test_bad_inputs_raise_value_error_naming_the_field(llm: LLM):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate("", use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate("hi", SamplingParams(max_tokens=10_000), use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate({"prompt_token_ids": [10**9]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+    # the engine keeps serving after bad requests, and nothing leaked
+    assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    assert llm.engine.stats()["blocks_used"] == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_chat_and_metrics(llm: LLM):
+    outs = llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "fox"}]],
+                    SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(outs) == 2 and all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    m = llm.get_metrics()
+    for key in ("output_tokens_per_s", "ttft_s", "tpot_s", "prefix_cache_hit_rate", "kv_cache_usage_perc",
+                "num_preemptions", "step_breakdown_s"):
+        assert key in m
+    assert m["output_tokens"] >= 8 and m["ttft_s"]["median"] > 0
+    assert {"schedule", "forward", "sample"} <= set(m["step_breakdown_s"])
