@@ -109,7 +109,7 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(token_ids)
-        if len(token_ids) + max_tokens > self.max_model_len:
+        if max_tokens < 1 or len(token_ids) + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
         eos = [] if params.ignore_eos else list(self.model_config.eos_token_ids)

@@ -1,0 +1,118 @@
+"""The OpenAI-compatible HTTP app: `build_app(engine, served_model_name=..., api_key=...)`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ironlm import __version__
+from ironlm.async_engine import AsyncLLMEngine
+from ironlm.server.auth import APIKeyMiddleware
+from ironlm.server.errors import APIError, install_exception_handlers
+from ironlm.server.health import health_report
+from ironlm.server.metrics import ServerMetrics
+from ironlm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from ironlm.server.serving_chat import ChatHandler
+from ironlm.server.serving_common import parse_body
+from ironlm.server.serving_completions import CompletionHandler
+
+
+def build_app(engine: AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
+              api_key: str | list[str] | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [engine.model_name]
+    model = names[0]  # the name responses carry
+    if metrics is None:
+        metrics = ServerMetrics(engine.stats, lambda: engine.is_healthy, model)
+    if engine.observer is None:
+        engine.observer = metrics
+    started_at = time.monotonic()
+    app = FastAPI(title="ironlm", version=__version__)
+    app.state.engine, app.state.metrics, app.state.served_model_names = engine, metrics, names
+    install_exception_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_key)
+    completions, chat = CompletionHandler(engine, model), ChatHandler(engine, model)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest)
+        check_model(req.model)
+        return await completions(req, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest)
+        check_model(req.model)
+        return await chat(req, request)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        cards = [ModelCard(id=n, root=model, max_model_len=engine.max_model_len) for n in names]
+        return ModelList(data=cards).model_dump()
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return ModelCard(id=name, root=model, max_model_len=engine.max_model_len).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await parse_body(request, TokenizeRequest)
+        check_model(req.model)
+        if req.messages is not None:
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+            try:
+                tokens = engine.apply_chat_template(messages, req.add_generation_prompt)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+        else:
+            tokens = list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await parse_body(request, DetokenizeRequest)
+        check_model(req.model)
+        vocab = _vocab_size(engine)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, body = health_report(engine, model, started_at)
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _vocab_size(engine: AsyncLLMEngine) -> int:
+    config = getattr(engine.engine, "model_config", None)
+    size = getattr(config, "vocab_size", None)
+    return int(size) if size else len(engine.tokenizer)

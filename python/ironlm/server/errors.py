@@ -1,0 +1,89 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("ironlm.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          503: "service_unavailable_error"}
+_PARAM_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+): ")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code if code is not None else status
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | int | None = None,
+               type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code if code is not None else status}}
+
+
+def error_response(status: int, message: str, **kw: object) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_body(status, message, **kw), status_code=status, headers=headers)  # type: ignore[arg-type]
+
+
+def param_from_message(message: str) -> str | None:
+    """Our ValueErrors (and SamplingParams') start with or name the field: 'top_p must be ...'."""
+    m = _PARAM_PREFIX.match(message) or re.match(r"^([a-z_]+) (?:must|cannot|should)", message)
+    return m.group(1) if m else None
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """First pydantic error -> 400 with `param` = the offending field's dotted path."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    err = errors[0]
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"Malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+    msg = str(err.get("msg", "invalid value"))
+    param = ".".join(loc) or param_from_message(msg)
+    msg = msg.removeprefix("Value error, ")
+    if loc:
+        msg = f"{'.'.join(loc)}: {msg}"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return APIError(400, msg + more, param=param)
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc)
+        return error_response(400, err.message, param=err.param)
+
+    @app.exception_handler(ValidationError)
+    async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
+        err = validation_error(exc)
+        return error_response(400, err.message, param=err.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        # A real fault: log it with the traceback, answer 500, keep serving.
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error: {type(exc).__name__}")

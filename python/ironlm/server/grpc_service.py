@@ -1,0 +1,164 @@
+"""gRPC `Generation` service (Generate, StreamGenerate) on the same AsyncLLMEngine as the HTTP API.
+
+Requests are validated by converting them into the HTTP `CompletionRequest` model, so both transports
+accept and reject exactly the same inputs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+
+from ironlm.async_engine import AsyncLLMEngine
+from ironlm.grpc import ironlm_pb2 as pb
+from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
+from ironlm.outputs import CompletionOutput, RequestOutput
+from ironlm.server.auth import KeyChecker
+from ironlm.server.errors import APIError, validation_error
+from ironlm.server.protocol import CompletionRequest
+from ironlm.server.serving_common import (
+    check_failed,
+    clamp_logprob,
+    engine_error,
+    sampling_params,
+    start_streams,
+)
+
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+          499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE}
+_OPTIONAL = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "seed", "include_stop_str_in_output", "ignore_eos",
+             "min_tokens", "logprobs", "skip_special_tokens")
+
+
+def to_completion_request(msg: pb.GenerateRequest) -> CompletionRequest:
+    """Proto -> the HTTP request model (same validation, same defaults)."""
+    s = msg.sampling
+    body: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
+    kind = msg.WhichOneof("prompt")
+    body["prompt"] = msg.text if kind == "text" else list(msg.token_ids.ids) if kind == "token_ids" else ""
+    body["priority"] = msg.priority
+    for name in ("timeout", "deadline"):
+        if msg.HasField(name):
+            body[name] = getattr(msg, name)
+    if msg.cache_salt:
+        body["cache_salt"] = msg.cache_salt
+    try:
+        return CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None) -> None:
+        self.engine, self.model_names = engine, model_names
+        self.checker = KeyChecker(api_key) if api_key else None
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        try:
+            rid, stream = await self._start(request, context)
+            last: RequestOutput | None = None
+            async with stream:
+                async for last in stream:
+                    pass
+            assert last is not None
+            check_failed(last)
+            return pb.GenerateResponse(
+                request_id=rid, finished=True, usage=_usage(last),
+                completions=[self._completion(c, 0, 0) for c in sorted(last.outputs, key=lambda c: c.index)])
+        except APIError as exc:
+            await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
+        except Exception as exc:  # noqa: BLE001 - mapped to a gRPC status like HTTP maps it
+            err = engine_error(exc)
+            await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    async def StreamGenerate(self, request: pb.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            rid, stream = await self._start(request, context)
+            sent_text: dict[int, int] = {}
+            sent_tokens: dict[int, int] = {}
+            done: set[int] = set()
+            async with stream:
+                async for out in stream:
+                    if out.error:
+                        raise APIError(500, f"the engine failed this request: {out.error}")
+                    progressed = []
+                    for c in out.outputs:
+                        if c.index in done:
+                            continue
+                        t0, k0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+                        if len(c.token_ids) > k0 or len(c.text) > t0 or c.finish_reason:
+                            progressed.append(self._completion(c, t0, k0))
+                        sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                        if c.finish_reason:
+                            done.add(c.index)
+                    if progressed or out.finished:
+                        yield pb.GenerateResponse(request_id=rid, completions=progressed, finished=out.finished,
+                                                  usage=_usage(out) if out.finished else None)
+        except APIError as exc:
+            await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
+        except Exception as exc:  # noqa: BLE001 - mapped to a gRPC status like HTTP maps it
+            err = engine_error(exc)
+            await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+
+    async def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> tuple[str, Any]:
+        if self.checker is not None:
+            auth = dict(context.invocation_metadata() or ()).get("authorization")
+            if not self.checker.check(auth):
+                raise APIError(401, "missing or incorrect API key")
+        if request.model and request.model not in self.model_names:
+            raise APIError(404, f"The model `{request.model}` does not exist.")
+        req = to_completion_request(request)
+        params = sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens or 16,
+                                  "logprobs": req.logprobs})
+        rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        (stream,) = await start_streams(self.engine, rid, req.prompts()[:1], params, req)
+        return rid, stream
+
+    def _completion(self, c: CompletionOutput, text_from: int, tokens_from: int) -> pb.Completion:
+        tokenizer = self.engine.tokenizer
+        logprobs = []
+        entries = c.logprobs or []
+        for j in range(tokens_from, min(len(c.token_ids), len(entries))):
+            tid, entry = c.token_ids[j], entries[j]
+            chosen = entry.get(tid)
+            top = [pb.TopLogprob(token_id=t, token=lp.decoded_token or tokenizer.decode([t]),
+                                 logprob=clamp_logprob(lp.logprob))
+                   for t, lp in sorted(entry.items(), key=lambda kv: -kv[1].logprob)]
+            logprobs.append(pb.TokenLogprob(
+                token_id=tid, token=(chosen.decoded_token if chosen else None) or tokenizer.decode([tid]),
+                logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0, top=top))
+        return pb.Completion(index=c.index, text=c.text[text_from:], token_ids=c.token_ids[tokens_from:],
+                             finish_reason=c.finish_reason or "",
+                             stop_reason="" if c.stop_reason is None else str(c.stop_reason), logprobs=logprobs)
+
+
+def _usage(out: RequestOutput) -> pb.Usage:
+    return pb.Usage(prompt_tokens=len(out.prompt_token_ids),
+                    completion_tokens=sum(len(c.token_ids) for c in out.outputs),
+                    cached_tokens=out.num_cached_tokens)
+
+
+async def start_grpc_server(engine: AsyncLLMEngine, host: str, port: int, model_names: list[str],
+                            api_key: str | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start the service on the running event loop; returns the server and the bound port."""
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_names, api_key), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"gRPC: cannot bind {host}:{port}")
+    await server.start()
+    return server, bound

@@ -1,0 +1,123 @@
+"""Prometheus metrics, named like vLLM's with the `ironlm:` prefix.
+
+Engine-wide figures (queue sizes, KV usage, token and prefix-cache counters) are read from the engine's
+stats snapshot at scrape time by a custom collector, so they cost nothing between scrapes. Per-request
+timings are observed on the engine thread as outputs come out of a step, which measures the engine and
+not how fast each HTTP client reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ironlm.outputs import RequestOutput
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0)
+
+# (metric, stats key, help) for values that come straight from engine.stats()
+_GAUGES = (
+    ("num_requests_running", "num_requests_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled."),
+    ("kv_cache_usage_perc", "kv_cache_usage_perc", ("Fraction of KV blocks held by requests (1 = full); "
+                                                    "cached-but-evictable blocks are not counted.")),
+)
+_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("prompt_tokens", "prompt_tokens_total", "Prompt tokens of all requests added."),
+    ("generation_tokens", "generation_tokens_total", "Tokens generated."),
+    ("num_preemptions", "num_preemptions", "Requests preempted (recomputed) for lack of KV blocks."),
+)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: Callable[[], dict], healthy: Callable[[], bool], model_name: str) -> None:
+        self._stats, self._healthy, self._model = stats, healthy, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        for name, key, doc in _GAUGES:
+            g = GaugeMetricFamily(f"ironlm:{name}", doc, labels=["model_name"])
+            g.add_metric([self._model], float(s.get(key, 0)))
+            yield g
+        for name, key, doc in _COUNTERS:
+            c = CounterMetricFamily(f"ironlm:{name}", doc, labels=["model_name"])
+            c.add_metric([self._model], float(s.get(key, 0)))
+            yield c
+        blocks = GaugeMetricFamily("ironlm:kv_cache_blocks", "KV blocks by state.", labels=["model_name", "state"])
+        for state in ("free", "used", "cached"):
+            blocks.add_metric([self._model, state], float(s.get(f"blocks_{state}", 0)))
+        yield blocks
+        up = GaugeMetricFamily("ironlm:engine_healthy", "1 while the engine loop is alive.", labels=["model_name"])
+        up.add_metric([self._model], 1.0 if self._healthy() else 0.0)
+        yield up
+
+
+class ServerMetrics:
+    """Implements the AsyncLLMEngine output-observer protocol (on_outputs / on_aborted)."""
+
+    def __init__(self, stats: Callable[[], dict], healthy: Callable[[], bool], model_name: str,
+                 registry: CollectorRegistry | None = None) -> None:
+        # A registry per server: several servers (tests) in one process do not collide.
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("ironlm:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("ironlm:inter_token_latency_seconds", "Time between two output tokens.", labels,
+                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("ironlm:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                             buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram("ironlm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
+                               buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self._success = Counter("ironlm:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model = model_name
+        for reason in ("stop", "length", "abort", "timeout", "error"):
+            self._success.labels(model_name, reason)  # export zeros: rate() works from the first request
+        self.registry.register(_StatsCollector(stats, healthy, model_name))
+        # request id -> (time of its last new token, tokens seen); engine thread only.
+        self._progress: dict[str, tuple[float, int]] = {}
+
+    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            n_tokens = sum(len(c.token_ids) for c in out.outputs)
+            prev = self._progress.get(out.request_id)
+            if prev is None:
+                if n_tokens:
+                    ttft = out.metrics.ttft
+                    self.ttft.observe(ttft if ttft is not None else 0.0)
+            elif n_tokens > prev[1]:
+                self.itl.observe(now - prev[0])
+            if n_tokens and (prev is None or n_tokens > prev[1]):
+                self._progress[out.request_id] = (now, n_tokens)
+            if out.finished:
+                self._progress.pop(out.request_id, None)
+                self._finished(out)
+
+    def _finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m.e2e is not None:
+            self.e2e.observe(m.e2e)
+        if m.queue_time is not None:
+            self.queue.observe(m.queue_time)
+        reason = "error" if out.error else next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+        self._success.labels(self._model, reason).inc()
+
+    def on_aborted(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._progress.pop(rid, None)
+            self._success.labels(self._model, "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+

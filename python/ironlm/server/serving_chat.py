@@ -1,0 +1,123 @@
+"""POST /v1/chat/completions: the model's chat template, then one engine request with n sequences.
+
+Streaming follows OpenAI exactly: a role chunk per choice, content deltas, a finish chunk with an empty
+delta, an optional usage chunk with no choices (stream_options.include_usage), then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ironlm.async_engine import AsyncLLMEngine, RequestStream
+from ironlm.outputs import RequestOutput
+from ironlm.server.errors import APIError
+from ironlm.server.logprobs import chat_logprobs
+from ironlm.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    UsageInfo,
+)
+from ironlm.server.serving_common import (
+    SSE_DONE,
+    EngineStreamingResponse,
+    final_outputs,
+    sampling_params,
+    sse,
+    sse_error,
+    start_streams,
+    usage,
+)
+
+
+class ChatHandler:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        try:
+            return self.engine.apply_chat_template(req.message_dicts(), req.add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+
+    async def __call__(self, req: ChatCompletionRequest, request: Request) -> Response:
+        prompt = self.prompt_ids(req)
+        max_tokens = req.max_completion_tokens or req.max_tokens  # None: up to max_model_len
+        if max_tokens is None and len(prompt) >= self.engine.max_model_len:
+            raise APIError(400, f"messages: the prompt ({len(prompt)} tokens) leaves no room to generate within "
+                           f"max_model_len ({self.engine.max_model_len})", param="messages",
+                           code="context_length_exceeded")
+        kwargs = {**req.sampling_kwargs(), "max_tokens": max_tokens,
+                  "logprobs": (req.top_logprobs or 0) if req.logprobs else None}
+        params = sampling_params(kwargs)
+        rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages")
+        if req.stream:
+            return EngineStreamingResponse(self._stream(req, rid, streams[0]), streams)
+        (out,) = await final_outputs(streams, request)
+        choices = [
+            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                       logprobs=self._logprobs(req, c, 0), finish_reason=c.finish_reason,
+                       stop_reason=c.stop_reason)
+            for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        body = ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                      usage=UsageInfo(**usage([out])))
+        return JSONResponse(body.model_dump())
+
+    def _logprobs(self, req: ChatCompletionRequest, c: Any, start: int) -> dict | None:
+        if not req.logprobs:
+            return None
+        return chat_logprobs(c, start, self.engine.tokenizer, req.top_logprobs or 0)
+
+    async def _stream(self, req: ChatCompletionRequest, rid: str, stream: RequestStream) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(index: int, delta: dict, lp: Any = None, finish: str | None = None, stop: Any = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop
+            obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                   "model": self.model_name, "choices": [choice]}
+            if req.include_usage:
+                obj["usage"] = None
+            return sse(obj)
+
+        sent_text = [0] * req.n
+        sent_tokens = [0] * req.n
+        done = [False] * req.n
+        last: RequestOutput | None = None
+        try:
+            # The role chunks go out before the first token: the client sees the stream open at once.
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for out in stream:
+                last = out
+                if out.error:
+                    raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
+                for c in out.outputs:
+                    i = c.index
+                    if done[i]:
+                        continue
+                    delta = c.text[sent_text[i]:]
+                    if delta or len(c.token_ids) > sent_tokens[i]:
+                        yield chunk(i, {"content": delta}, self._logprobs(req, c, sent_tokens[i]))
+                    sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    if c.finish_reason is not None:
+                        done[i] = True
+                        yield chunk(i, {}, None, c.finish_reason, c.stop_reason)
+            if req.include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": self.model_name, "choices": [], "usage": usage([last])})
+        except Exception as exc:  # noqa: BLE001 - engine failure mid-stream: in-band error, then a clean end
+            yield sse_error(exc)
+        finally:
+            stream.close()
+        yield SSE_DONE

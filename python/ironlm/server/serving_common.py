@@ -1,0 +1,188 @@
+"""Pieces shared by the completions and chat handlers: parsing, starting requests, gathering outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from ironlm import _core
+from ironlm.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from ironlm.outputs import RequestOutput
+from ironlm.server.errors import APIError, error_body, param_from_message, validation_error
+
+M = TypeVar("M", bound=BaseModel)
+_MAX_BODY = 64 * 1024 * 1024
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM uses the same floor
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """JSON body -> model. Any content type is accepted: `curl -d` sends form-encoded by default."""
+    body = await request.body()
+    if len(body) > _MAX_BODY:
+        raise APIError(413, "request body too large")
+    if not body.strip():
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def sampling_params(kwargs: dict[str, Any]) -> Any:
+    from ironlm.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc), param=param_from_message(str(exc))) from None
+
+
+def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
+    """Map what AsyncLLMEngine.add_request raises to an HTTP error."""
+    if isinstance(exc, _core.QueueFullError):
+        return APIError(503, f"the server is overloaded: {exc}", code="queue_full")
+    if isinstance(exc, (EngineDeadError, EngineOverloadedError)):
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, ValueError):
+        msg = str(exc)
+        if "max_model_len" in msg or isinstance(exc, _core.RequestTooLargeError):
+            return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
+        param = param_from_message(msg)
+        return APIError(400, msg, param=prompt_param if param in (None, "prompt") else param)
+    return APIError(500, f"the engine failed this request: {exc!r}")
+
+
+async def start_streams(engine: AsyncLLMEngine, base_id: str, prompts: Sequence[str | list[int]], params: Any,
+                        req: Any, prompt_param: str = "prompt") -> list[RequestStream]:
+    """Add one engine request per prompt; on any failure abort those already added."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(await engine.add_request(
+                rid, prompt, params, priority=req.priority, timeout=req.timeout, deadline=req.deadline,
+                cache_salt=req.cache_salt))
+    except BaseException as exc:
+        for s in streams:
+            s.close()
+        if isinstance(exc, Exception):
+            raise engine_error(exc, prompt_param) from None
+        raise
+    return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def final_outputs(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+    """Last output of each stream; aborts everything if the client goes away first."""
+    async def last(stream: RequestStream) -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        assert out is not None
+        return out
+
+    gathered = asyncio.gather(*(last(s) for s in streams))
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not gathered.done():
+            raise APIError(499, "client disconnected")  # nobody reads this; it unwinds the handler
+        try:
+            outputs = gathered.result()
+        except Exception as exc:  # noqa: BLE001 - any engine-side failure becomes an HTTP error
+            raise engine_error(exc) from None
+    finally:
+        watcher.cancel()
+        if not gathered.done():
+            gathered.cancel()
+        for s in streams:
+            s.close()
+    for out in outputs:
+        check_failed(out)
+    return outputs
+
+
+def check_failed(out: RequestOutput) -> None:
+    if out.error:
+        raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
+    if all(c.finish_reason == "timeout" and not c.token_ids for c in out.outputs):
+        raise APIError(503, "the request timed out before any token was generated", code="timeout")
+
+
+def usage(outputs: Sequence[RequestOutput | None]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs if o is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def clamp_logprob(value: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(value) or value < LOGPROB_FLOOR else value
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """SSE response that always releases its engine requests when the response ends, however it ends.
+
+    The body generator's own `finally` does not run if the client vanishes before the generator was
+    first entered; this does.
+    """
+
+    def __init__(self, content: AsyncIterator[str], streams: Sequence[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
+
+
+def sse_error(exc: BaseException) -> str:
+    err = exc if isinstance(exc, APIError) else engine_error(exc)
+    return sse(error_body(err.status, err.message, code=err.code, type=err.type))

@@ -1,0 +1,107 @@
+"""POST /v1/completions: one engine request per prompt, choices numbered prompt * n + index."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ironlm.async_engine import AsyncLLMEngine, RequestStream
+from ironlm.outputs import RequestOutput
+from ironlm.server.errors import APIError
+from ironlm.server.logprobs import completion_logprobs
+from ironlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from ironlm.server.serving_common import (
+    SSE_DONE,
+    EngineStreamingResponse,
+    final_outputs,
+    merge_streams,
+    sampling_params,
+    sse,
+    sse_error,
+    start_streams,
+    usage,
+)
+
+
+class CompletionHandler:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    async def __call__(self, req: CompletionRequest, request: Request) -> Response:
+        params = sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens or 16,
+                                  "logprobs": req.logprobs})
+        rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        streams = await start_streams(self.engine, rid, req.prompts(), params, req)
+        if req.stream:
+            return EngineStreamingResponse(self._stream(req, rid, streams), streams)
+        outputs = await final_outputs(streams, request)
+        choices = []
+        for i, out in enumerate(outputs):
+            prefix = self._prompt_text(out) if req.echo else ""
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                lp = None
+                if req.logprobs is not None:
+                    lp, _ = completion_logprobs(c, 0, self.engine.tokenizer, len(prefix))
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        body = CompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                  usage=UsageInfo(**usage(outputs)))
+        return JSONResponse(body.model_dump())
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.engine.tokenizer.decode(out.prompt_token_ids)
+
+    async def _stream(self, req: CompletionRequest, rid: str, streams: list[RequestStream]) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        done: set[int] = set()
+        last: list[RequestOutput | None] = [None] * len(streams)
+
+        def chunk(idx: int, text: str, lp: Any, finish: str | None = None, stop: Any = None) -> str:
+            obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                                   "model": self.model_name, "choices": [
+                                       {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish,
+                                        "stop_reason": stop}]}
+            if req.include_usage:
+                obj["usage"] = None
+            return sse(obj)
+
+        try:
+            async for i, out in merge_streams(streams):
+                last[i] = out
+                if out.error:
+                    raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
+                for c in out.outputs:
+                    idx = i * req.n + c.index
+                    if idx in done:
+                        continue
+                    first = idx not in sent_tokens
+                    prefix = self._prompt_text(out) if first and req.echo else ""
+                    start_tok, start_txt = sent_tokens.get(idx, 0), sent_text.get(idx, 0)
+                    delta = prefix + c.text[start_txt:]
+                    if delta or len(c.token_ids) > start_tok:
+                        lp = None
+                        if req.logprobs is not None:
+                            lp, offsets[idx] = completion_logprobs(c, start_tok, self.engine.tokenizer,
+                                                                   offsets.get(idx, len(prefix)))
+                        yield chunk(idx, delta, lp)
+                    sent_tokens[idx], sent_text[idx] = len(c.token_ids), len(c.text)
+                    if c.finish_reason is not None:
+                        done.add(idx)
+                        yield chunk(idx, "", None, c.finish_reason, c.stop_reason)
+            if req.include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                           "choices": [], "usage": usage(last)})
+        except Exception as exc:  # noqa: BLE001 - engine failure mid-stream: tell the client in-band, then end cleanly
+            yield sse_error(exc)
+        finally:
+            for s in streams:
+                s.close()
+        yield SSE_DONE

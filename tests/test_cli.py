@@ -1,0 +1,142 @@
+"""`ironlm` CLI: flags, generate, chat, and `serve` (startup log, SIGTERM drain, return 0)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from ironlm.cli import build_parser, engine_config, main
+from ironlm.grpc import ironlm_pb2 as pb
+from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
+
+ENGINE_FLAGS = ["--num-kv-blocks", "128", "--block-size", "4", "--max-model-len", "256", "--device", "cpu"]
+SERVE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--dtype", "--device", "--block-size",
+               "--kv-cache-memory", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+               "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
+               "--max-queue-len", "--request-timeout", "--grpc-port"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from tiny_models import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("cli"), arch="llama"))
+
+
+def test_help_lists_commands_and_vllm_named_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert all(cmd in out for cmd in ("serve", "generate", "chat", "bench"))
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert all(flag in out for flag in SERVE_FLAGS)
+
+
+def test_serve_defaults_and_config_mapping():
+    args = build_parser(["serve"]).parse_args(["serve"])
+    assert (args.host, args.port, args.model_pos, args.grpc_port) == ("127.0.0.1", 8000, None, None)
+    args = build_parser(["serve"]).parse_args(
+        ["serve", "m.gguf", "--no-enable-prefix-caching", "--scheduling-policy", "priority", "--kv-cache-memory",
+         "1GiB", "--max-queue-len", "7", "--request-timeout", "2.5", "--served-model-name", "a", "b"])
+    config = engine_config(args, args.model_pos)
+    assert config.model == "m.gguf" and not config.enable_prefix_caching
+    assert (config.scheduling_policy, config.kv_cache_memory, config.max_queue_len) == ("priority", "1GiB", 7)
+    assert config.request_timeout == 2.5 and config.served_model_name == "a"
+
+
+def test_bench_is_wired():
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+
+
+def test_generate_streams_to_stdout(tiny: str, capsys):
+    assert main(["generate", tiny, "hello there", "--max-tokens", "6", "--temperature", "0", *ENGINE_FLAGS]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_chat_session_from_stdin(tiny: str, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n/reset\nagain\n/exit\n"))
+    assert main(["chat", tiny, "--max-tokens", "4", "--temperature", "0", *ENGINE_FLAGS]) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.strip()]) >= 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_logs_phases_and_drains_on_sigterm(tiny: str, caplog):
+    """`ironlm serve` in this process (imports are the slow part of a subprocess): a real SIGTERM mid-stream
+    must let the stream finish, then main() returns 0 without re-raising the signal."""
+    port, grpc_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    grpc_ok: list[bool] = []
+    events: list[str] = []
+    after: list[object] = []
+    signalled = threading.Event()
+
+    def client() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:  # --grpc-port: same engine
+                reply = pb_grpc.GenerationStub(channel).Generate(
+                    pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(max_tokens=2)), timeout=30)
+                grpc_ok.append(reply.finished)
+            body = {"model": "tiny", "prompt": "drain me", "max_tokens": 60, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if line:
+                        events.append(line)
+                    if not signalled.is_set():
+                        signalled.set()
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        try:  # a new client during the drain is turned away
+                            after.append(httpx.get(f"{url}/health", timeout=2).status_code)
+                        except httpx.TransportError as exc:
+                            after.append(exc)
+        finally:
+            if not signalled.is_set():  # never leave the server running
+                signalled.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    reraised: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, _: reraised.append(sig))
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level(logging.INFO):
+            rc = main(["serve", tiny, "--port", str(port), "--grpc-port", str(grpc_port), "--served-model-name",
+                       "tiny", "--drain-timeout", "20", *ENGINE_FLAGS])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    thread.join(30)
+    assert rc == 0 and reraised == [] and grpc_ok == [True]
+    log = caplog.text
+    assert "phase load_model" in log and "phase warmup" in log and "ready: serving tiny" in log, log
+    assert "draining" in log
+    assert after and after[0] != 200
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the in-flight request ran to the end
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 1
