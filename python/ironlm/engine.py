@@ -208,7 +208,8 @@ class LLMEngine:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
             top = None if top_ids is None else (top_ids[row], top_lps[row])
-            stop = seq.append(tokens[row], logprobs[row], top, self.tokenizer)
+            stop_token = finished.get(slot) == "stop"
+            stop = seq.append(tokens[row], logprobs[row], top, self.tokenizer, stop_token)
             touched[request.request_id] = request
             if stop is not None and slot not in finished:
                 self.scheduler.finish(slot, "stop")

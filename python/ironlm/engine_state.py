@@ -56,8 +56,12 @@ class EngineSequence:
         return cls(index, slot, request, detok, logprobs=[] if p.logprobs is not None else None)
 
     def append(self, token: int, logprob: float, top: tuple[list[int], list[float]] | None,
-               tokenizer) -> str | None:
-        """Record one sampled token; returns the stop string if one matched."""
+               tokenizer, stop_token: bool = False) -> str | None:
+        """Record one sampled token; returns the stop string if one matched.
+
+        A token that stopped the sequence (EOS, stop_token_ids) stays in token_ids but, as in
+        vLLM, never reaches the text.
+        """
         self.token_ids.append(token)
         self.cumulative_logprob += logprob
         if self.logprobs is not None:
@@ -70,7 +74,7 @@ class EngineSequence:
                     else:
                         entry[tid] = Logprob(lp, rank=rank, decoded_token=tokenizer.decode([tid]))
             self.logprobs.append(entry)
-        if self.detok is None:
+        if self.detok is None or stop_token:
             return None
         delta = self.detok.add([token])
         return delta.stop_str if delta.stopped else None
@@ -79,6 +83,8 @@ class EngineSequence:
         if self.finish_reason is not None:
             return
         self.finish_reason = reason
+        if self.detok is not None and not self.detok.stopped:
+            self.detok.finish()  # flush text held back for a possible stop string or a partial character
         if reason == "stop" and self.stop_reason is None and self.token_ids:
             last = self.token_ids[-1]
             if last in eos_token_ids or last in (self.request.params.stop_token_ids or ()):
