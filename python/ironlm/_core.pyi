@@ -12,7 +12,10 @@ import numpy.typing as npt
 __version__: str
 
 class CoreError(Exception):
-    """Base class of every error raised by the core."""
+    """Base class of every error raised by the core (also: no free block, misuse of state).
+
+    Bad argument values raise ``ValueError`` naming the argument; wrong types ``TypeError``.
+    """
 
 class QueueFullError(CoreError):
     """The waiting queue already holds ``max_queue_len`` requests (the server answers 503)."""
@@ -43,10 +46,15 @@ class BlockAllocator:
     def allocate(self) -> int:
         """One free block with ref count 1; raises ``CoreError`` when none is free."""
     def incref(self, block: int) -> None: ...
-    def decref(self, block: int) -> None: ...
+    def decref(self, block: int) -> None:
+        """Drop one reference; ``ValueError`` if the block has none."""
     def ref_count(self, block: int) -> int: ...
+    def is_cached(self, block: int) -> bool:
+        """Held by a radix cache (kept when its ref count drops to 0)."""
     def fork(self, blocks: Sequence[int]) -> list[int]:
         """Share ``blocks`` with a new holder (each ref count + 1); returns the same ids."""
+    def free_all(self, blocks: Sequence[int]) -> None:
+        """Drop one holder's reference on each of ``blocks`` (in reverse order)."""
     def append_slot(self, blocks: list[int], num_tokens: int) -> tuple[list[int], tuple[int, int] | None]:
         """Make room for token number ``num_tokens`` (0-based) of a sequence owning ``blocks``.
 
@@ -58,13 +66,22 @@ class RadixCache:
     """Block-granular radix tree over token ids with LRU eviction of unlocked leaves."""
 
     def __init__(self, allocator: BlockAllocator) -> None: ...
+    @property
+    def allocator(self) -> BlockAllocator: ...
     def match_prefix(self, tokens: Sequence[int], namespace: str | None = None) -> list[int]:
-        """Blocks caching the longest block-aligned prefix of ``tokens``, never all of it."""
+        """Blocks caching the longest block-aligned prefix of ``tokens``, never all of it.
+
+        Counts toward ``queries``/``hits``. Takes no reference: ``incref`` what you keep.
+        """
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], namespace: str | None = None) -> int:
-        """Cache the full blocks of ``tokens``; returns how many tokens were already cached."""
+        """Cache the full blocks of ``tokens``; returns how many tokens were already cached.
+
+        Already-cached positions keep their cached block (the caller's copy is not taken).
+        """
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` least-recently-used unlocked cached blocks; returns how many."""
-    def reset(self) -> None: ...
+    def reset(self) -> bool:
+        """Drop every cached block; True if the tree is now empty."""
     @property
     def num_cached_blocks(self) -> int: ...
     @property
@@ -77,9 +94,18 @@ class RadixCache:
         """Prompt tokens found cached so far."""
 
 class RequestQueue:
-    """Waiting requests under one policy: ``fcfs``, ``priority`` or ``deadline``."""
+    """Waiting requests under one policy: ``fcfs``, ``priority`` or ``deadline``.
+
+    ``fcfs``: by arrival. ``priority``: lower value first, then arrival. ``deadline``: requests
+    with a deadline first, earliest (arrival + deadline) first; the rest by arrival.
+    Push, pop and remove are O(log n); ``expire`` touches only the expired.
+    """
 
     def __init__(self, policy: str = "fcfs", max_len: int | None = None) -> None: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def max_len(self) -> int | None: ...
     def push(
         self,
         request_id: str,
@@ -87,12 +113,16 @@ class RequestQueue:
         deadline: float | None = None,
         timeout: float | None = None,
         arrival_time: float | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Queue a request. ``deadline`` and ``timeout`` are seconds after ``arrival_time``
+        (default: now). Raises QueueFullError, DuplicateRequestError or ValueError."""
     def pop(self) -> str | None: ...
     def peek(self) -> str | None: ...
     def remove(self, request_id: str) -> bool: ...
     def expire(self, now: float | None = None) -> list[str]:
-        """Remove and return the requests whose timeout has passed."""
+        """Remove and return the requests whose timeout has passed (``now > arrival + timeout``)."""
+    def to_list(self) -> list[str]:
+        """Queued ids in policy order."""
     def __len__(self) -> int: ...
     def __contains__(self, request_id: str) -> bool: ...
 
@@ -126,10 +156,22 @@ class SchedulerPlan:
     @property
     def num_seqs(self) -> int: ...
     @property
-    def is_empty(self) -> bool: ...
+    def num_samples(self) -> int:
+        """``len(sample_slots)``."""
+    @property
+    def is_empty(self) -> bool:
+        """No token to compute (``finished`` / ``preempted_request_ids`` may still be set)."""
 
 class Scheduler:
-    """Continuous-batching scheduler owning the queue, the allocator and the radix cache."""
+    """Continuous-batching scheduler owning the queue, the allocator and the radix cache.
+
+    Per step: ``plan = schedule()``, run the model on the plan's arrays (copy ``cow_pairs``
+    first), ``update(sampled)``. Calling ``schedule()`` again without ``update()`` treats the
+    un-updated plan as lost: its sequences are preempted (recompute) and reported in
+    ``preempted_request_ids``. Steps with >= 256 running sequences release the GIL.
+    Requires ``max_num_batched_tokens >= max_num_seqs`` (each running sequence gets a token
+    every step).
+    """
 
     def __init__(
         self,
@@ -163,31 +205,67 @@ class Scheduler:
 
         ``deadline``: TTFT deadline, seconds after arrival (policy ``deadline``).
         ``timeout``: seconds after arrival after which a still-waiting request finishes
-        with reason ``timeout``. Raises QueueFullError, RequestTooLargeError,
+        with reason ``timeout``. Raises QueueFullError, RequestTooLargeError (prompt +
+        max_tokens beyond ``max_model_len`` or the whole cache, or ``n > max_num_seqs``),
         DuplicateRequestError or ValueError.
         """
-    def schedule(self, now: float | None = None) -> SchedulerPlan: ...
-    def update(self, sampled_token_ids: npt.NDArray[np.int64]) -> list[tuple[str, int, str]]:
+    def schedule(self, now: float | None = None) -> SchedulerPlan:
+        """Plan the next step; waiting requests past their timeout finish first (``plan.finished``)."""
+    def update(self, sampled_token_ids: npt.NDArray[np.int64] | Sequence[int]) -> list[tuple[str, int, str]]:
         """Append one token per ``plan.sample_slots`` row of the last plan.
 
-        Applies max_tokens, min_tokens, EOS / stop_token_ids (unless ignore_eos) and
-        max_model_len; returns ``(request id, seq slot, reason)`` for each sequence that
-        finished (reason ``length`` or ``stop``). Finished sequences' blocks go to the
-        radix cache.
+        Applies max_tokens, min_tokens (no EOS / stop-token stop before it), EOS (unless
+        ignore_eos), stop_token_ids (always) and max_model_len; returns ``(request id, seq
+        slot, reason)`` for each sequence that finished (reason ``length`` or ``stop``).
+        Finished sequences' blocks go to the radix cache. Rows of sequences finished or
+        aborted since the plan are ignored. ValueError if the length is not
+        ``plan.num_samples`` or no plan is waiting for an update.
         """
     def finish(self, slot: int, reason: str = "stop") -> bool:
-        """Finish one sequence now (e.g. a stop string matched); frees its blocks."""
+        """Finish one sequence now (e.g. a stop string matched); frees its blocks.
+
+        False if the slot holds no live sequence. Finishing the parent of an ``n > 1``
+        request before its first token hands the prefill over to a sibling.
+        """
     def abort(self, request_id: str) -> bool:
         """Drop a request (all its sequences) wherever it is; frees its blocks."""
-    def output_token_ids(self, slot: int) -> list[int]: ...
+    def output_token_ids(self, slot: int) -> list[int]:
+        """Generated tokens of a sequence: live, or finished and its slot not reused yet
+        (slots are reused by ``add_request``). ValueError for a slot never handed out."""
+    def token_ids(self, slot: int) -> list[int]:
+        """Prompt + generated tokens (same validity as ``output_token_ids``)."""
+    def request_id(self, slot: int) -> str | None:
+        """Request id of a live sequence, else None."""
     def has_unfinished(self) -> bool: ...
+    def __contains__(self, request_id: str) -> bool: ...
     def reset_prefix_cache(self) -> bool:
         """Drop every unlocked cached block; False if some are still in use."""
     @property
     def num_waiting(self) -> int: ...
     @property
     def num_running(self) -> int: ...
+    @property
+    def num_slots(self) -> int:
+        """Slots handed out so far (highest slot + 1): size per-slot tables with it."""
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
     def stats(self) -> dict[str, int]:
         """Counters without a scan: num_waiting, num_running, num_preemptions, num_timeouts,
         prefix_queries, prefix_hits, blocks_total, blocks_free, blocks_used, blocks_cached,
-        num_aborted, num_finished."""
+        num_aborted, num_finished, num_steps, num_requests.
+
+        num_preemptions counts sequences; num_timeouts and num_aborted count requests;
+        num_finished counts sequences finished by a stop rule or ``finish``; blocks_used are
+        held by sequences, blocks_cached only by the prefix cache (evictable)."""

@@ -1,4 +1,19 @@
 //! ironlm core: the bookkeeping half of the engine.
 
+pub mod block;
+pub mod radix;
+
+pub mod error;
+pub mod plan;
+pub mod queue;
+pub mod scheduler;
+pub mod sequence;
+
+pub use error::{CoreError, CoreResult};
+pub use plan::Plan;
+pub use queue::{monotonic, Policy, QueueParams, RequestQueue};
+pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
+pub use sequence::{FinishReason, RequestParams, Slot};
+
 #[cfg(feature = "python")]
 mod py;

@@ -1,7 +1,207 @@
+//! PyO3 bindings: the `ironlm._core` module. A thin layer: arguments are checked and turned
+//! into owned Rust values here, the work happens in the pure-Rust modules, and every
+//! `CoreError` maps to one Python exception (never a panic across the boundary).
+
+use std::ffi::CStr;
+
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
+
+use crate::error::CoreError as RsCoreError;
+
+mod kv;
+mod queue;
+mod sched;
+
+create_exception!(
+    ironlm._core,
+    CoreError,
+    PyException,
+    "Base class of every error raised by the core."
+);
+create_exception!(
+    ironlm._core,
+    QueueFullError,
+    CoreError,
+    "The waiting queue already holds ``max_queue_len`` requests (the server answers 503)."
+);
+
+/// `RequestTooLargeError(CoreError, ValueError)` and `DuplicateRequestError(CoreError,
+/// ValueError)` have two bases, which `create_exception!` cannot express: they are made with
+/// `type(name, bases, dict)` on first use.
+static REQUEST_TOO_LARGE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static DUPLICATE_REQUEST: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn two_base_exception(py: Python<'_>, name: &str, doc: &CStr) -> PyResult<Py<PyType>> {
+    let bases = PyTuple::new(
+        py,
+        [py.get_type::<CoreError>(), py.get_type::<PyValueError>()],
+    )?;
+    let dict = PyDict::new(py);
+    dict.set_item("__module__", "ironlm._core")?;
+    dict.set_item("__doc__", doc.to_str().unwrap_or_default())?;
+    let ty = py.get_type::<PyType>().call1((name, bases, dict))?;
+    Ok(ty.cast_into::<PyType>()?.unbind())
+}
+
+fn request_too_large(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    REQUEST_TOO_LARGE
+        .get_or_try_init(py, || {
+            two_base_exception(
+                py,
+                "RequestTooLargeError",
+                c"prompt + max_tokens can never fit: beyond ``max_model_len`` or the whole KV cache.",
+            )
+        })
+        .map(|t| t.bind(py))
+}
+
+fn duplicate_request(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    DUPLICATE_REQUEST
+        .get_or_try_init(py, || {
+            two_base_exception(
+                py,
+                "DuplicateRequestError",
+                c"A request with this id is already in the core.",
+            )
+        })
+        .map(|t| t.bind(py))
+}
+
+impl From<RsCoreError> for PyErr {
+    fn from(e: RsCoreError) -> PyErr {
+        let msg = e.to_string();
+        match e {
+            RsCoreError::QueueFull { .. } => QueueFullError::new_err(msg),
+            RsCoreError::InvalidArgument { .. } => PyValueError::new_err(msg),
+            RsCoreError::RequestTooLarge(_) => Python::attach(|py| match request_too_large(py) {
+                Ok(t) => PyErr::from_type(t.clone(), msg),
+                Err(err) => err,
+            }),
+            RsCoreError::DuplicateRequest(_) => Python::attach(|py| match duplicate_request(py) {
+                Ok(t) => PyErr::from_type(t.clone(), msg),
+                Err(err) => err,
+            }),
+            RsCoreError::OutOfBlocks | RsCoreError::InvalidState(_) => CoreError::new_err(msg),
+        }
+    }
+}
+
+/// `ValueError("{name}: {reason}")`.
+pub(crate) fn value_error(name: &str, reason: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("{name}: {reason}"))
+}
+
+/// A count argument: an int >= `min`.
+pub(crate) fn count_arg(name: &str, v: i64, min: i64) -> PyResult<usize> {
+    if v < min {
+        return Err(value_error(name, format!("must be >= {min}, got {v}")));
+    }
+    usize::try_from(v).map_err(|_| value_error(name, "too large"))
+}
+
+/// A time argument: a finite float.
+pub(crate) fn time_arg(name: &str, v: Option<f64>) -> PyResult<Option<f64>> {
+    match v {
+        Some(t) if !t.is_finite() => Err(value_error(name, "must be a finite number")),
+        v => Ok(v),
+    }
+}
+
+/// Token ids from a 1-D int numpy array (any integer dtype) or a sequence of ints.
+pub(crate) fn token_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    fn check(name: &str, v: i64) -> PyResult<u32> {
+        u32::try_from(v).map_err(|_| value_error(name, format!("token id {v} out of range")))
+    }
+    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+        let ro = a.readonly();
+        if let Ok(s) = ro.as_slice() {
+            return s.iter().map(|&t| check(name, t)).collect();
+        }
+    }
+    if let Ok(a) = obj.cast::<PyArray1<i32>>() {
+        let ro = a.readonly();
+        if let Ok(s) = ro.as_slice() {
+            return s.iter().map(|&t| check(name, t as i64)).collect();
+        }
+    }
+    if let Ok(a) = obj.cast::<PyArray1<u32>>() {
+        let ro = a.readonly();
+        if let Ok(s) = ro.as_slice() {
+            return Ok(s.to_vec());
+        }
+    }
+    if obj.is_instance_of::<pyo3::types::PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name}: expected a sequence of ints, got str"
+        )));
+    }
+    let v: Vec<i64> = obj
+        .extract()
+        .map_err(|e| PyTypeError::new_err(format!("{name}: expected a sequence of ints ({e})")))?;
+    v.into_iter().map(|t| check(name, t)).collect()
+}
+
+/// Block ids (any int sequence), each checked against `num_blocks`.
+pub(crate) fn block_ids(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    num_blocks: usize,
+) -> PyResult<Vec<u32>> {
+    let v = token_ids(obj, name)?;
+    if let Some(&b) = v.iter().find(|&&b| b as usize >= num_blocks) {
+        return Err(value_error(
+            name,
+            format!("block {b} out of range (num_blocks = {num_blocks})"),
+        ));
+    }
+    Ok(v)
+}
+
+/// An int64 numpy view of `obj` (a 1-D int64 array is used as is).
+pub(crate) fn as_i64_array<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+        if a.is_c_contiguous() {
+            return Ok(a.clone());
+        }
+    }
+    let py = obj.py();
+    let np = py.import("numpy")?;
+    let arr = np
+        .call_method1("ascontiguousarray", (obj, np.getattr("int64")?))
+        .map_err(|e| PyTypeError::new_err(format!("{name}: expected an int array ({e})")))?;
+    let arr = arr
+        .cast_into::<PyArray1<i64>>()
+        .map_err(|_| value_error(name, "expected a 1-D array"))?;
+    Ok(arr)
+}
+
+#[pyfunction]
+/// The core's clock, in seconds.
+fn monotonic() -> f64 {
+    crate::queue::monotonic()
+}
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("CoreError", py.get_type::<CoreError>())?;
+    m.add("QueueFullError", py.get_type::<QueueFullError>())?;
+    m.add("RequestTooLargeError", request_too_large(py)?)?;
+    m.add("DuplicateRequestError", duplicate_request(py)?)?;
+    m.add_function(wrap_pyfunction!(monotonic, m)?)?;
+    m.add_class::<kv::PyBlockAllocator>()?;
+    m.add_class::<kv::PyRadixCache>()?;
+    m.add_class::<queue::PyRequestQueue>()?;
+    m.add_class::<sched::PyScheduler>()?;
+    m.add_class::<sched::PySchedulerPlan>()?;
     Ok(())
 }

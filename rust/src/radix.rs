@@ -670,7 +670,10 @@ mod tests {
         assert_eq!(blocks.len(), 2);
         assert_eq!(r.match_prefix(&t, None, true).blocks, blocks[..1]);
         assert_eq!(r.match_prefix(&toks(1, 9), None, true).blocks, blocks);
-        assert_eq!(r.match_prefix(&t[..4], None, true).blocks, []);
+        assert_eq!(
+            r.match_prefix(&t[..4], None, true).blocks,
+            Vec::<u32>::new()
+        );
         assert_eq!(r.match_prefix(&[], None, true).node, RadixCache::ROOT);
         assert_eq!((r.queries(), r.hits()), (8 + 9 + 4, 4 + 8));
         r.match_prefix(&t, None, false);

@@ -1,0 +1,74 @@
+//! The core's error type. Each variant maps to one Python exception (see `py.rs`).
+
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CoreError {
+    /// The waiting queue already holds `max_len` requests. Python: `QueueFullError`.
+    QueueFull { max_len: usize },
+    /// The request can never fit. Python: `RequestTooLargeError` (also a `ValueError`).
+    RequestTooLarge(String),
+    /// A request with this id is already in the core. Python: `DuplicateRequestError`.
+    DuplicateRequest(String),
+    /// A bad argument. Python: `ValueError`, naming the argument.
+    InvalidArgument { name: &'static str, reason: String },
+    /// No free KV block. Python: `CoreError`.
+    OutOfBlocks,
+    /// A call that makes no sense in the current state. Python: `CoreError`.
+    InvalidState(String),
+}
+
+impl CoreError {
+    pub fn invalid(name: &'static str, reason: impl Into<String>) -> Self {
+        CoreError::InvalidArgument {
+            name,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for CoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CoreError::QueueFull { max_len } => {
+                write!(f, "the request queue is full ({max_len} waiting requests)")
+            }
+            CoreError::RequestTooLarge(msg) => f.write_str(msg),
+            CoreError::DuplicateRequest(id) => write!(f, "request id {id:?} is already in use"),
+            CoreError::InvalidArgument { name, reason } => write!(f, "{name}: {reason}"),
+            CoreError::OutOfBlocks => f.write_str("no free KV cache block"),
+            CoreError::InvalidState(msg) => f.write_str(msg),
+        }
+    }
+}
+
+impl std::error::Error for CoreError {}
+
+impl From<crate::block::OutOfBlocks> for CoreError {
+    fn from(_: crate::block::OutOfBlocks) -> Self {
+        CoreError::OutOfBlocks
+    }
+}
+
+pub type CoreResult<T> = Result<T, CoreError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_argument() {
+        let e = CoreError::invalid("max_tokens", "must be >= 1, got 0");
+        assert_eq!(e.to_string(), "max_tokens: must be >= 1, got 0");
+        assert!(CoreError::QueueFull { max_len: 3 }
+            .to_string()
+            .contains('3'));
+        assert!(CoreError::DuplicateRequest("a".into())
+            .to_string()
+            .contains("\"a\""));
+        assert_eq!(
+            CoreError::from(crate::block::OutOfBlocks),
+            CoreError::OutOfBlocks
+        );
+    }
+}

@@ -1,0 +1,84 @@
+//! The step plan: flat arrays for the model runner, built into reusable buffers.
+//!
+//! Rows of the token batch (length T) are grouped by sequence in batch order (length B).
+//! The block table is not materialised here: `Scheduler::fill_block_tables` writes it straight
+//! into the caller's (numpy) buffer, `num_seqs × block_table_width`, padded with 0.
+
+use std::sync::Arc;
+
+use crate::sequence::Slot;
+
+#[derive(Debug, Default, Clone)]
+pub struct Plan {
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    pub slot_mapping: Vec<i64>,
+    /// [B + 1], starts with 0.
+    pub query_start_loc: Vec<i64>,
+    pub seq_lens: Vec<i64>,
+    pub context_lens: Vec<i64>,
+    pub seq_slots: Vec<i64>,
+    pub logits_indices: Vec<i64>,
+    pub sample_slots: Vec<i64>,
+    /// [K * 2], (src, dst) pairs.
+    pub cow_pairs: Vec<i64>,
+    pub new_request_ids: Vec<Arc<str>>,
+    pub preempted_request_ids: Vec<Arc<str>>,
+    /// (request id, slot, reason): timed out while waiting.
+    pub finished: Vec<(Arc<str>, Slot, &'static str)>,
+    pub num_prefill_tokens: usize,
+    pub num_decode_tokens: usize,
+    pub num_cached_tokens: usize,
+    pub max_query_len: usize,
+    pub max_seq_len: usize,
+    /// Columns of the block table: the most blocks any row needs.
+    pub block_table_width: usize,
+    /// Generation of each sample row's sequence when planned (stale rows are skipped).
+    pub(crate) sample_gens: Vec<u32>,
+    /// Generation of each batch row's sequence.
+    pub(crate) row_gens: Vec<u32>,
+}
+
+impl Plan {
+    pub(crate) fn clear(&mut self) {
+        self.input_ids.clear();
+        self.positions.clear();
+        self.slot_mapping.clear();
+        self.query_start_loc.clear();
+        self.query_start_loc.push(0);
+        self.seq_lens.clear();
+        self.context_lens.clear();
+        self.seq_slots.clear();
+        self.logits_indices.clear();
+        self.sample_slots.clear();
+        self.cow_pairs.clear();
+        self.new_request_ids.clear();
+        self.preempted_request_ids.clear();
+        self.finished.clear();
+        self.num_prefill_tokens = 0;
+        self.num_decode_tokens = 0;
+        self.num_cached_tokens = 0;
+        self.max_query_len = 0;
+        self.max_seq_len = 0;
+        self.block_table_width = 0;
+        self.sample_gens.clear();
+        self.row_gens.clear();
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.seq_slots.len()
+    }
+
+    pub fn num_samples(&self) -> usize {
+        self.sample_slots.len()
+    }
+
+    /// No token to compute (it may still report finished or preempted requests).
+    pub fn is_empty(&self) -> bool {
+        self.input_ids.is_empty()
+    }
+}

@@ -1,0 +1,439 @@
+//! `Scheduler` and `SchedulerPlan` for Python: one `schedule()` and one `update()` per step.
+
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::{as_i64_array, count_arg, time_arg, token_ids, value_error};
+use crate::queue::Policy;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::sequence::{RequestParams, Slot};
+
+/// Steps with at least this many running sequences run with the GIL released. Shorter ones
+/// keep it: giving the GIL away for a few microseconds can cost a whole switch interval to
+/// get it back when another thread is busy.
+const DETACH_MIN_RUNNING: usize = 256;
+
+/// Everything the model runner needs for one step. Arrays are freshly built numpy arrays.
+#[pyclass(name = "SchedulerPlan", module = "ironlm._core", frozen)]
+pub struct PySchedulerPlan {
+    #[pyo3(get)]
+    input_ids: Py<PyAny>,
+    #[pyo3(get)]
+    positions: Py<PyAny>,
+    #[pyo3(get)]
+    slot_mapping: Py<PyAny>,
+    #[pyo3(get)]
+    block_tables: Py<PyAny>,
+    #[pyo3(get)]
+    query_start_loc: Py<PyAny>,
+    #[pyo3(get)]
+    seq_lens: Py<PyAny>,
+    #[pyo3(get)]
+    context_lens: Py<PyAny>,
+    #[pyo3(get)]
+    seq_slots: Py<PyAny>,
+    #[pyo3(get)]
+    logits_indices: Py<PyAny>,
+    #[pyo3(get)]
+    sample_slots: Py<PyAny>,
+    #[pyo3(get)]
+    cow_pairs: Py<PyAny>,
+    #[pyo3(get)]
+    new_request_ids: Py<PyList>,
+    #[pyo3(get)]
+    preempted_request_ids: Py<PyList>,
+    #[pyo3(get)]
+    finished: Py<PyList>,
+    #[pyo3(get)]
+    num_prefill_tokens: usize,
+    #[pyo3(get)]
+    num_decode_tokens: usize,
+    #[pyo3(get)]
+    num_cached_tokens: usize,
+    #[pyo3(get)]
+    max_query_len: usize,
+    #[pyo3(get)]
+    max_seq_len: usize,
+    tokens: usize,
+    seqs: usize,
+    samples: usize,
+}
+
+#[pymethods]
+impl PySchedulerPlan {
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.tokens
+    }
+
+    #[getter]
+    fn num_seqs(&self) -> usize {
+        self.seqs
+    }
+
+    /// Rows to sample (``len(sample_slots)``).
+    #[getter]
+    fn num_samples(&self) -> usize {
+        self.samples
+    }
+
+    #[getter]
+    fn is_empty(&self) -> bool {
+        self.tokens == 0
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerPlan(num_tokens={}, num_seqs={}, num_samples={}, prefill={}, decode={}, cached={})",
+            self.tokens,
+            self.seqs,
+            self.samples,
+            self.num_prefill_tokens,
+            self.num_decode_tokens,
+            self.num_cached_tokens
+        )
+    }
+}
+
+fn array_i64(py: Python<'_>, v: &[i64]) -> Py<PyAny> {
+    PyArray1::from_slice(py, v).into_any().unbind()
+}
+
+fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
+    let p = s.plan();
+    let (b, w) = (p.num_seqs(), p.block_table_width);
+    // SAFETY: fresh, C-contiguous arrays owned by nobody else; every element is written below.
+    let block_tables = unsafe { PyArray2::<i32>::new(py, [b, w], false) };
+    if b * w > 0 {
+        let out =
+            unsafe { block_tables.as_slice_mut() }.map_err(|e| value_error("block_tables", e))?;
+        s.fill_block_tables(out);
+    }
+    let k = p.cow_pairs.len() / 2;
+    let cow_pairs = unsafe { PyArray2::<i64>::new(py, [k, 2], false) };
+    if k > 0 {
+        unsafe { cow_pairs.as_slice_mut() }
+            .map_err(|e| value_error("cow_pairs", e))?
+            .copy_from_slice(&p.cow_pairs);
+    }
+    let ids = |v: &[std::sync::Arc<str>]| -> PyResult<Py<PyList>> {
+        Ok(PyList::new(py, v.iter().map(|x| x.as_ref()))?.unbind())
+    };
+    let finished = PyList::new(
+        py,
+        p.finished
+            .iter()
+            .map(|(id, slot, why)| (id.as_ref(), *slot, *why)),
+    )?;
+    Ok(PySchedulerPlan {
+        input_ids: array_i64(py, &p.input_ids),
+        positions: array_i64(py, &p.positions),
+        slot_mapping: array_i64(py, &p.slot_mapping),
+        block_tables: block_tables.into_any().unbind(),
+        query_start_loc: array_i64(py, &p.query_start_loc),
+        seq_lens: array_i64(py, &p.seq_lens),
+        context_lens: array_i64(py, &p.context_lens),
+        seq_slots: array_i64(py, &p.seq_slots),
+        logits_indices: array_i64(py, &p.logits_indices),
+        sample_slots: array_i64(py, &p.sample_slots),
+        cow_pairs: cow_pairs.into_any().unbind(),
+        new_request_ids: ids(&p.new_request_ids)?,
+        preempted_request_ids: ids(&p.preempted_request_ids)?,
+        finished: finished.unbind(),
+        num_prefill_tokens: p.num_prefill_tokens,
+        num_decode_tokens: p.num_decode_tokens,
+        num_cached_tokens: p.num_cached_tokens,
+        max_query_len: p.max_query_len,
+        max_seq_len: p.max_seq_len,
+        tokens: p.num_tokens(),
+        seqs: b,
+        samples: p.num_samples(),
+    })
+}
+
+fn slot_arg(slot: i64) -> PyResult<Slot> {
+    Slot::try_from(slot).map_err(|_| value_error("slot", format!("no sequence has slot {slot}")))
+}
+
+/// Continuous-batching scheduler owning the queue, the allocator and the radix cache.
+#[pyclass(name = "Scheduler", module = "ironlm._core")]
+pub struct PyScheduler {
+    inner: Scheduler,
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks,
+        block_size = 16,
+        max_num_seqs = 256,
+        max_num_batched_tokens = 2048,
+        max_model_len = 4096,
+        policy = "fcfs",
+        enable_prefix_caching = true,
+        max_queue_len = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: i64,
+        block_size: i64,
+        max_num_seqs: i64,
+        max_num_batched_tokens: i64,
+        max_model_len: i64,
+        policy: &str,
+        enable_prefix_caching: bool,
+        max_queue_len: Option<i64>,
+    ) -> PyResult<Self> {
+        let cfg = SchedulerConfig {
+            num_blocks: count_arg("num_blocks", num_blocks, 1)?,
+            block_size: count_arg("block_size", block_size, 1)?,
+            max_num_seqs: count_arg("max_num_seqs", max_num_seqs, 1)?,
+            max_num_batched_tokens: count_arg("max_num_batched_tokens", max_num_batched_tokens, 1)?,
+            max_model_len: count_arg("max_model_len", max_model_len, 2)?,
+            policy: policy.parse::<Policy>()?,
+            enable_prefix_caching,
+            max_queue_len: max_queue_len
+                .map(|m| count_arg("max_queue_len", m, 0))
+                .transpose()?,
+        };
+        Ok(Self {
+            inner: Scheduler::new(cfg)?,
+        })
+    }
+
+    /// Queue a request; returns its ``n`` sequence slots.
+    #[pyo3(signature = (
+        request_id,
+        prompt_token_ids,
+        max_tokens,
+        *,
+        min_tokens = 0,
+        n = 1,
+        priority = 0,
+        eos_token_ids = None,
+        stop_token_ids = None,
+        ignore_eos = false,
+        deadline = None,
+        timeout = None,
+        namespace = None,
+        arrival_time = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        request_id: &str,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_tokens: i64,
+        min_tokens: i64,
+        n: i64,
+        priority: i64,
+        eos_token_ids: Option<&Bound<'_, PyAny>>,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
+        ignore_eos: bool,
+        deadline: Option<f64>,
+        timeout: Option<f64>,
+        namespace: Option<String>,
+        arrival_time: Option<f64>,
+    ) -> PyResult<Vec<Slot>> {
+        let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
+        let ids = |o: Option<&Bound<'_, PyAny>>, name| match o {
+            Some(o) => token_ids(o, name),
+            None => Ok(Vec::new()),
+        };
+        let params = RequestParams {
+            max_tokens: count_arg("max_tokens", max_tokens, 1)?,
+            min_tokens: count_arg("min_tokens", min_tokens, 0)?,
+            n: count_arg("n", n, 1)?,
+            priority,
+            eos_token_ids: ids(eos_token_ids, "eos_token_ids")?,
+            stop_token_ids: ids(stop_token_ids, "stop_token_ids")?,
+            ignore_eos,
+            deadline: time_arg("deadline", deadline)?,
+            timeout: time_arg("timeout", timeout)?,
+            namespace,
+            arrival_time: time_arg("arrival_time", arrival_time)?,
+        };
+        Ok(self.inner.add_request(request_id, &prompt, params)?)
+    }
+
+    /// Plan the next step.
+    #[pyo3(signature = (now = None))]
+    fn schedule(&mut self, py: Python<'_>, now: Option<f64>) -> PyResult<PySchedulerPlan> {
+        let now = time_arg("now", now)?;
+        let inner = &mut self.inner;
+        if inner.num_running() >= DETACH_MIN_RUNNING {
+            py.detach(|| {
+                inner.schedule(now);
+            });
+        } else {
+            inner.schedule(now);
+        }
+        build_plan(py, inner)
+    }
+
+    /// Append one token per ``plan.sample_slots`` row of the last plan; returns
+    /// ``(request id, seq slot, reason)`` for each sequence that finished.
+    fn update<'py>(
+        &mut self,
+        py: Python<'py>,
+        sampled_token_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let arr = as_i64_array(sampled_token_ids, "sampled_token_ids")?;
+        let inner = &mut self.inner;
+        let finished = if inner.num_running() >= DETACH_MIN_RUNNING {
+            let v = arr
+                .to_vec()
+                .map_err(|e| value_error("sampled_token_ids", e))?;
+            py.detach(|| inner.update(&v))?
+        } else {
+            let ro = arr.readonly();
+            let s = ro
+                .as_slice()
+                .map_err(|e| value_error("sampled_token_ids", e))?;
+            inner.update(s)?
+        };
+        PyList::new(
+            py,
+            finished
+                .iter()
+                .map(|(id, slot, why)| (id.as_ref(), *slot, why.as_str())),
+        )
+    }
+
+    /// Finish one sequence now (e.g. a stop string matched); frees its blocks.
+    #[pyo3(signature = (slot, reason = "stop"))]
+    fn finish(&mut self, slot: i64, reason: &str) -> PyResult<bool> {
+        let _ = reason; // the engine reports the reason itself
+        if slot < 0 {
+            return Err(value_error("slot", format!("must be >= 0, got {slot}")));
+        }
+        Ok(Slot::try_from(slot).is_ok_and(|s| self.inner.finish(s)))
+    }
+
+    /// Drop a request (all its sequences) wherever it is; frees its blocks.
+    fn abort(&mut self, request_id: &str) -> bool {
+        self.inner.abort(request_id)
+    }
+
+    /// Generated tokens of a sequence (live, or finished and its slot not reused yet).
+    fn output_token_ids(&self, slot: i64) -> PyResult<Vec<u32>> {
+        self.inner
+            .output_token_ids(slot_arg(slot)?)
+            .map(<[u32]>::to_vec)
+            .ok_or_else(|| value_error("slot", format!("no sequence has slot {slot}")))
+    }
+
+    /// Prompt + generated tokens of a sequence (see ``output_token_ids``).
+    fn token_ids(&self, slot: i64) -> PyResult<Vec<u32>> {
+        self.inner
+            .token_ids(slot_arg(slot)?)
+            .map(<[u32]>::to_vec)
+            .ok_or_else(|| value_error("slot", format!("no sequence has slot {slot}")))
+    }
+
+    /// Request id of a live sequence, else None.
+    fn request_id(&self, slot: i64) -> Option<String> {
+        let s = Slot::try_from(slot).ok()?;
+        self.inner.request_id(s).map(|id| id.to_string())
+    }
+
+    fn has_unfinished(&self) -> bool {
+        self.inner.has_unfinished()
+    }
+
+    /// Drop every unlocked cached block; False if some are still in use.
+    fn reset_prefix_cache(&mut self, py: Python<'_>) -> bool {
+        let inner = &mut self.inner;
+        py.detach(|| inner.reset_prefix_cache())
+    }
+
+    #[getter]
+    fn num_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+
+    #[getter]
+    fn num_running(&self) -> usize {
+        self.inner.num_running()
+    }
+
+    /// Slots handed out so far (highest slot + 1): size per-slot tables with it.
+    #[getter]
+    fn num_slots(&self) -> usize {
+        self.inner.num_slots()
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.config().num_blocks
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+
+    #[getter]
+    fn max_num_seqs(&self) -> usize {
+        self.inner.config().max_num_seqs
+    }
+
+    #[getter]
+    fn max_num_batched_tokens(&self) -> usize {
+        self.inner.config().max_num_batched_tokens
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.inner.config().max_model_len
+    }
+
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.inner.config().policy.as_str()
+    }
+
+    #[getter]
+    fn enable_prefix_caching(&self) -> bool {
+        self.inner.config().enable_prefix_caching
+    }
+
+    /// Counters without a scan.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("num_waiting", s.num_waiting)?;
+        d.set_item("num_running", s.num_running)?;
+        d.set_item("num_preemptions", s.num_preemptions)?;
+        d.set_item("num_timeouts", s.num_timeouts)?;
+        d.set_item("prefix_queries", s.prefix_queries)?;
+        d.set_item("prefix_hits", s.prefix_hits)?;
+        d.set_item("blocks_total", s.blocks.total)?;
+        d.set_item("blocks_free", s.blocks.free)?;
+        d.set_item("blocks_used", s.blocks.used)?;
+        d.set_item("blocks_cached", s.blocks.cached)?;
+        d.set_item("num_aborted", s.num_aborted)?;
+        d.set_item("num_finished", s.num_finished)?;
+        d.set_item("num_steps", s.num_steps)?;
+        d.set_item("num_requests", s.num_requests)?;
+        Ok(d)
+    }
+
+    fn __contains__(&self, request_id: &str) -> bool {
+        self.inner.contains_request(request_id)
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.inner.config();
+        format!(
+            "Scheduler(num_blocks={}, block_size={}, policy={:?}, running={}, waiting={})",
+            c.num_blocks,
+            c.block_size,
+            c.policy.as_str(),
+            self.inner.num_running(),
+            self.inner.num_waiting()
+        )
+    }
+}

@@ -1,0 +1,663 @@
+//! Continuous-batching scheduler: owns the request queue, the block allocator and the radix
+//! prefix cache, and plans one step at a time (vLLM V1 style: every sequence has a number of
+//! computed tokens and a target; each step gives tokens to running sequences first, then to
+//! waiting ones in policy order, under `max_num_batched_tokens` and `max_num_seqs`).
+//!
+//! One step is `schedule()` → run the model on the plan's arrays → `update(sampled)`.
+//! The step logic is in `step.rs`; this file holds the state and the request-level API.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::block::{BlockAllocator, BlockUsage};
+use crate::error::{CoreError, CoreResult};
+use crate::plan::Plan;
+use crate::queue::{monotonic, OrdF64, Policy, QueueParams, RequestQueue};
+use crate::radix::RadixCache;
+use crate::sequence::{FinishReason, ReqIdx, Request, RequestParams, Sequence, Slot, Status};
+
+mod step;
+#[cfg(test)]
+mod tests;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub policy: Policy,
+    pub enable_prefix_caching: bool,
+    pub max_queue_len: Option<usize>,
+}
+
+impl SchedulerConfig {
+    pub fn new(num_blocks: usize) -> Self {
+        Self {
+            num_blocks,
+            block_size: 16,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: 4096,
+            policy: Policy::Fcfs,
+            enable_prefix_caching: true,
+            max_queue_len: None,
+        }
+    }
+
+    pub fn validate(&self) -> CoreResult<()> {
+        let positive = [
+            ("num_blocks", self.num_blocks),
+            ("block_size", self.block_size),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(CoreError::invalid(name, "must be >= 1"));
+            }
+        }
+        if self.num_blocks >= u32::MAX as usize / 2 {
+            return Err(CoreError::invalid("num_blocks", "too large"));
+        }
+        if self.max_model_len < 2 {
+            return Err(CoreError::invalid("max_model_len", "must be >= 2"));
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return Err(CoreError::invalid(
+                "max_num_batched_tokens",
+                format!(
+                    "must be >= max_num_seqs ({}) so every running sequence gets a token each step, got {}",
+                    self.max_num_seqs, self.max_num_batched_tokens
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Counters readable without a scan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SchedulerStats {
+    pub num_waiting: usize,
+    pub num_running: usize,
+    /// Sequences preempted (recompute) so far.
+    pub num_preemptions: u64,
+    /// Requests that timed out while waiting.
+    pub num_timeouts: u64,
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+    pub blocks: BlockUsage,
+    /// Requests dropped by `abort`.
+    pub num_aborted: u64,
+    /// Sequences finished by a stop rule or `finish`.
+    pub num_finished: u64,
+    pub num_steps: u64,
+    /// Live requests (waiting, running or both).
+    pub num_requests: usize,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    alloc: BlockAllocator,
+    radix: RadixCache,
+    queue: RequestQueue<Slot>,
+    reqs: Vec<Option<Request>>,
+    req_free: Vec<ReqIdx>,
+    req_ids: HashMap<Arc<str>, ReqIdx>,
+    /// Indexed by slot.
+    seqs: Vec<Sequence>,
+    seq_free: Vec<Slot>,
+    /// Running sequences in batch order, sorted by victim key (the tail is the next victim).
+    /// May hold stale entries (finished, preempted) until `compact_running`.
+    running: Vec<Slot>,
+    running_dirty: bool,
+    running_unsorted: bool,
+    /// Sequences with status Running.
+    num_running: usize,
+    /// Running sequences plus the not-yet-forked children of running fork parents.
+    num_reserved: usize,
+    plan: Plan,
+    /// Step of the plan whose `update` has not come yet (0: none).
+    pending_step: u64,
+    step: u64,
+    next_add_seq: u64,
+    num_preemptions: u64,
+    num_timeouts: u64,
+    num_aborted: u64,
+    num_finished: u64,
+    scratch_slots: Vec<Slot>,
+    scratch_gens: Vec<u32>,
+}
+
+/// A sequence that finished in `update`: (request id, slot, reason).
+pub type Finished = (Arc<str>, Slot, FinishReason);
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> CoreResult<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            alloc: BlockAllocator::new(cfg.num_blocks, cfg.block_size),
+            radix: RadixCache::new(cfg.block_size),
+            queue: RequestQueue::new(cfg.policy, cfg.max_queue_len),
+            reqs: Vec::new(),
+            req_free: Vec::new(),
+            req_ids: HashMap::new(),
+            seqs: Vec::new(),
+            seq_free: Vec::new(),
+            running: Vec::new(),
+            running_dirty: false,
+            running_unsorted: false,
+            num_running: 0,
+            num_reserved: 0,
+            plan: Plan::default(),
+            pending_step: 0,
+            step: 0,
+            next_add_seq: 0,
+            num_preemptions: 0,
+            num_timeouts: 0,
+            num_aborted: 0,
+            num_finished: 0,
+            scratch_slots: Vec::new(),
+            scratch_gens: Vec::new(),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.alloc
+    }
+
+    pub fn radix(&self) -> &RadixCache {
+        &self.radix
+    }
+
+    /// The last plan built by `schedule`.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Queue a request. Returns its `n` sequence slots.
+    pub fn add_request(
+        &mut self,
+        request_id: &str,
+        prompt: &[u32],
+        params: RequestParams,
+    ) -> CoreResult<Vec<Slot>> {
+        let c = &self.cfg;
+        if prompt.is_empty() {
+            return Err(CoreError::invalid("prompt_token_ids", "must not be empty"));
+        }
+        if params.max_tokens == 0 {
+            return Err(CoreError::invalid("max_tokens", "must be >= 1"));
+        }
+        if params.n == 0 {
+            return Err(CoreError::invalid("n", "must be >= 1"));
+        }
+        if params.min_tokens > params.max_tokens {
+            return Err(CoreError::invalid(
+                "min_tokens",
+                format!(
+                    "must be <= max_tokens ({}), got {}",
+                    params.max_tokens, params.min_tokens
+                ),
+            ));
+        }
+        let arrival = params.arrival_time.unwrap_or_else(monotonic);
+        let qp = QueueParams {
+            priority: params.priority,
+            arrival,
+            deadline: params.deadline,
+            timeout: params.timeout,
+        };
+        qp.validate()?;
+        if self.req_ids.contains_key(request_id) {
+            return Err(CoreError::DuplicateRequest(request_id.to_string()));
+        }
+        let total = prompt.len().saturating_add(params.max_tokens);
+        if total > c.max_model_len {
+            return Err(CoreError::RequestTooLarge(format!(
+                "prompt ({} tokens) + max_tokens ({}) = {total} exceeds max_model_len ({})",
+                prompt.len(),
+                params.max_tokens,
+                c.max_model_len
+            )));
+        }
+        // The KV of the last generated token is never needed.
+        let blocks = (total - 1).div_ceil(c.block_size);
+        if blocks > c.num_blocks {
+            return Err(CoreError::RequestTooLarge(format!(
+                "prompt ({} tokens) + max_tokens ({}) needs {blocks} KV blocks, the cache has {}",
+                prompt.len(),
+                params.max_tokens,
+                c.num_blocks
+            )));
+        }
+        if params.n > c.max_num_seqs {
+            return Err(CoreError::RequestTooLarge(format!(
+                "n ({}) exceeds max_num_seqs ({})",
+                params.n, c.max_num_seqs
+            )));
+        }
+        if self.queue.is_full() {
+            return Err(CoreError::QueueFull {
+                max_len: self.queue.max_len().unwrap_or(0),
+            });
+        }
+
+        let idx = match self.req_free.pop() {
+            Some(i) => i,
+            None => {
+                self.reqs.push(None);
+                (self.reqs.len() - 1) as ReqIdx
+            }
+        };
+        let add_seq = self.next_add_seq;
+        self.next_add_seq += 1;
+        let prio_key = if c.policy == Policy::Priority {
+            params.priority
+        } else {
+            0
+        };
+        let mut stop_ids = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stop_ids.extend_from_slice(&params.eos_token_ids);
+        }
+        stop_ids.sort_unstable();
+        stop_ids.dedup();
+        let stop_ids: Arc<[u32]> = stop_ids.into();
+        let max_len = (prompt.len() + params.max_tokens).min(c.max_model_len);
+        let mut slots = Vec::with_capacity(params.n);
+        for k in 0..params.n {
+            let slot = match self.seq_free.pop() {
+                Some(s) => s,
+                None => {
+                    self.seqs.push(Sequence::new());
+                    (self.seqs.len() - 1) as Slot
+                }
+            };
+            let s = &mut self.seqs[slot as usize];
+            s.status = if k == 0 {
+                Status::Waiting
+            } else {
+                Status::ForkPending
+            };
+            s.req = idx;
+            s.tokens.clear();
+            s.tokens.extend_from_slice(prompt);
+            s.prompt_len = prompt.len();
+            s.computed = 0;
+            s.computed_before = 0;
+            s.sched_step = 0;
+            s.blocks.clear();
+            s.node = RadixCache::ROOT;
+            s.prefilling = false;
+            s.insert_pending = false;
+            s.is_fork_parent = k == 0 && params.n > 1;
+            s.tail_shared = false;
+            s.stop_ids = stop_ids.clone();
+            s.min_len = prompt.len() + params.min_tokens;
+            s.max_len = max_len;
+            s.victim_key = (prio_key, OrdF64(arrival), add_seq, k as u32);
+            slots.push(slot);
+        }
+        let id: Arc<str> = request_id.into();
+        self.queue.push(slots[0], qp)?;
+        self.reqs[idx as usize] = Some(Request {
+            id: id.clone(),
+            queue: qp,
+            namespace: params.namespace.map(Into::into),
+            slots: slots.clone().into(),
+            live: params.n as u32,
+            fork_parent: slots[0],
+            pending: slots[1..].to_vec(),
+            admitted: false,
+            counted: false,
+            preempted_step: 0,
+        });
+        self.req_ids.insert(id, idx);
+        Ok(slots)
+    }
+
+    /// Finish one live sequence now (e.g. a stop string matched); frees its blocks (its
+    /// computed full blocks go to the prefix cache). False if the slot is not live.
+    pub fn finish(&mut self, slot: Slot) -> bool {
+        if !self.is_live(slot) {
+            return false;
+        }
+        self.finish_seq(slot);
+        self.num_finished += 1;
+        true
+    }
+
+    /// Drop a request (all its sequences) wherever it is. False if unknown.
+    pub fn abort(&mut self, request_id: &str) -> bool {
+        let Some(&idx) = self.req_ids.get(request_id) else {
+            return false;
+        };
+        self.drop_request(idx);
+        self.num_aborted += 1;
+        true
+    }
+
+    /// Prompt + generated tokens of a live sequence, or of a finished one whose slot has not
+    /// been reused yet.
+    pub fn token_ids(&self, slot: Slot) -> Option<&[u32]> {
+        let s = self.seqs.get(slot as usize)?;
+        (s.status != Status::Free).then_some(&s.tokens[..])
+    }
+
+    /// Generated tokens (see `token_ids`).
+    pub fn output_token_ids(&self, slot: Slot) -> Option<&[u32]> {
+        let s = self.seqs.get(slot as usize)?;
+        (s.status != Status::Free).then_some(&s.tokens[s.prompt_len..])
+    }
+
+    pub fn is_live(&self, slot: Slot) -> bool {
+        self.seqs.get(slot as usize).is_some_and(Sequence::is_live)
+    }
+
+    /// Request id of a live sequence.
+    pub fn request_id(&self, slot: Slot) -> Option<&Arc<str>> {
+        let s = self.seqs.get(slot as usize).filter(|s| s.is_live())?;
+        self.reqs[s.req as usize].as_ref().map(|r| &r.id)
+    }
+
+    pub fn contains_request(&self, request_id: &str) -> bool {
+        self.req_ids.contains_key(request_id)
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.req_ids.is_empty()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.num_running
+    }
+
+    /// Slots handed out so far (the highest slot + 1): size per-slot tables with it.
+    pub fn num_slots(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Drop every unlocked cached block; false if some cached blocks are still in use.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.radix.reset(&mut self.alloc)
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            num_waiting: self.queue.len(),
+            num_running: self.num_running,
+            num_preemptions: self.num_preemptions,
+            num_timeouts: self.num_timeouts,
+            prefix_queries: self.radix.queries(),
+            prefix_hits: self.radix.hits(),
+            blocks: self.alloc.usage(),
+            num_aborted: self.num_aborted,
+            num_finished: self.num_finished,
+            num_steps: self.step,
+            num_requests: self.req_ids.len(),
+        }
+    }
+
+    // ---- sequence lifecycle ---------------------------------------------------------------
+
+    fn req(&self, slot: Slot) -> &Request {
+        let idx = self.seqs[slot as usize].req;
+        self.reqs[idx as usize]
+            .as_ref()
+            .expect("live sequence has a request")
+    }
+
+    fn req_mut(&mut self, slot: Slot) -> &mut Request {
+        let idx = self.seqs[slot as usize].req;
+        self.reqs[idx as usize]
+            .as_mut()
+            .expect("live sequence has a request")
+    }
+
+    /// Not-yet-forked children counted with this sequence in `num_reserved`.
+    fn pending_of(&self, slot: Slot) -> usize {
+        if !self.seqs[slot as usize].is_fork_parent {
+            return 0;
+        }
+        let r = self.req(slot);
+        debug_assert_eq!(r.fork_parent, slot);
+        r.pending.len()
+    }
+
+    /// Finish a live sequence. A fork parent with children still waiting for the fork hands
+    /// the role to its first child, which goes (back) to the queue.
+    fn finish_seq(&mut self, slot: Slot) {
+        let is_parent = self.pending_of(slot) > 0;
+        if !is_parent {
+            self.release_seq(slot);
+            return;
+        }
+        let running = self.seqs[slot as usize].status == Status::Running;
+        let mut children = std::mem::take(&mut self.req_mut(slot).pending);
+        if running {
+            self.num_reserved -= children.len();
+        }
+        self.seqs[slot as usize].is_fork_parent = false;
+        self.release_seq(slot);
+        let heir = children.remove(0);
+        let r = self.req_mut(heir);
+        r.fork_parent = heir;
+        let heir_is_parent = !children.is_empty();
+        r.pending = children;
+        let (qp, admitted) = (r.queue, r.admitted);
+        let h = &mut self.seqs[heir as usize];
+        h.status = Status::Waiting;
+        h.is_fork_parent = heir_is_parent;
+        if admitted {
+            self.queue.push_front(heir, qp);
+        } else {
+            self.queue.reinsert(heir, qp);
+        }
+    }
+
+    /// Drop every live sequence of a request.
+    fn drop_request(&mut self, idx: ReqIdx) {
+        let r = self.reqs[idx as usize].as_mut().expect("known request");
+        let children = std::mem::take(&mut r.pending);
+        let parent = r.fork_parent;
+        let slots = r.slots.clone();
+        if !children.is_empty() {
+            // (`fork_parent` is stale once the request has forked: only read it before.)
+            let p = &mut self.seqs[parent as usize];
+            p.is_fork_parent = false;
+            if p.status == Status::Running {
+                self.num_reserved -= children.len();
+            }
+        }
+        for &c in &children {
+            self.seqs[c as usize].status = Status::Finished;
+            self.retire_slot(c);
+        }
+        for &slot in slots.iter() {
+            let s = &self.seqs[slot as usize];
+            if s.is_live() && s.req == idx {
+                self.release_seq(slot);
+            }
+        }
+    }
+
+    /// Remove a live sequence from wherever it is and free its slot. Its pending children
+    /// (if any) must already have been taken care of, except for the reservation count.
+    fn release_seq(&mut self, slot: Slot) {
+        match self.seqs[slot as usize].status {
+            Status::Waiting => {
+                self.queue.remove(&slot);
+            }
+            Status::Running => {
+                self.num_reserved -= 1 + self.pending_of(slot);
+                self.release_blocks(slot);
+                self.num_running -= 1;
+                self.running_dirty = true;
+            }
+            Status::ForkPending => {
+                let r = self.req_mut(slot);
+                r.pending.retain(|&c| c != slot);
+                let parent = r.fork_parent;
+                let none_left = r.pending.is_empty();
+                let p = &mut self.seqs[parent as usize];
+                if none_left {
+                    p.is_fork_parent = false;
+                }
+                if p.status == Status::Running {
+                    self.num_reserved -= 1;
+                }
+            }
+            Status::Free | Status::Finished => return,
+        }
+        self.seqs[slot as usize].status = Status::Finished;
+        self.retire_slot(slot);
+    }
+
+    /// The slot's sequence is finished: bump its generation, free the slot, drop the request
+    /// with its last sequence.
+    fn retire_slot(&mut self, slot: Slot) {
+        let s = &mut self.seqs[slot as usize];
+        s.gen = s.gen.wrapping_add(1);
+        s.insert_pending = false;
+        let idx = s.req;
+        self.seq_free.push(slot);
+        let r = self.reqs[idx as usize].as_mut().expect("known request");
+        r.live -= 1;
+        if r.live == 0 {
+            let id = r.id.clone();
+            self.req_ids.remove(&id);
+            self.reqs[idx as usize] = None;
+            self.req_free.push(idx);
+        }
+    }
+
+    /// Give back a sequence's blocks: its safely computed full blocks go to the prefix cache
+    /// first (so recompute or a later request hits them), then every ref is dropped.
+    fn release_blocks(&mut self, slot: Slot) {
+        let bs = self.cfg.block_size;
+        let s = &self.seqs[slot as usize];
+        // Tokens of a plan that has not been `update`d yet may not be in the KV cache.
+        let safe = if self.pending_step != 0 && s.sched_step == self.pending_step {
+            s.computed_before
+        } else {
+            s.computed
+        };
+        let full = (safe / bs).min(s.blocks.len());
+        if self.cfg.enable_prefix_caching && full > 0 {
+            let idx = s.req as usize;
+            let ns = self.reqs[idx].as_ref().and_then(|r| r.namespace.as_deref());
+            let s = &self.seqs[slot as usize];
+            self.radix.insert(
+                &mut self.alloc,
+                &s.tokens[..full * bs],
+                &s.blocks[..full],
+                ns,
+            );
+        }
+        let s = &mut self.seqs[slot as usize];
+        if s.node != RadixCache::ROOT {
+            self.radix.unlock(s.node);
+            s.node = RadixCache::ROOT;
+        }
+        self.alloc.free_all(&s.blocks);
+        s.blocks.clear();
+        s.computed = 0;
+        s.computed_before = 0;
+        s.prefilling = false;
+        s.insert_pending = false;
+        s.tail_shared = false;
+    }
+
+    /// Panic if the bookkeeping disagrees with itself. O(everything); for tests.
+    pub fn check_invariants(&self) {
+        self.alloc.check_invariants();
+        let n = self.alloc.num_blocks();
+        let mut holders = vec![0u32; n];
+        let (mut running, mut waiting, mut reserved) = (0, 0, 0);
+        for (slot, s) in self.seqs.iter().enumerate() {
+            let slot = slot as Slot;
+            match s.status {
+                Status::Running => {
+                    running += 1;
+                    reserved += 1 + self.pending_of(slot);
+                    assert!(s.computed <= s.tokens.len());
+                    assert!(s.blocks.len() >= s.computed.div_ceil(self.cfg.block_size));
+                    assert!(
+                        self.running.contains(&slot),
+                        "running seq {slot} not in running"
+                    );
+                }
+                Status::Waiting => {
+                    waiting += 1;
+                    assert!(s.blocks.is_empty(), "waiting seq {slot} holds blocks");
+                    assert!(self.queue.contains(&slot));
+                }
+                Status::ForkPending => {
+                    assert!(s.blocks.is_empty());
+                    assert!(self.req(slot).pending.contains(&slot));
+                }
+                Status::Free | Status::Finished => {
+                    assert!(s.blocks.is_empty(), "finished seq {slot} holds blocks");
+                    assert!(self.seq_free.contains(&slot));
+                }
+            }
+            if s.is_live() {
+                assert!(s.tokens.len() < self.cfg.max_model_len);
+                let r = self.req(slot);
+                assert!(r.slots.contains(&slot));
+                let parent = r.fork_parent == slot && !r.pending.is_empty();
+                assert_eq!(s.is_fork_parent, parent, "seq {slot}: fork parent flag");
+                if !s.tail_shared && s.computed % self.cfg.block_size != 0 {
+                    let b = s.blocks[s.computed / self.cfg.block_size];
+                    assert!(self.alloc.ref_count(b) <= 1 && !self.alloc.is_cached(b));
+                }
+            }
+            for &b in &s.blocks {
+                holders[b as usize] += 1;
+            }
+        }
+        for (b, &h) in holders.iter().enumerate() {
+            assert_eq!(
+                self.alloc.ref_count(b as u32),
+                h,
+                "block {b}: refs vs holders"
+            );
+        }
+        assert_eq!(running, self.num_running);
+        assert_eq!(reserved, self.num_reserved);
+        assert!(
+            reserved <= self.cfg.max_num_seqs,
+            "reserved {reserved} seqs"
+        );
+        assert_eq!(waiting, self.queue.len());
+        let mut live_reqs = 0;
+        for (i, r) in self.reqs.iter().enumerate() {
+            if let Some(r) = r {
+                live_reqs += 1;
+                assert_eq!(self.req_ids.get(&r.id), Some(&(i as ReqIdx)));
+                let live = r
+                    .slots
+                    .iter()
+                    .filter(|&&s| {
+                        let s = &self.seqs[s as usize];
+                        s.is_live() && s.req == i as ReqIdx
+                    })
+                    .count();
+                assert_eq!(live as u32, r.live);
+            }
+        }
+        assert_eq!(live_reqs, self.req_ids.len());
+    }
+}

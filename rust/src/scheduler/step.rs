@@ -1,0 +1,582 @@
+//! One step: `schedule` builds the plan, `update` applies the sampled tokens.
+
+use super::{Finished, Scheduler};
+use crate::error::{CoreError, CoreResult};
+use crate::plan::Plan;
+use crate::queue::{monotonic, Policy};
+use crate::radix::RadixCache;
+use crate::sequence::{FinishReason, Slot, Status};
+
+impl Scheduler {
+    /// Plan the next step. Waiting requests past their timeout are finished first (reported
+    /// in `plan.finished`). If the previous plan was never `update`d, its sequences are
+    /// preempted: their work in that step is assumed lost.
+    pub fn schedule(&mut self, now: Option<f64>) -> &Plan {
+        self.step += 1;
+        self.rollback_pending();
+        self.compact_running();
+        self.expire_waiting(now.unwrap_or_else(monotonic));
+
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut make_room_for_waiting = false;
+        if self.cfg.policy == Policy::Priority {
+            make_room_for_waiting = self.priority_preempt();
+        }
+
+        // Running sequences first: a decode token each, or the next prefill chunk.
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            let slot = self.running[i];
+            let s = &self.seqs[slot as usize];
+            let (len, computed) = (s.tokens.len(), s.computed);
+            // Every running sequence after this one gets at least one token.
+            let reserve = self.running.len() - i - 1;
+            let num_new = (len - computed).min(budget.saturating_sub(reserve));
+            if num_new == 0 {
+                i += 1;
+                continue;
+            }
+            let mut scheduled = true;
+            loop {
+                if self.make_room(slot, computed + num_new) {
+                    break;
+                }
+                // Out of blocks: preempt the lowest-priority / latest running sequence.
+                let victim = self.running.pop().expect("slot itself is running");
+                self.preempt(victim);
+                preempted = true;
+                if victim == slot {
+                    scheduled = false;
+                    break;
+                }
+            }
+            if !scheduled {
+                break; // it was the tail: nobody after it
+            }
+            if !self.grow(slot, computed + num_new) {
+                // Cannot happen after make_room; never spin on it either.
+                debug_assert!(false, "grow failed after make_room");
+                self.running.remove(i);
+                self.preempt(slot);
+                preempted = true;
+                continue;
+            }
+            self.emit(slot, num_new);
+            budget -= num_new;
+            i += 1;
+        }
+
+        // Then waiting requests in policy order, unless this step had to preempt for blocks.
+        if !preempted || make_room_for_waiting {
+            while budget > 0 {
+                let Some(&slot) = self.queue.peek() else {
+                    break;
+                };
+                let n_reserve = 1 + self.pending_of(slot);
+                if self.num_reserved + n_reserve > self.cfg.max_num_seqs {
+                    break;
+                }
+                if !self.try_admit(slot, n_reserve, &mut budget) {
+                    break;
+                }
+            }
+        }
+        if !self.plan.is_empty() {
+            self.pending_step = self.step;
+        }
+        &self.plan
+    }
+
+    /// Apply the tokens sampled for the last plan: one per `plan.sample_slots` row. Appends
+    /// them, forks `n > 1` requests, caches completed prefills and applies the stop rules.
+    /// Returns the sequences that finished.
+    pub fn update(&mut self, sampled: &[i64]) -> CoreResult<Vec<Finished>> {
+        let mut out = Vec::new();
+        self.update_into(sampled, &mut out)?;
+        Ok(out)
+    }
+
+    pub fn update_into(&mut self, sampled: &[i64], out: &mut Vec<Finished>) -> CoreResult<()> {
+        if self.pending_step == 0 {
+            if sampled.is_empty() {
+                return Ok(());
+            }
+            return Err(CoreError::invalid(
+                "sampled_token_ids",
+                "no plan is waiting for an update",
+            ));
+        }
+        let expected = self.plan.sample_slots.len();
+        if sampled.len() != expected {
+            return Err(CoreError::invalid(
+                "sampled_token_ids",
+                format!(
+                    "expected {expected} tokens (one per plan.sample_slots row), got {}",
+                    sampled.len()
+                ),
+            ));
+        }
+        if let Some(bad) = sampled.iter().find(|&&t| t < 0 || t > u32::MAX as i64) {
+            return Err(CoreError::invalid(
+                "sampled_token_ids",
+                format!("token id {bad} out of range"),
+            ));
+        }
+        // The plan ran: its tokens are in the KV cache now.
+        self.pending_step = 0;
+        for (r, &token) in sampled.iter().enumerate() {
+            let slot = self.plan.sample_slots[r] as Slot;
+            let s = &self.seqs[slot as usize];
+            if s.gen != self.plan.sample_gens[r] || s.status != Status::Running {
+                continue; // finished or aborted since the plan was made
+            }
+            if s.insert_pending {
+                self.cache_prefill(slot);
+            }
+            if self.seqs[slot as usize].is_fork_parent {
+                self.fork(slot);
+            }
+            let token = token as u32;
+            self.seqs[slot as usize].tokens.push(token);
+            if let Some(reason) = self.check_stop(slot, token) {
+                let id = self.req(slot).id.clone();
+                self.finish_seq(slot);
+                self.num_finished += 1;
+                out.push((id, slot, reason));
+            }
+        }
+        Ok(())
+    }
+
+    /// Write the last plan's block tables, row-major `num_seqs × block_table_width`, padded
+    /// with 0, into `out` (which must have exactly that length). Call before `update`.
+    pub fn fill_block_tables(&self, out: &mut [i32]) {
+        let p = &self.plan;
+        let w = p.block_table_width;
+        debug_assert_eq!(out.len(), p.num_seqs() * w);
+        let bs = self.cfg.block_size;
+        for (b, row) in out
+            .chunks_exact_mut(w.max(1))
+            .take(p.num_seqs())
+            .enumerate()
+        {
+            let s = &self.seqs[p.seq_slots[b] as usize];
+            let n = (p.seq_lens[b] as usize).div_ceil(bs).min(s.blocks.len());
+            for (dst, &src) in row.iter_mut().zip(&s.blocks[..n]) {
+                *dst = src as i32;
+            }
+            row[n..].fill(0);
+        }
+    }
+
+    /// The last plan's block tables as a new Vec (see `fill_block_tables`).
+    pub fn block_tables(&self) -> Vec<i32> {
+        let mut v = vec![0; self.plan.num_seqs() * self.plan.block_table_width];
+        self.fill_block_tables(&mut v);
+        v
+    }
+
+    // ---- schedule helpers -----------------------------------------------------------------
+
+    /// Clear the plan; preempt the sequences of a plan that was never `update`d.
+    fn rollback_pending(&mut self) {
+        let mut slots = std::mem::take(&mut self.scratch_slots);
+        let mut gens = std::mem::take(&mut self.scratch_gens);
+        slots.clear();
+        gens.clear();
+        if self.pending_step != 0 {
+            slots.extend(self.plan.seq_slots.iter().map(|&s| s as Slot));
+            gens.extend_from_slice(&self.plan.row_gens);
+        }
+        self.plan.clear();
+        for (&slot, &gen) in slots.iter().zip(&gens) {
+            let s = &self.seqs[slot as usize];
+            if s.gen == gen && s.status == Status::Running {
+                self.preempt(slot);
+                self.running_dirty = true;
+            }
+        }
+        self.pending_step = 0;
+        self.scratch_slots = slots;
+        self.scratch_gens = gens;
+    }
+
+    fn compact_running(&mut self) {
+        if self.running_dirty {
+            let seqs = &self.seqs;
+            self.running
+                .retain(|&s| seqs[s as usize].status == Status::Running);
+            self.running_dirty = false;
+        }
+        if self.running_unsorted {
+            let seqs = &self.seqs;
+            self.running
+                .sort_unstable_by_key(|&s| seqs[s as usize].victim_key);
+            self.running_unsorted = false;
+        }
+        debug_assert_eq!(self.running.len(), self.num_running);
+    }
+
+    fn expire_waiting(&mut self, now: f64) {
+        if !self.queue.next_expiry().is_some_and(|t| now > t) {
+            return;
+        }
+        let mut expired = std::mem::take(&mut self.scratch_slots);
+        expired.clear();
+        self.queue.expire_into(now, &mut expired);
+        for &slot in &expired {
+            let s = &self.seqs[slot as usize];
+            if !s.is_live() {
+                continue;
+            }
+            let idx = s.req;
+            let r = self.reqs[idx as usize].as_ref().expect("live request");
+            let id = r.id.clone();
+            for &sl in r.slots.iter() {
+                if self.seqs[sl as usize].is_live() {
+                    self.plan.finished.push((id.clone(), sl, "timeout"));
+                }
+            }
+            self.drop_request(idx);
+            self.num_timeouts += 1;
+        }
+        self.scratch_slots = expired;
+    }
+
+    /// Under `priority`: while the best waiting request is more important than the worst
+    /// running one and would not fit, preempt the worst running one. True if it preempted.
+    fn priority_preempt(&mut self) -> bool {
+        let bs = self.cfg.block_size;
+        let mut any = false;
+        while let (Some(&head), Some(&tail)) = (self.queue.peek(), self.running.last()) {
+            if self.req(head).queue.priority >= self.req(tail).queue.priority {
+                break;
+            }
+            let n_reserve = 1 + self.pending_of(head);
+            let mut fits = self.num_reserved + n_reserve <= self.cfg.max_num_seqs
+                && self.running.len() < self.cfg.max_num_batched_tokens;
+            if fits {
+                // Blocks for one token of every running sequence plus the head's first chunk.
+                let mut need: usize = self
+                    .running
+                    .iter()
+                    .map(|&s| {
+                        let c = self.seqs[s as usize].computed;
+                        self.blocks_needed(s, c + 1)
+                    })
+                    .sum();
+                let cached = if self.cfg.enable_prefix_caching {
+                    let s = &self.seqs[head as usize];
+                    let r = self.reqs[s.req as usize].as_ref().expect("live request");
+                    let ns = r.namespace.as_deref();
+                    self.radix.match_prefix(&s.tokens, ns, false).blocks.len()
+                } else {
+                    0
+                };
+                let len = self.seqs[head as usize].tokens.len();
+                let room = self
+                    .cfg
+                    .max_num_batched_tokens
+                    .saturating_sub(self.running.len())
+                    .max(1);
+                let chunk = (len - cached * bs).min(room);
+                need += (cached * bs + chunk).div_ceil(bs) - cached;
+                let avail = self.alloc.num_free() + self.radix.num_evictable_blocks();
+                fits = need <= avail;
+            }
+            if fits {
+                break;
+            }
+            self.running.pop();
+            self.preempt(tail);
+            any = true;
+        }
+        any
+    }
+
+    /// Blocks `slot` must allocate to hold tokens [computed, upto): new blocks plus one
+    /// copy-on-write if the partly filled block receiving the first new token is shared.
+    fn blocks_needed(&self, slot: Slot, upto: usize) -> usize {
+        let s = &self.seqs[slot as usize];
+        let bs = self.cfg.block_size;
+        let mut need = upto.div_ceil(bs).saturating_sub(s.blocks.len());
+        // Only a fork shares a partly filled block (the prefix cache holds full ones).
+        if s.tail_shared && s.computed < upto {
+            if let Some(&b) = s.blocks.get(s.computed / bs) {
+                if self.alloc.ref_count(b) > 1 || self.alloc.is_cached(b) {
+                    need += 1;
+                }
+            }
+        }
+        need
+    }
+
+    /// Make sure `slot` can grow to `upto` tokens, evicting cached blocks if needed.
+    fn make_room(&mut self, slot: Slot, upto: usize) -> bool {
+        let need = self.blocks_needed(slot, upto);
+        if need <= self.alloc.num_free() {
+            return true;
+        }
+        if self.cfg.enable_prefix_caching {
+            let short = need - self.alloc.num_free();
+            self.radix.evict(&mut self.alloc, short);
+        }
+        need <= self.alloc.num_free()
+    }
+
+    /// Allocate (and copy-on-write) the blocks for tokens [computed, upto).
+    fn grow(&mut self, slot: Slot, upto: usize) -> bool {
+        let bs = self.cfg.block_size;
+        let s = &mut self.seqs[slot as usize];
+        let mut pos = s.computed;
+        while pos < upto {
+            // Inside a block it owns alone: nothing to do.
+            if s.tail_shared || pos / bs >= s.blocks.len() {
+                match self.alloc.append_slot(&mut s.blocks, pos) {
+                    Ok(Some((src, dst))) => {
+                        self.plan.cow_pairs.push(src as i64);
+                        self.plan.cow_pairs.push(dst as i64);
+                    }
+                    Ok(None) => {}
+                    Err(_) => return false,
+                }
+            }
+            s.tail_shared = false;
+            pos = (pos / bs + 1) * bs;
+        }
+        true
+    }
+
+    /// Add `num_new` tokens of `slot` (from its computed count on) to the plan.
+    fn emit(&mut self, slot: Slot, num_new: usize) {
+        let bs = self.cfg.block_size;
+        let step = self.step;
+        let caching = self.cfg.enable_prefix_caching;
+        let p = &mut self.plan;
+        let s = &mut self.seqs[slot as usize];
+        let start = s.computed;
+        let end = start + num_new;
+        let bsi = bs as i64;
+        for pos in start..end {
+            p.input_ids.push(s.tokens[pos] as i64);
+            p.positions.push(pos as i64);
+            p.slot_mapping
+                .push(s.blocks[pos / bs] as i64 * bsi + (pos % bs) as i64);
+        }
+        let q_end = p.query_start_loc.last().copied().unwrap_or(0) + num_new as i64;
+        p.query_start_loc.push(q_end);
+        p.seq_lens.push(end as i64);
+        p.context_lens.push(start as i64);
+        p.seq_slots.push(slot as i64);
+        p.row_gens.push(s.gen);
+        p.max_query_len = p.max_query_len.max(num_new);
+        p.max_seq_len = p.max_seq_len.max(end);
+        p.block_table_width = p.block_table_width.max(end.div_ceil(bs));
+        if s.prefilling {
+            p.num_prefill_tokens += num_new;
+        } else {
+            p.num_decode_tokens += num_new;
+        }
+        s.computed_before = start;
+        s.sched_step = step;
+        s.computed = end;
+        if end < s.tokens.len() {
+            return; // a chunk of a prefill, or re-creating known tokens: nothing to sample
+        }
+        if s.prefilling {
+            s.prefilling = false;
+            s.insert_pending = caching;
+        }
+        let row = p.input_ids.len() as i64 - 1;
+        p.logits_indices.push(row);
+        p.sample_slots.push(slot as i64);
+        p.sample_gens.push(s.gen);
+        // The first token of an n > 1 request: one row per sequence, forked in `update`.
+        if s.is_fork_parent {
+            let r = self.reqs[s.req as usize].as_ref().expect("live request");
+            for &c in &r.pending {
+                p.logits_indices.push(row);
+                p.sample_slots.push(c as i64);
+                p.sample_gens.push(self.seqs[c as usize].gen);
+            }
+        }
+    }
+
+    /// Admit the waiting sequence `slot` (the queue head) with its first chunk, if its blocks
+    /// can be found. False (nothing changed) if not.
+    fn try_admit(&mut self, slot: Slot, n_reserve: usize, budget: &mut usize) -> bool {
+        let bs = self.cfg.block_size;
+        let idx = self.seqs[slot as usize].req as usize;
+        let (blocks, node) = if self.cfg.enable_prefix_caching {
+            let r = self.reqs[idx].as_mut().expect("live request");
+            let count = !r.counted;
+            r.counted = true;
+            let toks = &self.seqs[slot as usize].tokens;
+            let m = self.radix.match_prefix(toks, r.namespace.as_deref(), count);
+            (m.blocks, m.node)
+        } else {
+            (Vec::new(), RadixCache::ROOT)
+        };
+        let cached = blocks.len() * bs;
+        let len = self.seqs[slot as usize].tokens.len();
+        let num_new = (len - cached).min(*budget);
+        // Hold the hit before evicting anything.
+        if node != RadixCache::ROOT {
+            self.radix.lock(node);
+        }
+        for &b in &blocks {
+            self.alloc.incref(b);
+        }
+        let need = (cached + num_new).div_ceil(bs) - blocks.len();
+        if need > self.alloc.num_free() && self.cfg.enable_prefix_caching {
+            let short = need - self.alloc.num_free();
+            self.radix.evict(&mut self.alloc, short);
+        }
+        if need > self.alloc.num_free() {
+            for &b in blocks.iter().rev() {
+                self.alloc.decref(b);
+            }
+            if node != RadixCache::ROOT {
+                self.radix.unlock(node);
+            }
+            return false;
+        }
+        self.queue.pop();
+        let s = &mut self.seqs[slot as usize];
+        s.blocks = blocks;
+        s.node = node;
+        s.computed = cached;
+        s.status = Status::Running;
+        s.prefilling = true;
+        let key = s.victim_key;
+        let ok = self.grow(slot, cached + num_new);
+        debug_assert!(ok, "grow failed after the free-block check");
+        if let Some(&last) = self.running.last() {
+            if self.seqs[last as usize].victim_key > key {
+                self.running_unsorted = true;
+            }
+        }
+        self.running.push(slot);
+        self.num_running += 1;
+        self.num_reserved += n_reserve;
+        let r = self.reqs[idx].as_mut().expect("live request");
+        if !r.admitted {
+            r.admitted = true;
+            self.plan.new_request_ids.push(r.id.clone());
+        }
+        self.plan.num_cached_tokens += cached;
+        self.emit(slot, num_new);
+        *budget -= num_new;
+        true
+    }
+
+    /// Preempt a running sequence (recompute): its computed full blocks go to the prefix
+    /// cache, its blocks are freed, and it goes back to the front of the queue keeping its
+    /// generated tokens. The caller removes it from `running` (or marks it dirty).
+    fn preempt(&mut self, slot: Slot) {
+        self.num_reserved -= 1 + self.pending_of(slot);
+        self.release_blocks(slot);
+        self.seqs[slot as usize].status = Status::Waiting;
+        self.num_running -= 1;
+        self.num_preemptions += 1;
+        let step = self.step;
+        let r = self.req_mut(slot);
+        let qp = r.queue;
+        if r.preempted_step != step {
+            r.preempted_step = step;
+            let id = r.id.clone();
+            self.plan.preempted_request_ids.push(id);
+        }
+        self.queue.push_front(slot, qp);
+    }
+
+    // ---- update helpers -------------------------------------------------------------------
+
+    /// The prefill of `slot` completed: cache its full blocks, take the canonical copy of any
+    /// block another request cached first, and move the lock to the new node.
+    fn cache_prefill(&mut self, slot: Slot) {
+        let bs = self.cfg.block_size;
+        let s = &mut self.seqs[slot as usize];
+        s.insert_pending = false;
+        let full = (s.computed / bs).min(s.blocks.len());
+        if full == 0 {
+            return;
+        }
+        let ns = self.reqs[s.req as usize]
+            .as_ref()
+            .and_then(|r| r.namespace.as_deref());
+        let res = self.radix.insert(
+            &mut self.alloc,
+            &s.tokens[..full * bs],
+            &s.blocks[..full],
+            ns,
+        );
+        for (mine, &canon) in s.blocks.iter_mut().zip(&res.blocks) {
+            if *mine != canon {
+                self.alloc.incref(canon);
+                self.alloc.decref(*mine);
+                *mine = canon;
+            }
+        }
+        if res.node != RadixCache::ROOT {
+            self.radix.lock(res.node);
+        }
+        if s.node != RadixCache::ROOT {
+            self.radix.unlock(s.node);
+        }
+        s.node = res.node;
+    }
+
+    /// The fork parent sampled its first token: its children share all its blocks (the
+    /// partly filled last one is copied on write when first appended to).
+    fn fork(&mut self, parent: Slot) {
+        let children = std::mem::take(&mut self.req_mut(parent).pending);
+        let p = &mut self.seqs[parent as usize];
+        p.is_fork_parent = false;
+        p.tail_shared = true;
+        for &c in &children {
+            let [p, s] = self
+                .seqs
+                .get_disjoint_mut([parent as usize, c as usize])
+                .expect("distinct slots");
+            s.tokens.clear();
+            s.tokens.extend_from_slice(&p.tokens);
+            s.blocks.clear();
+            s.blocks.extend_from_slice(&p.blocks);
+            s.computed = p.computed;
+            s.computed_before = p.computed;
+            s.sched_step = 0;
+            s.node = p.node;
+            s.prefilling = false;
+            s.insert_pending = false;
+            s.is_fork_parent = false;
+            s.tail_shared = true;
+            s.status = Status::Running;
+            self.alloc.fork(&s.blocks);
+            if s.node != RadixCache::ROOT {
+                self.radix.lock(s.node);
+            }
+            let key = s.victim_key;
+            if let Some(&last) = self.running.last() {
+                if self.seqs[last as usize].victim_key > key {
+                    self.running_unsorted = true;
+                }
+            }
+            self.running.push(c);
+            self.num_running += 1; // already counted in num_reserved
+        }
+    }
+
+    fn check_stop(&self, slot: Slot, token: u32) -> Option<FinishReason> {
+        let s = &self.seqs[slot as usize];
+        let n = s.tokens.len();
+        if n >= s.min_len && !s.stop_ids.is_empty() && s.stop_ids.contains(&token) {
+            return Some(FinishReason::Stop);
+        }
+        if n >= s.max_len {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+}

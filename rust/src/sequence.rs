@@ -1,0 +1,201 @@
+//! Requests and sequences as the scheduler keeps them.
+//!
+//! A request owns `n` sequences (generation streams). Each sequence has a stable integer handle,
+//! its *slot*, dense and reused after the sequence is finished. Before its first token a request
+//! with `n > 1` is one sequence (the fork parent) plus `n - 1` children waiting for the fork.
+
+use std::sync::Arc;
+
+use crate::block::BlockId;
+use crate::queue::{OrdF64, QueueParams};
+use crate::radix::{NodeId, RadixCache};
+
+pub type Slot = u32;
+pub type ReqIdx = u32;
+
+/// Why a sequence finished.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token (or Python's `finish(slot)` default).
+    Stop,
+    /// max_tokens or max_model_len reached.
+    Length,
+    /// Still waiting when its timeout passed.
+    Timeout,
+    /// Dropped by `abort`.
+    Abort,
+    /// Any other reason given to `finish`.
+    Other(Arc<str>),
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Timeout => "timeout",
+            FinishReason::Abort => "abort",
+            FinishReason::Other(s) => s,
+        }
+    }
+
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "stop" => FinishReason::Stop,
+            "length" => FinishReason::Length,
+            "timeout" => FinishReason::Timeout,
+            "abort" => FinishReason::Abort,
+            other => FinishReason::Other(other.into()),
+        }
+    }
+}
+
+/// Per-request parameters given to `add_request`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestParams {
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    pub n: usize,
+    pub priority: i64,
+    pub eos_token_ids: Vec<u32>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Time-to-first-token deadline, seconds after arrival (policy `deadline`).
+    pub deadline: Option<f64>,
+    /// Seconds after arrival after which a still-waiting request finishes with `timeout`.
+    pub timeout: Option<f64>,
+    pub namespace: Option<String>,
+    /// Defaults to the core's clock at `add_request`.
+    pub arrival_time: Option<f64>,
+}
+
+impl Default for RequestParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 16,
+            min_tokens: 0,
+            n: 1,
+            priority: 0,
+            eos_token_ids: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            deadline: None,
+            timeout: None,
+            namespace: None,
+            arrival_time: None,
+        }
+    }
+}
+
+impl RequestParams {
+    pub fn new(max_tokens: usize) -> Self {
+        Self {
+            max_tokens,
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Request {
+    pub id: Arc<str>,
+    pub queue: QueueParams,
+    pub namespace: Option<Box<str>>,
+    /// Every slot of the request, live or not, in index order.
+    pub slots: Box<[Slot]>,
+    /// Sequences not finished yet; the request is dropped at 0.
+    pub live: u32,
+    /// Slot of the sequence that prefills for all, while `pending` is not empty.
+    pub fork_parent: Slot,
+    /// Children waiting for the fork parent's first token.
+    pub pending: Vec<Slot>,
+    /// Reported in `new_request_ids` already.
+    pub admitted: bool,
+    /// Its prompt was counted in the prefix-cache query/hit counters already.
+    pub counted: bool,
+    /// Last step that reported it in `preempted_request_ids` (one entry per step).
+    pub preempted_step: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Status {
+    /// Never used.
+    Free,
+    /// In the waiting queue, holding no blocks.
+    Waiting,
+    /// In the running set.
+    Running,
+    /// A child of an `n > 1` request waiting for the fork; holds no blocks.
+    ForkPending,
+    /// Done; the slot is free again but keeps its tokens until reused.
+    Finished,
+}
+
+/// Orders sequences for preemption: the largest key is the victim.
+pub(crate) type VictimKey = (i64, OrdF64, u64, u32);
+
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    /// Bumped when the slot is reused, so a stale plan row is recognised.
+    pub gen: u32,
+    pub status: Status,
+    pub req: ReqIdx,
+    /// Prompt + generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose KV is (or, once the pending plan runs, will be) in `blocks`.
+    pub computed: usize,
+    /// `computed` before the step of `sched_step` (what is certainly written).
+    pub computed_before: usize,
+    pub sched_step: u64,
+    pub blocks: Vec<BlockId>,
+    /// Radix node this sequence holds a lock on (ROOT: none).
+    pub node: NodeId,
+    /// Computing tokens it already knows (prompt or recompute); set at admission.
+    pub prefilling: bool,
+    /// Its prefill completes in the pending plan: cache its blocks at `update`.
+    pub insert_pending: bool,
+    /// It prefills for siblings still waiting for the fork (its request's `pending`).
+    pub is_fork_parent: bool,
+    /// Its partly filled last block may be shared (after a fork, until it next appends).
+    pub tail_shared: bool,
+    /// Token ids that stop it: stop_token_ids, plus the EOS ids unless ignore_eos.
+    pub stop_ids: Arc<[u32]>,
+    /// Length (prompt + generated) before which stop ids do not stop it (min_tokens).
+    pub min_len: usize,
+    /// Length at which it finishes with `length` (max_tokens or max_model_len).
+    pub max_len: usize,
+    pub victim_key: VictimKey,
+}
+
+impl Sequence {
+    pub fn new() -> Self {
+        Self {
+            gen: 0,
+            status: Status::Free,
+            req: 0,
+            tokens: Vec::new(),
+            prompt_len: 0,
+            computed: 0,
+            computed_before: 0,
+            sched_step: 0,
+            blocks: Vec::new(),
+            node: RadixCache::ROOT,
+            prefilling: false,
+            insert_pending: false,
+            is_fork_parent: false,
+            tail_shared: false,
+            stop_ids: Arc::from([]),
+            min_len: 0,
+            max_len: 0,
+            victim_key: (0, OrdF64(0.0), 0, 0),
+        }
+    }
+
+    pub fn is_live(&self) -> bool {
+        matches!(
+            self.status,
+            Status::Waiting | Status::Running | Status::ForkPending
+        )
+    }
+}
