@@ -297,7 +297,7 @@ class LLMEngine:
 
     def _max_model_len(self, pool_tokens: int) -> int:
         requested = self.config.max_model_len
-        native = self.model_config.max_position_embeddings
+        native = self.model_config.max_model_len  # capped to a sliding window the model really uses
         if requested is not None:
             if requested > pool_tokens:
                 raise ValueError(f"max_model_len ({requested}) is larger than the KV cache ({pool_tokens} "

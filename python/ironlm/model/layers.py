@@ -1,0 +1,118 @@
+"""Building blocks of the decoder: RMSNorm, rotary embeddings (default / linear / llama3 / yarn / GGUF freq
+factors) with a lazily grown cos|sin table, and the fused SiLU-gated MLP activation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ironlm.model.config import ModelConfig, UnsupportedModelError
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in fp32 (like HF's upcast).
+
+    On CPU: one reduction (vector_norm) + two elementwise passes, ~2x cheaper than F.rms_norm's composite there.
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    scale = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    scale = scale.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+    out = torch.mul(x, scale)
+    return out if weight is None else out.mul_(weight)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = F.silu(gate)
+    out.mul_(up)
+    return out
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (fp32) and the cos/sin scale factor, exactly as transformers builds them."""
+    dim = config.head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    attention_factor = 1.0
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_context_len = scaling.get("original_max_position_embeddings") or 8192
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, inv_freq_llama)
+    elif rope_type == "yarn":
+        if config.hf_config is None:
+            raise UnsupportedModelError("yarn rope scaling is only supported for HF checkpoints")
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config.hf_config, torch.device("cpu"))
+        inv_freq = inv_freq.float().cpu()
+    elif rope_type != "default":
+        raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
+    if config.rope_freq_factors is not None:
+        factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+        if factors.numel() != inv_freq.numel():
+            raise UnsupportedModelError(
+                f"rope_freqs has {factors.numel()} entries, expected head_dim/2 = {inv_freq.numel()}"
+            )
+        inv_freq = inv_freq / factors
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """Neox-style (rotate-half) rotary embedding with a cos|sin table [P, head_dim] in the model dtype.
+
+    The table starts at min(max_position_embeddings, 4096) rows and grows (doubling) when a step needs more;
+    the step's length comes from host metadata, so growing never syncs with the device.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.inv_freq, self.scale = rope_inv_freq(config)
+        self.dtype = dtype
+        self.device = device
+        self.table = torch.empty(0, config.head_dim, dtype=dtype, device=device)
+        self.ensure(min(config.max_position_embeddings, 4096))
+
+    def ensure(self, length: int) -> None:
+        if length <= self.table.shape[0]:
+            return
+        size = max(length, 2 * self.table.shape[0], 64)
+        pos = torch.arange(size, dtype=torch.int64).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        cos = freqs.cos() * self.scale
+        sin = freqs.sin() * self.scale
+        self.table = torch.cat([cos, sin], dim=-1).to(device=self.device, dtype=self.dtype)
+
+    def cos_sin(self, positions: torch.Tensor, max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, each [T, 1, head_dim/2] (ready to broadcast over heads)."""
+        if max_len is not None:
+            self.ensure(max_len)
+        cs = self.table.index_select(0, positions).unsqueeze(1)
+        return cs.chunk(2, dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (may be a strided view) -> new contiguous [T, H, D] rotated by (cos, sin) [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out
