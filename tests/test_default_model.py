@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from ironlm import LLM, SamplingParams
 from ironlm.model.default import default_model_path
+from tiny_models import load_hf_gguf_reference
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three colors."}],
 ]
-MAX_NEW = 24
+MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +23,7 @@ def llm() -> LLM:
 
 def test_default_model_greedy_matches_transformers(llm: LLM):
     path = default_model_path()
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ref = load_hf_gguf_reference(path).eval()
     prompts = [llm.engine.apply_chat_template(m) for m in PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)

@@ -1,0 +1,184 @@
+"""`ironlm bench {throughput,serve,scheduler}`: argument parsing and output (table, --json, --plot).
+
+Heavy imports (torch, transformers, httpx) happen only when a subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+W_HELP = ("with no options: workload W = 64 requests, prompt lengths uniform in [32, 512], output lengths "
+          "uniform in [16, 256], random token ids, EOS ignored, seed 0, the built-in default model")
+
+
+def _rate(value: str) -> float:
+    rate = float(value)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 or inf, got {value}")
+    return rate
+
+
+def _slo(value: str) -> tuple[str, float]:
+    key, sep, ms = value.partition(":")
+    if not sep or key not in ("ttft", "tpot", "e2el"):
+        raise argparse.ArgumentTypeError(f"expected ttft:MS, tpot:MS or e2el:MS, got {value!r}")
+    return key, float(ms)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write every figure, the configuration and the machine here")
+    p.add_argument("--plot", metavar="PATH.png", help="draw the results with matplotlib")
+    p.add_argument("--quick", action="store_true", help="a short version (seconds), e.g. for `make bench`")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _dataset_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("dataset")
+    g.add_argument("--dataset", choices=("random", "prefix"), default="random")
+    g.add_argument("--num-requests", "--num-prompts", type=int, default=None, help="default 64")
+    g.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="random: default 32 512")
+    g.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="random: default 16 256")
+    g.add_argument("--prefix-len", type=int, help="prefix: shared prefix tokens, default 1024")
+    g.add_argument("--suffix-len", type=int, help="prefix: unique suffix tokens, default 32")
+    g.add_argument("--prefix-output-len", type=int, help="prefix: output tokens per request, default 32")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--kv-cache-memory", help="bytes or e.g. 2GiB")
+    g.add_argument("--num-kv-blocks", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, scheduler")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,scheduler}")
+    sub.required = True
+
+    tp = sub.add_parser("throughput", help="offline throughput via LLM.generate (optionally vs transformers)",
+                        description=f"Offline throughput through LLM.generate; {W_HELP}.")
+    tp.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: built-in model)")
+    _dataset_args(tp)
+    _engine_args(tp)
+    g = tp.add_argument_group("baseline")
+    g.add_argument("--baseline", choices=("none", "transformers"), default="none")
+    g.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=None, help="default 8 16 32 64")
+    g.add_argument("--no-baseline-single", dest="baseline_single", action="store_false",
+                   help="skip the one-request-at-a-time baseline")
+    g.add_argument("--baseline-single-limit", type=int, help="one at a time on the first N requests only")
+    tp.add_argument("--compare-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="run ironlm with and without prefix caching (default: on for --dataset prefix)")
+    tp.add_argument("--repeats", type=int, default=1, help="alternate all configurations N times; report medians")
+    _common(tp)
+    tp.set_defaults(func=cmd_throughput)
+
+    sv = sub.add_parser("serve", help="online latency over HTTP streaming with Poisson arrivals")
+    sv.add_argument("model", nargs="?", default=None, help="model for the server (default: built-in)")
+    sv.add_argument("--url", help="benchmark a running server instead of starting `ironlm serve`")
+    _dataset_args(sv)
+    sv.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s, or inf (default)")
+    sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    sv.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    sv.add_argument("--goodput", type=_slo, nargs="+", default=[], metavar="KEY:MS",
+                    help="SLOs for goodput, e.g. ttft:2000 tpot:200")
+    sv.add_argument("--vocab-size", type=int, help="token id range of random prompts (default: the model's)")
+    sv.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for `ironlm serve` (repeatable), e.g. --server-arg=--max-num-seqs=64")
+    _common(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    sc = sub.add_parser("scheduler", help="Rust vs Python scheduler step time at 64/256/1024 sequences")
+    sc.add_argument("--num-seqs", type=int, nargs="+", default=[64, 256, 1024])
+    sc.add_argument("--steps", type=int, help="steps per measurement")
+    _common(sc)
+    sc.set_defaults(func=cmd_scheduler)
+    return bench
+
+
+def _specs(args: argparse.Namespace, quick_random, quick_prefix):
+    from ironlm.bench.datasets import PrefixSpec, RandomSpec
+
+    r = quick_random if args.quick else RandomSpec(seed=args.seed)
+    p = quick_prefix if args.quick else PrefixSpec(seed=args.seed)
+    random = RandomSpec(args.num_requests or r.num_requests, tuple(args.input_len or r.input_len),
+                        tuple(args.output_len or r.output_len), args.seed)
+    prefix = PrefixSpec(args.num_requests or p.num_requests, args.prefix_len or p.prefix_len,
+                        args.suffix_len or p.suffix_len, args.prefix_output_len or p.output_len, args.seed)
+    return random, prefix
+
+
+def _finish(report: dict[str, Any], args: argparse.Namespace, text: str, plot) -> int:
+    from ironlm.bench.report import write_json
+
+    if args.json:
+        print(f"wrote {write_json(args.json, report)}", file=sys.stderr)
+    if args.plot:
+        plot(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    print(text)
+    return 0
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from ironlm.bench import throughput as tp
+
+    base = tp.quick(tp.ThroughputConfig())
+    random, prefix = _specs(args, base.random, base.prefix)
+    engine_args = {k: getattr(args, k) for k in ("dtype", "device", "block_size", "max_num_seqs",
+                                                 "max_num_batched_tokens", "kv_cache_memory", "num_kv_blocks",
+                                                 "max_model_len")
+                   if getattr(args, k) is not None}
+    default_sizes = base.baseline_batch_sizes if args.quick else tp.ThroughputConfig().baseline_batch_sizes
+    config = tp.ThroughputConfig(
+        model=args.model, dataset=args.dataset, random=random, prefix=prefix,
+        baseline=None if args.baseline == "none" else args.baseline,
+        baseline_batch_sizes=tuple(args.baseline_batch_sizes or default_sizes),
+        baseline_single=args.baseline_single, baseline_single_limit=args.baseline_single_limit,
+        enable_prefix_caching=args.enable_prefix_caching, compare_prefix_caching=args.compare_prefix_caching,
+        repeats=args.repeats, engine_args=engine_args, progress=not args.no_progress)
+    report = tp.run(config)
+    return _finish(report, args, tp.summary_text(report), tp.plot)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ironlm.bench import serve as sv
+
+    base = sv.quick(sv.ServeConfig())
+    random, prefix = _specs(args, base.random, base.prefix)
+    config = sv.ServeConfig(
+        model=args.model, url=args.url, dataset=args.dataset, random=random, prefix=prefix,
+        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        goodput=dict(args.goodput), vocab_size=args.vocab_size, seed=args.seed, server_args=args.server_arg,
+        progress=not args.no_progress)
+    report = sv.run(config)
+    return _finish(report, args, sv.summary_text(report), sv.plot)
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from ironlm.bench import scheduler_report as sr
+
+    report = sr.run(num_seqs_list=tuple(args.num_seqs), steps=args.steps, quick=args.quick,
+                    progress=not args.no_progress)
+    return _finish(report, args, sr.summary_text(report), sr.plot)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ironlm.bench.cli throughput ...` works without the top-level CLI."""
+    parser = argparse.ArgumentParser(prog="ironlm")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

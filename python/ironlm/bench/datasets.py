@@ -1,0 +1,111 @@
+"""Benchmark datasets: seeded lists of (prompt token ids, output length) requests.
+
+`random`: prompt and output lengths drawn uniformly from closed ranges, token ids drawn uniformly.
+`prefix`: one shared random prefix followed by a unique random suffix per request.
+
+Token ids come from `[low, vocab_size)`; `low` skips the lowest ids, where tokenizers keep their
+special tokens (BOS/EOS/padding/chat markers), so a random prompt never contains a control token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class Dataset:
+    name: str
+    config: dict
+    requests: list[BenchRequest] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_len for r in self.requests)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_len for r in self.requests)
+
+    def summary(self) -> dict:
+        plens = [r.prompt_len for r in self.requests]
+        olens = [r.output_len for r in self.requests]
+        return {"name": self.name, "config": self.config, "num_requests": len(self.requests),
+                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "prompt_len_min": min(plens, default=0), "prompt_len_max": max(plens, default=0),
+                "output_len_min": min(olens, default=0), "output_len_max": max(olens, default=0)}
+
+
+def token_floor(vocab_size: int) -> int:
+    """The lowest token id random prompts use: above the special tokens of a real vocabulary."""
+    return min(128, vocab_size // 8)
+
+
+def _check_range(name: str, lo: int, hi: int) -> None:
+    if lo < 1 or hi < lo:
+        raise ValueError(f"{name} must be a range [lo, hi] with 1 <= lo <= hi, got [{lo}, {hi}]")
+
+
+def _ids(rng: np.random.Generator, n: int, low: int, vocab_size: int) -> list[int]:
+    return rng.integers(low, vocab_size, size=n).tolist()
+
+
+@dataclass(frozen=True)
+class RandomSpec:
+    num_requests: int = 64
+    input_len: tuple[int, int] = (32, 512)
+    output_len: tuple[int, int] = (16, 256)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixSpec:
+    num_requests: int = 64
+    prefix_len: int = 1024
+    suffix_len: int = 32
+    output_len: int = 32
+    seed: int = 0
+
+
+def random_dataset(spec: RandomSpec, vocab_size: int) -> Dataset:
+    _check_range("input_len", *spec.input_len)
+    _check_range("output_len", *spec.output_len)
+    rng = np.random.default_rng(spec.seed)
+    n = spec.num_requests
+    plens = rng.integers(spec.input_len[0], spec.input_len[1] + 1, size=n)
+    olens = rng.integers(spec.output_len[0], spec.output_len[1] + 1, size=n)
+    low = token_floor(vocab_size)
+    reqs = [BenchRequest(_ids(rng, int(p), low, vocab_size), int(o)) for p, o in zip(plens, olens)]
+    return Dataset("random", {**asdict(spec), "vocab_size": vocab_size, "token_low": low}, reqs)
+
+
+def prefix_dataset(spec: PrefixSpec, vocab_size: int) -> Dataset:
+    _check_range("prefix_len", 1, spec.prefix_len)
+    _check_range("suffix_len", 1, spec.suffix_len)
+    _check_range("output_len", 1, spec.output_len)
+    rng = np.random.default_rng(spec.seed)
+    low = token_floor(vocab_size)
+    prefix = _ids(rng, spec.prefix_len, low, vocab_size)
+    reqs = [BenchRequest(prefix + _ids(rng, spec.suffix_len, low, vocab_size), spec.output_len)
+            for _ in range(spec.num_requests)]
+    return Dataset("prefix", {**asdict(spec), "vocab_size": vocab_size, "token_low": low}, reqs)
+
+
+def make_dataset(name: str, vocab_size: int, *, random: RandomSpec | None = None,
+                 prefix: PrefixSpec | None = None) -> Dataset:
+    if name == "random":
+        return random_dataset(random or RandomSpec(), vocab_size)
+    if name == "prefix":
+        return prefix_dataset(prefix or PrefixSpec(), vocab_size)
+    raise ValueError(f"unknown dataset {name!r}: use 'random' or 'prefix'")

@@ -1,0 +1,146 @@
+"""Shared reporting: the machine a figure was measured on, JSON files, matplotlib plots, tables."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str | None = None) -> dict[str, Any]:
+    """CPU model, cores, memory, torch/transformers versions and the accelerator, if any."""
+    import torch
+
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device or ("cuda" if torch.cuda.is_available() else "cpu"),
+    }
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        info["memory_gib"] = round(pages * page_size / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    for mod in ("transformers", "ironlm", "triton"):
+        with contextlib.suppress(ImportError, AttributeError):  # optional: absent packages are not reported
+            info[mod] = __import__(mod).__version__
+    return info
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return obj.item()
+    return obj
+
+
+def write_json(path: str | os.PathLike, data: Mapping[str, Any]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_jsonable(data), indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_bars(path: str | os.PathLike, bars: Sequence[tuple[str, float]], *, title: str, ylabel: str,
+              highlight: str | None = None) -> Path:
+    """One bar per configuration (e.g. output tokens/s per engine and batch size)."""
+    plt = _pyplot()
+    labels = [b[0] for b in bars]
+    values = [b[1] for b in bars]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(bars) + 2), 4.2))
+    colors = ["tab:orange" if highlight and label.startswith(highlight) else "tab:blue" for label in labels]
+    rects = ax.bar(range(len(bars)), values, color=colors)
+    ax.bar_label(rects, labels=[f"{v:.3g}" for v in values], fontsize=8)
+    ax.set_xticks(range(len(bars)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_cdfs(path: str | os.PathLike, series: Mapping[str, Sequence[float]], *, title: str,
+              unit: str = "ms") -> Path:
+    """Empirical CDFs, one panel per latency metric (TTFT, TPOT, ITL, E2E)."""
+    import numpy as np
+
+    plt = _pyplot()
+    names = list(series)
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(3.6 * max(1, len(names)), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        values = np.sort(np.asarray(series[name], dtype=float))
+        if len(values):
+            ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post")
+            for q, style in ((50, ":"), (99, "--")):
+                ax.axvline(np.percentile(values, q), color="gray", linestyle=style, linewidth=0.8,
+                           label=f"p{q}")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_xlabel(f"{name} ({unit})")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of requests")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table for the terminal."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.0f}"
+        return str(v)
+
+    body = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)
