@@ -1,0 +1,60 @@
+"""Paged attention backends.
+
+``get_backend("auto", device)`` picks Triton on CUDA and torch elsewhere. The Triton backend is imported
+lazily: importing ``ironlm.kernels`` runs the ``@triton.jit`` decorators, which must happen after
+``TRITON_INTERPRET`` is decided (see tests/test_kernels.py), and CPU-only users never need Triton at all.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ironlm.attention.metadata import AttentionMetadata
+from ironlm.attention.torch_backend import TorchAttention
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k/v ([T, Hkv, D]) at meta.slot_mapping into the paged caches ([num_blocks, block_size, Hkv, D],
+        one layer), then attend each query row ([T, Hq, D]) causally over its sequence's context.
+        Returns [T, Hq, D] in q's dtype."""
+        ...
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def get_backend(name: str = "auto", device: torch.device | str | None = None) -> AttentionBackend:
+    dev = torch.device(device) if device is not None else None
+    if name == "auto":
+        name = "torch"
+        if dev is not None and dev.type == "cuda":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                pass  # a CUDA torch without triton still runs, on the torch backend
+            else:
+                name = "triton"
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        from ironlm.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "TorchAttention", "get_backend"]

@@ -1,0 +1,1 @@
+../../../kernels/cache_write.py

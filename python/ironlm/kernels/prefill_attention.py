@@ -1,0 +1,1 @@
+../../../kernels/prefill_attention.py

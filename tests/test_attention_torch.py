@@ -1,0 +1,157 @@
+"""The torch attention backend against a dense per-sequence reference that never touches the paged cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ironlm.attention import AttentionMetadata, get_backend
+
+
+def make_case(
+    ctx_lens: list[int],
+    q_lens: list[int],
+    *,
+    hq: int,
+    hkv: int,
+    d: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    pad_rows: int = 0,
+    block_seed: int | None = None,
+) -> dict:
+    """Random K/V histories, a shuffled block pool with the cached prefixes already written, new rows."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed if block_seed is None else block_seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    nbs = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(nbs) + 3
+    perm = rng.permutation(num_blocks)  # shuffled: logical order never matches physical order
+    bt = np.zeros((len(seq_lens), max(nbs) + 1), dtype=np.int32)  # an extra padding column (0s)
+    used = 0
+    for i, nb in enumerate(nbs):
+        bt[i, :nb] = perm[used : used + nb]
+        used += nb
+    hist_k = [torch.randn(s, hkv, d, generator=g).to(dtype) for s in seq_lens]
+    hist_v = [torch.randn(s, hkv, d, generator=g).to(dtype) for s in seq_lens]
+    # Garbage in unused slots makes a missing padding mask visible.
+    k_cache = (torch.randn(num_blocks, block_size, hkv, d, generator=g) * 50).to(dtype)
+    v_cache = (torch.randn(num_blocks, block_size, hkv, d, generator=g) * 50).to(dtype)
+    for i, c in enumerate(ctx_lens):
+        for p in range(c):
+            k_cache[bt[i, p // block_size], p % block_size] = hist_k[i][p]
+            v_cache[bt[i, p // block_size], p % block_size] = hist_v[i][p]
+    meta = AttentionMetadata.from_lengths(
+        context_lens=np.array(ctx_lens), query_lens=np.array(q_lens), block_tables=bt, block_size=block_size
+    )
+    t = sum(q_lens)
+    q = torch.randn(t + pad_rows, hq, d, generator=g).to(dtype)
+    k = torch.cat([h[c:] for h, c in zip(hist_k, ctx_lens)] + [torch.zeros(pad_rows, hkv, d, dtype=dtype)])
+    v = torch.cat([h[c:] for h, c in zip(hist_v, ctx_lens)] + [torch.zeros(pad_rows, hkv, d, dtype=dtype)])
+    if pad_rows:
+        meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad_rows,), -1, dtype=torch.int64)])
+    return {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "meta": meta, "hist_k": hist_k,
+            "hist_v": hist_v, "ctx_lens": ctx_lens, "q_lens": q_lens, "block_tables": bt, "scale": d**-0.5}
+
+
+def reference(case: dict) -> torch.Tensor:
+    """Dense fp64 attention over each sequence's own history, causal with the context offset."""
+    q = case["q"].double()
+    hq = q.shape[1]
+    out = torch.zeros_like(q)
+    start = 0
+    for hk, hv, c, n in zip(case["hist_k"], case["hist_v"], case["ctx_lens"], case["q_lens"]):
+        grp = hq // hk.shape[1]
+        kk = hk.double().repeat_interleave(grp, dim=1)  # [S, Hq, D]
+        vv = hv.double().repeat_interleave(grp, dim=1)
+        for j in range(n):
+            visible = c + j + 1
+            s = torch.einsum("hd,shd->hs", q[start + j], kk[:visible]) * case["scale"]
+            out[start + j] = torch.einsum("hs,shd->hd", torch.softmax(s, -1), vv[:visible])
+        start += n
+    return out
+
+
+def check_cache(case: dict, block_size: int) -> None:
+    for i, (hk, hv) in enumerate(zip(case["hist_k"], case["hist_v"])):
+        for p in range(hk.shape[0]):
+            b = case["block_tables"][i, p // block_size]
+            assert torch.equal(case["k_cache"][b, p % block_size], hk[p])
+            assert torch.equal(case["v_cache"][b, p % block_size], hv[p])
+
+
+def run_backend(case: dict, backend_name: str = "torch") -> torch.Tensor:
+    backend = get_backend(backend_name)
+    return backend.forward(case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["meta"],
+                           case["scale"])
+
+
+CASES = {
+    "decode_only": ([0, 5, 16, 17, 40], [1, 1, 1, 1, 1]),
+    "prefill_only": ([0, 0, 0], [1, 7, 33]),
+    "extend_with_prefix": ([16, 3, 21], [5, 16, 2]),
+    "mixed": ([12, 0, 31, 4, 0, 47], [1, 9, 1, 6, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (6, 2, 64), (8, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_matches_dense_reference(name: str, hq: int, hkv: int, d: int, dtype: torch.dtype) -> None:
+    ctx, ql = CASES[name]
+    bs = 16 if d == 128 else 8
+    case = make_case(ctx, ql, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype, seed=hash((name, hq, d)) % 1000)
+    out = run_backend(case)
+    assert out.shape == case["q"].shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), reference(case), atol=tol, rtol=tol)
+    check_cache(case, bs)
+
+
+def test_padding_rows_are_skipped_and_zero() -> None:
+    case = make_case([3, 9], [1, 1], hq=4, hkv=2, d=64, block_size=4, dtype=torch.float32, seed=1, pad_rows=3)
+    before = case["k_cache"].clone()
+    out = run_backend(case)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    torch.testing.assert_close(out[:2].double(), reference(case)[:2], atol=1e-5, rtol=1e-5)
+    # Only the two real slots changed: -1 must not wrap around to the last slot.
+    changed = (case["k_cache"] != before).any(dim=(2, 3)).nonzero().tolist()
+    assert len(changed) == 2
+
+
+def test_plan_is_reused_across_layers() -> None:
+    case = make_case([4, 0, 9], [1, 5, 1], hq=4, hkv=2, d=64, block_size=4, dtype=torch.float32, seed=2)
+    meta = case["meta"]
+    backend = get_backend("torch")
+    outs = []
+    for _ in range(2):  # two "layers" with different caches and inputs share one metadata object
+        c2 = make_case([4, 0, 9], [1, 5, 1], hq=4, hkv=2, d=64, block_size=4, dtype=torch.float32,
+                       seed=len(outs) + 10, block_seed=2)
+        c2["meta"] = meta
+        outs.append((backend.forward(c2["q"], c2["k"], c2["v"], c2["k_cache"], c2["v_cache"], meta,
+                                     c2["scale"]), reference(c2)))
+    assert "torch" in meta.plan_cache
+    for out, ref in outs:
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_metadata_fields() -> None:
+    meta = AttentionMetadata.from_lengths(context_lens=np.array([0, 5]), query_lens=np.array([3, 1]),
+                                          block_tables=np.array([[2, 0], [1, 3]]), block_size=4)
+    assert meta.slot_mapping.tolist() == [8, 9, 10, 4 * 3 + 1]
+    assert meta.query_start_loc.tolist() == [0, 3, 4] and meta.query_start_loc.dtype == torch.int32
+    assert meta.seq_lens.tolist() == [3, 6] and meta.context_lens.tolist() == [0, 5]
+    assert meta.block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 6)
+    assert not meta.decode_only
+    dec = AttentionMetadata.from_lengths(context_lens=np.array([2, 7]), query_lens=np.array([1, 1]),
+                                         block_tables=np.array([[0, 0], [1, 2]]), block_size=4)
+    assert dec.decode_only
+
+
+def test_get_backend_selection() -> None:
+    assert get_backend("auto", "cpu").name == "torch"
+    assert get_backend().name == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_backend("nope")

@@ -1,0 +1,209 @@
+"""Triton kernels vs the torch backend, run on this CPU through the Triton interpreter (tiny shapes).
+
+How the interpreter gets switched on: ``TRITON_INTERPRET=1`` must be set before *triton itself* is imported
+(triton's own library functions such as tl.sum are ``@jit`` too, and a compiled-mode one cannot be called from an
+interpreted kernel), so setting it before importing ``ironlm.kernels`` is not enough. This module sets it when it
+is collected and imports the kernels only inside the ``kernels`` fixture; ``ironlm.attention`` imports the
+Triton backend lazily, so the other test modules don't import triton. If triton was nevertheless imported
+earlier in this process without the interpreter, the tests below are replaced by one test that runs this module
+in a subprocess with ``TRITON_INTERPRET=1`` (so they still run, just in another process). With a CUDA device
+the tests run the real kernels instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+
+
+def _interpreter_usable() -> bool:
+    if "triton" not in sys.modules:
+        return True  # imported after the variable is set below: interpreted
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(std.sum, InterpretedFunction)
+
+
+IN_PROCESS = ON_GPU or _interpreter_usable()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from ironlm.attention import AttentionMetadata, get_backend
+from ironlm.attention.torch_backend import write_kv_cache
+from test_attention_torch import make_case, reference
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+# Small tiles so the tiny test sequences still take several loop iterations and splits.
+SMALL = {"decode_block_n": 16, "prefill_block_m": 16, "prefill_block_n": 16}
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
+
+
+@pytest.fixture(scope="module")
+def kernels() -> SimpleNamespace:
+    import ironlm.kernels.cache_write as cw
+    import ironlm.kernels.decode_attention as da
+    import ironlm.kernels.prefill_attention as pa
+    from ironlm.attention.triton_backend import TritonAttention
+
+    assert ON_GPU or da.interpreted(), "kernels were built without TRITON_INTERPRET=1"
+    return SimpleNamespace(cw=cw, da=da, pa=pa, TritonAttention=TritonAttention)
+
+
+def to_device(case: dict) -> dict:
+    if DEVICE == "cpu":
+        return case
+    out = dict(case)
+    for key in ("q", "k", "v", "k_cache", "v_cache"):
+        out[key] = case[key].to(DEVICE)
+    m = case["meta"]
+    out["meta"] = AttentionMetadata(
+        slot_mapping=m.slot_mapping.to(DEVICE), query_start_loc=m.query_start_loc.to(DEVICE),
+        seq_lens=m.seq_lens.to(DEVICE), context_lens=m.context_lens.to(DEVICE),
+        block_tables=m.block_tables.to(DEVICE), max_query_len=m.max_query_len, max_seq_len=m.max_seq_len,
+        query_start_loc_cpu=m.query_start_loc_cpu, seq_lens_cpu=m.seq_lens_cpu)
+    return out
+
+
+def run_both(kernels: SimpleNamespace, case: dict, **backend_kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """(triton output, torch-backend output) on independent copies of the caches; the caches must agree too."""
+    tc = to_device(case)
+    kc, vc = tc["k_cache"].clone(), tc["v_cache"].clone()
+    tri = kernels.TritonAttention(**{**SMALL, **backend_kw})
+    out = tri.forward(tc["q"], tc["k"], tc["v"], kc, vc, tc["meta"], tc["scale"]).cpu()
+    ref_kc, ref_vc = case["k_cache"].clone(), case["v_cache"].clone()
+    ref = get_backend("torch").forward(case["q"], case["k"], case["v"], ref_kc, ref_vc, case["meta"], case["scale"])
+    assert torch.equal(kc.cpu(), ref_kc) and torch.equal(vc.cpu(), ref_vc)
+    return out, ref
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reshape_and_cache(kernels: SimpleNamespace, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    num_blocks, bs, hkv, d, t = 6, 4, 2, 64, 9
+    slots = torch.randperm(num_blocks * bs, generator=g)[:t]
+    slots[[2, 7]] = -1  # padding rows: must not be written (nor wrap around to the last slot)
+    # k/v as strided views of one fused projection output, like a model's qkv split produces.
+    fused = torch.randn(t, 3 * hkv * d, generator=g).to(dtype)
+    k = fused[:, hkv * d : 2 * hkv * d].view(t, hkv, d)
+    v = fused[:, 2 * hkv * d :].view(t, hkv, d)
+    kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    write_kv_cache(k, v, ref_k, ref_v, slots)
+    kc, vc = kc.to(DEVICE), vc.to(DEVICE)
+    kernels.cw.reshape_and_cache(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE))
+    assert torch.equal(kc.cpu(), ref_k) and torch.equal(vc.cpu(), ref_v)
+
+
+DECODE_LENS = [0, 4, 15, 16, 17, 38]  # context before the step: 1-token sequences, page-size edges, >2 pages
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode(kernels: SimpleNamespace, dtype: torch.dtype, hq: int, hkv: int, splits: int) -> None:
+    case = make_case(DECODE_LENS, [1] * len(DECODE_LENS), hq=hq, hkv=hkv, d=64, block_size=8, dtype=dtype,
+                     seed=hq * 10 + splits)
+    assert case["meta"].decode_only
+    out, ref = run_both(kernels, case, decode_num_splits=splits)
+    assert_close(out, ref, dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), reference(case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2)])
+def test_prefill_and_extend(kernels: SimpleNamespace, dtype: torch.dtype, hq: int, hkv: int) -> None:
+    # Fresh prompts (one of length 1 among longer ones), a cached prefix + a chunk spanning pages, a chunk
+    # starting mid-page, and a chunk longer than one query tile (16).
+    ctx, ql = [0, 0, 16, 5, 3], [1, 19, 7, 12, 2]
+    case = make_case(ctx, ql, hq=hq, hkv=hkv, d=64, block_size=8, dtype=dtype, seed=hq + 100)
+    out, ref = run_both(kernels, case)
+    assert_close(out, ref, dtype)
+
+
+def test_mixed_batch_with_padding_rows(kernels: SimpleNamespace) -> None:
+    """Decode rows between prefill chunks go to the decode kernel, the chunks to the prefill kernel."""
+    ctx, ql = [9, 0, 20, 4, 0], [1, 6, 1, 3, 1]
+    case = make_case(ctx, ql, hq=4, hkv=1, d=64, block_size=4, dtype=torch.float16, seed=7, pad_rows=2)
+    out, ref = run_both(kernels, case, decode_num_splits=2)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+    assert_close(out, ref, torch.float16)
+
+
+def test_head_dim_128(kernels: SimpleNamespace) -> None:
+    case = make_case([0, 11, 5], [1, 1, 4], hq=4, hkv=2, d=128, block_size=16, dtype=torch.float16, seed=11)
+    out, ref = run_both(kernels, case, decode_num_splits=2)
+    assert_close(out, ref, torch.float16)
+
+
+def test_split_heuristic(kernels: SimpleNamespace) -> None:
+    f = kernels.da.num_kv_splits
+    assert f(256, 8, 32768, 64) == 1  # big batch fills the GPU already
+    assert f(1, 8, 32768, 64) == 32  # one long sequence: split up to the cap
+    assert f(1, 8, 300, 64) == 1  # short context: not worth a second pass
+    assert 1 < f(8, 8, 8192, 64) <= 32
+    assert kernels.da.decode_block_g(1) == (1, False) and kernels.da.decode_block_g(4) == (16, True)
+
+
+def test_block_table_shared_prefix(kernels: SimpleNamespace) -> None:
+    """Two sequences sharing prefix blocks (prefix caching) read the same physical pages."""
+    rng = np.random.default_rng(5)
+    bs, hkv, hq, d = 4, 2, 4, 64
+    shared = [3, 0]
+    bt = np.array([shared + [5, 1], shared + [2, 4]], dtype=np.int32)
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(6, bs, hkv, d, generator=g).half()
+    vc = torch.randn(6, bs, hkv, d, generator=g).half()
+    meta = AttentionMetadata.from_lengths(context_lens=np.array([8, 8]), query_lens=np.array([5, 1]),
+                                          block_tables=bt, block_size=bs)
+    t = 6
+    case = {"q": torch.randn(t, hq, d, generator=g).half(), "k": torch.randn(t, hkv, d, generator=g).half(),
+            "v": torch.randn(t, hkv, d, generator=g).half(), "k_cache": kc, "v_cache": vc, "meta": meta,
+            "scale": float(rng.uniform(0.05, 0.2))}
+    out, ref = run_both(kernels, case)
+    assert_close(out, ref, torch.float16)
+
+
+
+def test_llm_greedy_identical_on_both_backends(kernels: SimpleNamespace, tmp_path) -> None:
+    """Through the real model and scheduler: chunked prefill (a 17-token prompt in 16-token steps), mixed
+    decode + prefill steps; greedy tokens from the Triton backend equal the torch backend's."""
+    from ironlm import LLM, SamplingParams
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path, arch="llama", num_attention_heads=4, num_key_value_heads=2)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 9)]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(path), num_kv_blocks=64, block_size=16, seed=0, attention_backend=backend,
+                  max_num_batched_tokens=16, max_num_seqs=8, device=DEVICE)
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert tokens["torch"] == tokens["triton"]
+
+if not IN_PROCESS:
+    for _name in [n for n in globals() if n.startswith("test_")]:
+        del globals()[_name]
+
+    def test_kernels_in_interpreter_subprocess() -> None:
+        """Triton was imported in compiled mode before this module: run the kernel tests in a fresh process."""
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                              env=env, capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]

@@ -1,0 +1,126 @@
+"""Every Triton kernel compiles for sm_90 (H100/H200) on this CPU-only machine.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` runs the real GPU pipeline down to a cubin
+(ptxas included) and rejects what a launch on the GPU would (fp16 tl.dot with K < 16, loop-carried type changes,
+layouts the backend can't lower). It must run with the interpreter OFF, so the compiles happen in a subprocess
+whose environment has no TRITON_INTERPRET (test_kernels.py sets it in this process) and a private
+TRITON_CACHE_DIR. The configurations below mirror what the wrappers in ironlm.kernels launch: same constexprs,
+default num_warps/num_stages, 16-byte divisibility hints on pointers and strides as the launcher would infer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import ironlm.kernels.cache_write as cw
+import ironlm.kernels.decode_attention as da
+import ironlm.kernels.prefill_attention as pa
+
+assert not da.interpreted(), "compile checks need TRITON_INTERPRET unset"
+TARGET = GPUTarget("cuda", 90, 32)
+TY = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+# Pointer args that always hold int32 metadata / fp32 partials; everything else follows the model dtype.
+INT_PTRS = {"slot_ptr": "*i64", "seq_ids_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "block_tables_ptr": "*i32"}
+NOT_DIV16 = {"stride_bt", "num_splits", "stride_lb", "stride_lh"}  # runtime values without a 16-multiple
+
+
+def compile_one(fn, dtype, constexprs, ptr_types=None, options=None):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = (ptr_types or {}).get(name) or INT_PTRS.get(name) or TY[dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name not in NOT_DIV16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    opts = {"num_warps": 4, "num_stages": 3, **(options or {})}
+    k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET, options=opts)
+    return {"kernel": fn.__name__, "dtype": dtype, **{k2: str(v) for k2, v in constexprs.items()},
+            "shared": k.metadata.shared, "ptx_bytes": len(k.asm["ptx"]), "cubin_bytes": len(k.asm["cubin"])}
+
+
+results = []
+for cfg in json.loads(sys.argv[1]):
+  for dtype in cfg["dtypes"]:
+    for d in cfg["head_dims"]:
+        for hkv in (1, 8):
+            row = hkv * d
+            results.append(compile_one(cw.reshape_and_cache_kernel, dtype,
+                                       {"ROW": row, "BLOCK": triton.next_power_of_2(row)}))
+        for group in cfg["groups"]:
+            block_g, use_dot = da.decode_block_g(group)
+            for partial in (False, True):
+                ptrs = {"out_ptr": "*fp32", "lse_ptr": "*fp32"} if partial else {"lse_ptr": TY[dtype]}
+                results.append(compile_one(da.decode_attention_kernel, dtype, {
+                    "GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_N": 64, "PAGE_SIZE": 16,
+                    "USE_DOT": use_dot, "COMPUTE_F32": False,
+                    "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "WRITE_PARTIAL": partial}, ptrs))
+        results.append(compile_one(da.decode_reduce_kernel, dtype, {"HEAD_DIM": d, "BLOCK_S": 32},
+                                   {"part_ptr": "*fp32", "lse_ptr": "*fp32"}))
+        for group in (1, cfg["groups"][-1]):
+            results.append(compile_one(pa.prefill_attention_kernel, dtype, {
+                "GROUP": group, "HEAD_DIM": d, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE_SIZE": 16,
+                "COMPUTE_F32": False, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}))
+print("RESULTS " + json.dumps(results))
+"""
+
+SM90_MAX_SHARED = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
+
+
+def run_compiles(tmp_path: Path, cfg: list[dict]) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cfg)], env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+# fp16 and bf16 at both head dims; MHA (broadcast path) and GQA 4 / 8 (tl.dot path); fp32 (ieee dots) once.
+CONFIGS = [
+    {"dtypes": ["fp16"], "head_dims": [64, 128], "groups": [1, 4]},
+    {"dtypes": ["bf16"], "head_dims": [64, 128], "groups": [1, 8]},
+    {"dtypes": ["fp32"], "head_dims": [64], "groups": [2]},
+]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    # One subprocess for every compile: importing torch + triton dominates a single kernel's ~1 s compile.
+    return run_compiles(tmp_path_factory.mktemp("sm90"), CONFIGS)
+
+
+def test_every_kernel_compiles_for_sm90(compiled: list[dict]) -> None:
+    expected = sum(len(c["dtypes"]) * len(c["head_dims"]) * (2 + 2 * len(c["groups"]) + 1 + 2) for c in CONFIGS)
+    assert len(compiled) == expected
+    kinds = {(r["kernel"], r["dtype"], r.get("HEAD_DIM", "")) for r in compiled}
+    for dtype in ("fp16", "bf16"):
+        for d in ("64", "128"):
+            for kernel in ("decode_attention_kernel", "decode_reduce_kernel", "prefill_attention_kernel"):
+                assert (kernel, dtype, d) in kinds
+    for r in compiled:
+        assert r["cubin_bytes"] > 0, r
+
+
+def test_shared_memory_fits_sm90(compiled: list[dict]) -> None:
+    for r in compiled:
+        assert r["shared"] <= SM90_MAX_SHARED, f"needs {r['shared']} B of shared memory: {r}"
