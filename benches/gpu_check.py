@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import torch
+
     from ironlm.bench.report import machine_info, write_json
 
     if not args.dry_run and not torch.cuda.is_available():

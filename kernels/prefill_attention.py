@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from ironlm.kernels.decode_attention import default_compute_f32, load_kv_tile
 
 

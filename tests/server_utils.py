@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import uvicorn
+
 from ironlm.async_engine import AsyncLLMEngine
 from ironlm.server.api import build_app
 

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+
 from fake_engine import FakeEngine
 from ironlm import _core
 from ironlm.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+
 from ironlm.bench import serve as sv
 from ironlm.bench import throughput as tp
 from ironlm.bench.datasets import PrefixSpec, RandomSpec, make_dataset, token_floor

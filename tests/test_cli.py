@@ -15,6 +15,7 @@ import time
 import grpc
 import httpx
 import pytest
+
 from ironlm.cli import build_parser, engine_config, main
 from ironlm.grpc import ironlm_pb2 as pb
 from ironlm.grpc import ironlm_pb2_grpc as pb_grpc

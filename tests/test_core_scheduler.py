@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+
 from ironlm import _core
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ironlm import LLM, SamplingParams
 from ironlm.model.default import default_model_path
 from tiny_models import load_hf_gguf_reference

@@ -8,9 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
-from ironlm.detokenizer import IncrementalDetokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from ironlm.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "héllo wörld 日本語 🙂 naïve café",

@@ -11,6 +11,7 @@ import grpc
 import httpx
 import pytest
 from google.protobuf import descriptor_pb2
+
 from ironlm.grpc import ironlm_pb2 as pb
 from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
 from ironlm.server.grpc_service import start_grpc_server

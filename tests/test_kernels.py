@@ -38,6 +38,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
 from ironlm.attention import AttentionMetadata, get_backend
 from ironlm.attention.torch_backend import write_kv_cache
 from test_attention_torch import make_case, reference

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ironlm import LLM, SamplingParams
 from tiny_models import make_tiny_model
 

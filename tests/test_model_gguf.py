@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
 from ironlm.model import UnsupportedModelError, load_model
 from ironlm.model.gguf import GGUFFile, dequantize, gguf_model_name
 from tiny_models import (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from ironlm.model import load_model
 from tiny_models import TINY_VARIANTS, PagedSequences, load_hf_reference, make_kv_caches, make_tiny_model
 

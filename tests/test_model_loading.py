@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from ironlm.model import (
     DecoderLM,
     ModelConfig,
@@ -17,7 +19,6 @@ from ironlm.model import (
     resolve_dtype,
 )
 from ironlm.model import default as default_mod
-from safetensors.torch import load_file, save_file
 from tiny_models import BOS_ID, EOS_ID, IM_END_ID, make_tiny_model
 
 

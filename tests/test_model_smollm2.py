@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from ironlm.model import default_model_path, load_model
 from ironlm.model.default import DefaultModelNotInstalled
 from tiny_models import PagedSequences, load_hf_gguf_reference, make_kv_caches

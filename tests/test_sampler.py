@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import ironlm.sampler as sampler_mod
 import numpy as np
 import pytest
 import torch
+
+import ironlm.sampler as sampler_mod
 from ironlm.sampler import Sampler
 from ironlm.sampling_params import SamplingParams as SP
 

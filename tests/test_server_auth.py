@@ -7,6 +7,7 @@ import hmac
 import httpx
 import openai
 import pytest
+
 from ironlm.server import auth
 from ironlm.server.api import build_app
 from server_utils import LiveServer, shared_server

@@ -9,6 +9,7 @@ import socket
 import httpx
 import openai
 import pytest
+
 from server_utils import LiveServer, shared_server, wait_for
 
 N_CLIENTS = 32

@@ -7,6 +7,7 @@ import json
 import httpx
 import openai
 import pytest
+
 from ironlm.async_engine import AsyncLLMEngine
 from ironlm.config import EngineConfig
 from ironlm.server.api import build_app

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+
 from fake_engine import FakeEngine
 from ironlm.async_engine import AsyncLLMEngine
 from ironlm.server.api import build_app

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from server_utils import LiveServer, shared_server
 
 

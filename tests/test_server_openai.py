@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+
 from server_utils import LiveServer, shared_server
 
 IGNORE_EOS = {"ignore_eos": True}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from ironlm.bench.datasets import BenchRequest
 
 

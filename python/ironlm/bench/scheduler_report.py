@@ -15,8 +15,9 @@ from ironlm.bench.report import format_table, machine_info
 def run(num_seqs_list: tuple[int, ...] = (64, 256, 1024), steps: int | None = None,
         quick: bool = False, progress: bool = True) -> dict[str, Any]:
     """One `scheduler.run` per size (a progress bar over sizes), merged into one result."""
-    from ironlm.bench import scheduler
     from tqdm.auto import tqdm
+
+    from ironlm.bench import scheduler
 
     kwargs: dict[str, Any] = {"quick": quick}
     if steps is not None:

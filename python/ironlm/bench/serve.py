@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
 from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, make_dataset
 from ironlm.bench.report import format_table, machine_info
 from ironlm.bench.server_process import ServerProcess, model_vocab_size

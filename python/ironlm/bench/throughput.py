@@ -12,10 +12,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from ironlm.bench.baseline import BaselineRun, TransformersBaseline, sync
 from ironlm.bench.datasets import Dataset, PrefixSpec, RandomSpec, make_dataset
 from ironlm.bench.report import format_table, machine_info
-from tqdm.auto import tqdm
 
 # The phases of `LLMEngine.step` whose time is the model's own work.
 MODEL_PHASES = ("forward", "sample")
