@@ -156,3 +156,31 @@ def test_get_backend_selection() -> None:
     assert get_backend().name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("nope")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extra_decode_seq_shares", [True, False])
+def test_decode_with_a_shared_prefix_cascades_and_matches(dtype: torch.dtype, extra_decode_seq_shares: bool) -> None:
+    """Decode rows whose block tables start with the same blocks (one system prompt, n > 1 forks) take the
+    cascade path: shared blocks attended once for all queries, merged with each tail by log-sum-exp."""
+    from ironlm.attention import torch_backend
+
+    bs, shared = 4, torch_backend.MIN_SHARED_BLOCKS + 1
+    ctx = [shared * bs + t for t in (0, 3, 4, 9, 17)]
+    case = make_case(ctx, [1] * len(ctx), hq=6, hkv=2, d=64, block_size=bs, dtype=dtype, seed=11)
+    bt = case["block_tables"]
+    if extra_decode_seq_shares:
+        # Every sequence now points its first `shared` blocks at sequence 0's, holding sequence 0's history.
+        for i in range(1, len(ctx)):
+            bt[i, :shared] = bt[0, :shared]
+            for name in ("hist_k", "hist_v"):
+                case[name][i][: shared * bs] = case[name][0][: shared * bs]
+        case["meta"] = AttentionMetadata.from_lengths(context_lens=np.array(ctx), query_lens=np.ones(len(ctx), int),
+                                                      block_tables=bt, block_size=bs)
+    plan = torch_backend._make_plan(case["meta"], bs, torch.device("cpu"))
+    assert (plan.shared is not None) == extra_decode_seq_shares
+    if plan.shared is not None:
+        assert plan.shared.blocks.tolist() == bt[0, :shared].tolist()
+    out = run_backend(case)
+    torch.testing.assert_close(out.double(), reference(case), atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -21,6 +21,10 @@ from ironlm.attention.metadata import AttentionMetadata
 # 2-core dev box (B=64, contexts 32-768, Hq=9, Hkv=3, D=64): 2048-16384 all within noise; one chunk for the
 # whole batch ~2x slower, 1024 slower again (per-chunk op overhead).
 DECODE_CHUNK_TOKENS = 4096
+# Cascade attention: when every decode sequence starts with the same cached blocks (a shared system prompt,
+# n > 1 forks), those blocks are gathered once and attended by all queries in one call, then merged with each
+# sequence's own tail by log-sum-exp. Below this many shared blocks the extra call costs more than it saves.
+MIN_SHARED_BLOCKS = 4
 
 
 @dataclass
@@ -31,6 +35,15 @@ class _DecodeChunk:
     blocks: torch.Tensor  # [n * nb] int64 block ids, nb blocks per sequence (padded with block 0)
     bias: torch.Tensor  # [n, 1, L] fp32, 0 for real positions and -inf for padding (L = nb * block_size)
     num_blocks: int  # nb
+    offset: int  # position of this chunk's first sequence in the decode order (rows of the shared prefix)
+
+
+@dataclass
+class _SharedPrefix:
+    """Leading blocks common to every decode sequence of the step (cascade attention)."""
+
+    rows: torch.Tensor  # [N] token rows of all decode sequences, in chunk order
+    blocks: torch.Tensor  # [S] int64 shared block ids
 
 
 @dataclass
@@ -46,6 +59,7 @@ class _PrefillSeq:
 @dataclass
 class _Plan:
     decode: list[_DecodeChunk]
+    shared: _SharedPrefix | None
     prefill: list[_PrefillSeq]
     num_tokens: int  # real query rows (q may carry padding rows after them)
     has_padding_slots: bool | None  # any slot -1; None = unknown (device metadata: checked per write)
@@ -128,9 +142,12 @@ class TorchAttention:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
 
         out = torch.zeros_like(q) if plan.num_tokens < q.shape[0] else torch.empty_like(q)
+        shared = None
+        if plan.shared is not None:
+            shared = _shared_prefix(q.index_select(0, plan.shared.rows), k_cache, v_cache, plan.shared, scale)
         for chunk in plan.decode:
-            out.index_copy_(0, chunk.rows, _decode_chunk(q.index_select(0, chunk.rows), k_cache, v_cache, chunk,
-                                                         scale))
+            o = _decode_chunk(q.index_select(0, chunk.rows), k_cache, v_cache, chunk, scale, shared)
+            out.index_copy_(0, chunk.rows, o)
         for s in plan.prefill:
             out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale)
         return out
@@ -149,26 +166,33 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
     dec_idx = np.nonzero(is_dec)[0]
     dec_idx = dec_idx[np.argsort(seq_lens[dec_idx], kind="stable")]
     nbs = -(-seq_lens // block_size)
+    skip = _shared_blocks(bt_host, dec_idx, seq_lens, block_size)
+    shared = None
+    if skip:
+        shared = _SharedPrefix(rows=torch.from_numpy(qsl[dec_idx]).to(device),
+                               blocks=torch.from_numpy(bt_host[dec_idx[0], :skip].astype(np.int64)).to(device))
     i = 0
     while i < len(dec_idx):
         # Sorted ascending, so the chunk's last sequence sets its padded length.
         j = i + 1
-        while j < len(dec_idx) and (j + 1 - i) * nbs[dec_idx[j]] * block_size <= DECODE_CHUNK_TOKENS:
+        while j < len(dec_idx) and (j + 1 - i) * (nbs[dec_idx[j]] - skip) * block_size <= DECODE_CHUNK_TOKENS:
             j += 1
         idx = dec_idx[i:j]
         nb = int(nbs[idx[-1]])
         if bt_host is not None:
-            blocks = torch.from_numpy(np.ascontiguousarray(bt_host[idx, :nb], dtype=np.int64).reshape(-1))
+            blocks = torch.from_numpy(np.ascontiguousarray(bt_host[idx, skip:nb], dtype=np.int64).reshape(-1))
         else:
             blocks = meta.block_tables[torch.from_numpy(idx).to(device), :nb].long().reshape(-1)
-        length = nb * block_size
-        bias = np.where(np.arange(length)[None, :] < seq_lens[idx][:, None], 0.0, -np.inf).astype(np.float32)
+        length = (nb - skip) * block_size
+        positions = skip * block_size + np.arange(length)
+        bias = np.where(positions[None, :] < seq_lens[idx][:, None], 0.0, -np.inf).astype(np.float32)
         decode.append(
             _DecodeChunk(
                 rows=torch.from_numpy(qsl[idx]).to(device),
                 blocks=blocks.to(device),
                 bias=torch.from_numpy(bias).to(device).view(len(idx), 1, length),
-                num_blocks=nb,
+                num_blocks=nb - skip,
+                offset=i,
             )
         )
         i = j
@@ -186,7 +210,21 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
         )
     sm = meta.slot_mapping
     has_pad = bool((sm < 0).any()) if sm.device.type == "cpu" and sm.numel() else None
-    return _Plan(decode, prefill, int(qsl[-1]), has_pad)
+    return _Plan(decode, shared, prefill, int(qsl[-1]), has_pad)
+
+
+def _shared_blocks(bt_host: np.ndarray | None, dec_idx: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """How many leading blocks all decode sequences share (0 when cascading would not pay off)."""
+    if bt_host is None or len(dec_idx) < 2:
+        return 0
+    # Only blocks wholly before every sequence's newest token: that token's own block is never shared.
+    width = min(int(((seq_lens[dec_idx] - 1) // block_size).min()), bt_host.shape[1])
+    if width < MIN_SHARED_BLOCKS:
+        return 0
+    rows = bt_host[dec_idx, :width]
+    same = (rows == rows[:1]).all(axis=0)
+    common = width if same.all() else int(np.argmin(same))
+    return common if common >= MIN_SHARED_BLOCKS else 0
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -194,8 +232,39 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _shared_prefix(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, shared: _SharedPrefix, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All decode queries [N, Hq, D] against the shared blocks at once -> (out [N, Hkv, G, D], lse [N, Hkv, G])."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    ct = _compute_dtype(q.dtype)
+    length = shared.blocks.shape[0] * k_cache.shape[1]
+    # Every query row of a KV head (N sequences x G heads) sees the same keys: one [N*G, L] problem per head.
+    qs = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, n * g, d).to(ct)
+    ks = _gather_blocks(k_cache, shared.blocks, "ks").view(1, length, hkv, d).transpose(1, 2).to(ct)
+    vs = _gather_blocks(v_cache, shared.blocks, "vs").view(1, length, hkv, d).transpose(1, 2).to(ct)
+    out, lse = _sdpa_with_lse(qs, ks, vs, None, scale)
+    out = out.view(hkv, n, g, d).permute(1, 0, 2, 3)
+    return out, lse.view(hkv, n, g).permute(1, 0, 2)
+
+
+def _sdpa_with_lse(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return out, lse
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        logits = logits + mask
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), v), lse
+
+
 def _decode_chunk(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: _DecodeChunk, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: _DecodeChunk, scale: float,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [n, Hq, D] (one token per sequence) against each sequence's whole paged context."""
     n, hq, d = q.shape
@@ -209,8 +278,15 @@ def _decode_chunk(
     # [n, Hkv, L, D] as a strided view of the gathered blocks; SDPA's CPU kernel reads it in place.
     kg = _gather_blocks(k_cache, chunk.blocks, "k").view(n, length, hkv, d).transpose(1, 2).to(ct)
     vg = _gather_blocks(v_cache, chunk.blocks, "v").view(n, length, hkv, d).transpose(1, 2).to(ct)
-    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=bias.view(n, 1, 1, length), scale=scale)
-    return out.reshape(n, hq, d).to(q.dtype)
+    if shared is None:
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=bias.view(n, 1, 1, length), scale=scale)
+        return out.reshape(n, hq, d).to(q.dtype)
+    out, lse = _sdpa_with_lse(qg, kg, vg, bias.view(n, 1, 1, length), scale)
+    s_out, s_lse = (t[chunk.offset : chunk.offset + n] for t in shared)
+    # Merge two softmax partitions of the same query: weights exp(lse_part - lse_total).
+    total = torch.logaddexp(lse, s_lse)
+    w_own, w_shared = torch.exp(lse - total).unsqueeze(-1), torch.exp(s_lse - total).unsqueeze(-1)
+    return (out * w_own + s_out * w_shared).reshape(n, hq, d).to(q.dtype)
 
 
 def _prefill_one(

@@ -40,6 +40,9 @@ def load_hf_model(model_path: str | Path, dtype: torch.dtype, device: torch.devi
             if "accelerate" not in str(exc):
                 raise
             model = _load_gguf_without_accelerate(path, dtype)
+    # EOS is ignored, as in ironlm's runs: a None in generate()'s config would fall back to these defaults.
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
     return model.to(device).eval()
 
 
