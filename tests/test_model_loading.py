@@ -114,6 +114,9 @@ def test_dtype_and_device_resolution():
     assert resolve_dtype("bf16", cpu) == torch.bfloat16 and resolve_dtype(torch.float16, cpu) == torch.float16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", cpu)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
 
 
 def test_forward_requires_backend(tiny_dir):

@@ -20,7 +20,7 @@ from ironlm.attention import AttentionMetadata, get_backend
 from ironlm.config import EngineConfig
 from ironlm.engine_state import EngineRequest, EngineSequence
 from ironlm.kv_cache import allocate_kv_caches, copy_blocks, num_kv_blocks
-from ironlm.model import load_model
+from ironlm.model import load_model, resolve_device, resolve_dtype
 from ironlm.outputs import RequestMetrics, RequestOutput
 from ironlm.sampler import Sampler
 from ironlm.sampling_params import SamplingParams
@@ -32,24 +32,6 @@ logger = logging.getLogger("ironlm.engine")
 _CPU_DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    aliases = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return aliases[name]
-
-
 class LLMEngine:
     """Drives one model. Not thread-safe: exactly one thread calls its methods."""
 
@@ -59,21 +41,21 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, dtype=self.dtype, device=self.device)
+        loaded = load_model(config.model, dtype=self.dtype, device=self.device,
+                            attn_backend=get_backend(config.attention_backend, self.device))
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = config.served_model_name or loaded.name
         self.model_path = loaded.path
-        self.model.set_attention_backend(get_backend(config.attention_backend, self.device))
         self.startup_timings: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
         t0 = time.perf_counter()
         mc = self.model_config
-        num_blocks = num_kv_blocks(config, mc, self.dtype, self.device, self._profile_forward)
+        default_budget = 2048 if self.device.type == "cpu" else 8192
+        budget = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
+        num_blocks = num_kv_blocks(config, mc, self.dtype, self.device, lambda: self._profile_forward(budget))
         self.kv_caches = allocate_kv_caches(mc, num_blocks, config.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
-        default_budget = 2048 if self.device.type == "cpu" else 8192
-        budget = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
         self.scheduler = _core.Scheduler(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=budget, max_model_len=self.max_model_len,
@@ -107,11 +89,8 @@ class LLMEngine:
             request_id = f"req-{next(self._ids)}"
         text, token_ids = self._encode(prompt)
         max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - len(token_ids)
-        if max_tokens < 1 or len(token_ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+        if max_tokens is None:  # up to max_model_len; a prompt already that long is the core's to reject
+            max_tokens = max(1, self.max_model_len - len(token_ids))
         eos = [] if params.ignore_eos else list(self.model_config.eos_token_ids)
         arrival = _core.monotonic() if arrival_time is None else arrival_time
         slots = self.scheduler.add_request(
@@ -211,11 +190,11 @@ class LLMEngine:
             stop_token = finished.get(slot) == "stop"
             stop = seq.append(tokens[row], logprobs[row], top, self.tokenizer, stop_token)
             touched[request.request_id] = request
-            if stop is not None and slot not in finished:
-                self.scheduler.finish(slot, "stop")
-                finished[slot] = "stop"
             if stop is not None:
                 seq.stop_reason = stop
+                if slot not in finished:
+                    self.scheduler.finish(slot, "stop")
+                    finished[slot] = "stop"
         for slot, reason in finished.items():
             self._finish_seq(slot, reason, touched)
 

@@ -86,9 +86,9 @@ class EngineSequence:
         if self.detok is not None and not self.detok.stopped:
             self.detok.finish()  # flush text held back for a possible stop string or a partial character
         if reason == "stop" and self.stop_reason is None and self.token_ids:
-            last = self.token_ids[-1]
-            if last in eos_token_ids or last in (self.request.params.stop_token_ids or ()):
-                self.stop_reason = None if last in eos_token_ids else last
+            last = self.token_ids[-1]  # EOS reports no stop_reason, a stop_token_ids hit reports the id
+            if last not in eos_token_ids and last in (self.request.params.stop_token_ids or ()):
+                self.stop_reason = last
 
     def output(self) -> CompletionOutput:
         text = self.detok.output_text if self.detok is not None else ""

@@ -19,7 +19,7 @@ def bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 def num_kv_blocks(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device,
-                  profile: Callable[[int], None]) -> int:
+                  profile: Callable[[], None]) -> int:
     """`num_kv_blocks` if set, else `kv_cache_memory`, else (GPU) a share of the free memory
     left after a profiling forward of a full token budget, else (CPU) 1 GiB."""
     if config.num_kv_blocks is not None:
@@ -29,7 +29,7 @@ def num_kv_blocks(config: EngineConfig, model_config, dtype: torch.dtype, device
     if budget is None and device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        profile(config.max_num_batched_tokens or 8192)
+        profile()  # a forward over the engine's full token budget
         free, total = torch.cuda.mem_get_info(device)
         peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
         budget = int(free - (1 - config.gpu_memory_utilization) * total - peak_extra)

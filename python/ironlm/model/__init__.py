@@ -56,7 +56,10 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
 def resolve_device(device: torch.device | str | None = "auto") -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
+    return dev
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
