@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from ironlm.config import EngineConfig
 from ironlm.engine import LLMEngine
 from ironlm.outputs import RequestOutput
 from ironlm.sampling_params import SamplingParams
+from ironlm.stats import latency_summary
 
 PromptType = str | list[int] | dict
 
@@ -127,8 +127,8 @@ class LLM:
             "output_tokens_per_s": self._generated / busy,
             "total_tokens_per_s": (self._generated + self._prompt_tokens) / busy,
             "requests_per_s": len(self._finished) / busy,
-            "ttft_s": _summary(ttft),
-            "tpot_s": _summary(tpot),
+            "ttft_s": latency_summary(ttft),
+            "tpot_s": latency_summary(tpot),
             "prefix_cache_hit_rate": stats["prefix_cache_hits"] / queries if queries else 0.0,
             "prefix_cache_queries": queries,
             "prefix_cache_hits": stats["prefix_cache_hits"],
@@ -136,11 +136,3 @@ class LLM:
             "num_preemptions": stats["num_preemptions"],
             "step_breakdown_s": self.engine.step_breakdown(),
         }
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
-    arr = np.asarray(values)
-    return {"mean": float(arr.mean()), "median": float(np.median(arr)),
-            "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}

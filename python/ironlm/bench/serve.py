@@ -22,8 +22,7 @@ import numpy as np
 from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, make_dataset
 from ironlm.bench.report import format_table, machine_info
 from ironlm.bench.server_process import ServerProcess, model_vocab_size
-
-PERCENTILES = (50, 90, 99)
+from ironlm.stats import latency_summary
 
 
 @dataclass
@@ -174,13 +173,7 @@ async def _drive(config: ServeConfig, base_url: str, model_name: str | None, ds:
 
 
 def _stats_ms(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0, "min": 0.0, "max": 0.0, "std": 0.0}
-    arr = np.asarray(values) * 1000.0
-    out = {"mean": float(arr.mean()), "std": float(arr.std()), "min": float(arr.min()), "max": float(arr.max())}
-    for q in PERCENTILES:
-        out["median" if q == 50 else f"p{q}"] = float(np.percentile(arr, q))
-    return out
+    return latency_summary(values, scale=1000.0)
 
 
 def busy_fraction(results: list[RequestResult], duration: float) -> float:
