@@ -94,11 +94,15 @@ def plot_bars(path: str | os.PathLike, bars: Sequence[tuple[str, float]], *, tit
     ax.set_xticks(range(len(bars)), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | os.PathLike) -> Path:
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out
 
 
@@ -123,12 +127,7 @@ def plot_cdfs(path: str | os.PathLike, series: Mapping[str, Sequence[float]], *,
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("fraction of requests")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
