@@ -1,6 +1,9 @@
-"""The torch attention backend against a dense per-sequence reference that never touches the paged cache."""
+"""The torch and cpu attention backends against a dense per-sequence reference that never touches the paged
+cache."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pytest
@@ -99,21 +102,25 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (6, 2, 64), (8, 2, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_matches_dense_reference(name: str, hq: int, hkv: int, d: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_backend_matches_dense_reference(
+    backend: str, name: str, hq: int, hkv: int, d: int, dtype: torch.dtype
+) -> None:
     ctx, ql = CASES[name]
     bs = 16 if d == 128 else 8
     case = make_case(ctx, ql, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype, seed=hash((name, hq, d)) % 1000)
-    out = run_backend(case)
+    out = run_backend(case, backend)
     assert out.shape == case["q"].shape and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), reference(case), atol=tol, rtol=tol)
     check_cache(case, bs)
 
 
-def test_padding_rows_are_skipped_and_zero() -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_padding_rows_are_skipped_and_zero(backend: str) -> None:
     case = make_case([3, 9], [1, 1], hq=4, hkv=2, d=64, block_size=4, dtype=torch.float32, seed=1, pad_rows=3)
     before = case["k_cache"].clone()
-    out = run_backend(case)
+    out = run_backend(case, backend)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
     torch.testing.assert_close(out[:2].double(), reference(case)[:2], atol=1e-5, rtol=1e-5)
     # Only the two real slots changed: -1 must not wrap around to the last slot.
@@ -121,10 +128,11 @@ def test_padding_rows_are_skipped_and_zero() -> None:
     assert len(changed) == 2
 
 
-def test_plan_is_reused_across_layers() -> None:
+@pytest.mark.parametrize("name", ["torch", "cpu"])
+def test_plan_is_reused_across_layers(name: str) -> None:
     case = make_case([4, 0, 9], [1, 5, 1], hq=4, hkv=2, d=64, block_size=4, dtype=torch.float32, seed=2)
     meta = case["meta"]
-    backend = get_backend("torch")
+    backend = get_backend(name)
     outs = []
     for _ in range(2):  # two "layers" with different caches and inputs share one metadata object
         c2 = make_case([4, 0, 9], [1, 5, 1], hq=4, hkv=2, d=64, block_size=4, dtype=torch.float32,
@@ -132,7 +140,7 @@ def test_plan_is_reused_across_layers() -> None:
         c2["meta"] = meta
         outs.append((backend.forward(c2["q"], c2["k"], c2["v"], c2["k_cache"], c2["v_cache"], meta,
                                      c2["scale"]), reference(c2)))
-    assert "torch" in meta.plan_cache
+    assert name in meta.plan_cache
     for out, ref in outs:
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -152,8 +160,9 @@ def test_metadata_fields() -> None:
 
 
 def test_get_backend_selection() -> None:
-    assert get_backend("auto", "cpu").name == "torch"
-    assert get_backend().name == "torch"
+    assert get_backend("auto", "cpu").name == "cpu"
+    assert get_backend().name == "cpu"
+    assert get_backend("torch", "cpu").name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("nope")
 
@@ -184,3 +193,47 @@ def test_decode_with_a_shared_prefix_cascades_and_matches(dtype: torch.dtype, ex
     out = run_backend(case)
     torch.testing.assert_close(out.double(), reference(case), atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_cpu_decode_kernel_matches_torch_on_long_shuffled_contexts() -> None:
+    """Many decode sequences of uneven length (thread split by length), MQA and GQA, against the torch path."""
+    ctx = [int(c) for c in np.random.default_rng(5).integers(1, 300, size=23)]
+    for hq, hkv in [(9, 3), (8, 1)]:
+        case = make_case(ctx, [1] * len(ctx), hq=hq, hkv=hkv, d=64, block_size=16, dtype=torch.float32, seed=hq)
+        cpu = run_backend(case, "cpu")
+        ref = run_backend(case, "torch")
+        torch.testing.assert_close(cpu, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_threads_run_on_torchs_openmp_pool() -> None:
+    """Own threads would be time-sliced against torch's spinning OpenMP workers (no faster than one thread)."""
+    from ironlm import _core
+
+    if "OpenMP" not in torch.__config__.parallel_info() or not sys.platform.startswith("linux"):
+        pytest.skip("torch is not built on OpenMP here")
+    assert _core.parallel_runtime() == "openmp"
+
+
+def test_cpu_decode_kernel_rejects_bad_arguments() -> None:
+    from ironlm import _core
+
+    q = np.zeros((2, 4, 8), np.float32)
+    cache = np.zeros((3, 4, 2, 8), np.float32)
+    tables = np.array([[0, 1], [2, 0]], np.int32)
+    out = np.empty_like(q)
+    _core.paged_decode_attention(q, cache, cache, tables, np.array([5, 1], np.int32), 0.5, out)
+    assert np.allclose(out, 0.0)  # all-zero V: any softmax weights give zeros
+    bad = [
+        ({"seq_lens": np.array([9, 1], np.int32)}, "seq_lens"),  # beyond 2 blocks of 4
+        ({"seq_lens": np.array([0, 1], np.int32)}, "seq_lens"),
+        ({"block_tables": np.array([[0, 3], [2, 0]], np.int32)}, "block_tables"),  # block 3 of 3
+        ({"q": np.zeros((2, 3, 8), np.float32)}, "q"),  # 3 query heads over 2 KV heads
+        ({"out": np.empty((2, 4, 4), np.float32)}, "out"),
+        ({"v_cache": np.zeros((3, 4, 2, 4), np.float32)}, "v_cache"),
+        ({"q": np.zeros((2, 4, 16), np.float32)[:, :, ::2]}, "q: must be C-contiguous"),
+    ]
+    for change, field in bad:
+        args = {"q": q, "k_cache": cache, "v_cache": cache, "block_tables": tables,
+                "seq_lens": np.array([5, 1], np.int32), "scale": 0.5, "out": out, **change}
+        with pytest.raises(ValueError, match=field):
+            _core.paged_decode_attention(**args)

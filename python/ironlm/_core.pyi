@@ -29,6 +29,28 @@ class DuplicateRequestError(CoreError, ValueError):
 def monotonic() -> float:
     """The core's clock, in seconds."""
 
+def paged_decode_attention(
+    q: npt.NDArray[np.float32],
+    k_cache: npt.NDArray[np.float32],
+    v_cache: npt.NDArray[np.float32],
+    block_tables: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    scale: float,
+    out: npt.NDArray[np.float32],
+    threads: int = 1,
+) -> None:
+    """Decode attention on the CPU, reading the paged cache in place (the ``cpu`` attention backend).
+
+    ``out[i, h] = softmax(q[i, h] . K_i^T * scale) V_i`` over the first ``seq_lens[i]`` positions of sequence
+    ``i``, whose pages are ``block_tables[i]``. q/out ``[n, Hq, D]``; caches ``[num_blocks, block_size, Hkv,
+    D]``; query head ``h`` reads KV head ``h // (Hq // Hkv)``. All C-contiguous. Runs with the GIL released on
+    up to ``threads`` threads (torch's OpenMP pool when torch is loaded). Raises ``ValueError`` naming the
+    argument for any shape, dtype, block id or length it cannot follow."""
+
+def parallel_runtime() -> str:
+    """Where the CPU kernels run their threads: ``"openmp"`` (the pool of the OpenMP runtime torch links, found
+    among the loaded libraries) or ``"threads"`` (their own scoped threads)."""
+
 class BlockAllocator:
     """Fixed pool of KV blocks with reference counts, fork and copy-on-write."""
 

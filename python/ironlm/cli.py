@@ -38,7 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--max-queue-len", type=int, default=None, help="waiting requests beyond this get 503")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may wait in the queue before it times out")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
     g.add_argument("--seed", type=int, default=0)
 
 

@@ -1,9 +1,11 @@
 //! ironlm core: the bookkeeping half of the engine.
 
+pub mod attention;
 pub mod block;
 pub mod radix;
 
 pub mod error;
+pub mod parallel;
 pub mod plan;
 pub mod queue;
 pub mod scheduler;

@@ -13,6 +13,7 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 
 use crate::error::CoreError as RsCoreError;
 
+mod attn;
 mod kv;
 mod queue;
 mod sched;
@@ -198,6 +199,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RequestTooLargeError", request_too_large(py)?)?;
     m.add("DuplicateRequestError", duplicate_request(py)?)?;
     m.add_function(wrap_pyfunction!(monotonic, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::paged_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::parallel_runtime, m)?)?;
     m.add_class::<kv::PyBlockAllocator>()?;
     m.add_class::<kv::PyRadixCache>()?;
     m.add_class::<queue::PyRequestQueue>()?;

@@ -1,6 +1,7 @@
 """Paged attention backends.
 
-``get_backend("auto", device)`` picks Triton on CUDA and torch elsewhere. The Triton backend is imported
+``get_backend("auto", device)`` picks Triton on CUDA, the fused CPU decode kernel on the CPU, and torch
+elsewhere. The Triton backend is imported
 lazily: importing ``ironlm.kernels`` runs the ``@triton.jit`` decorators, which must happen after
 ``TRITON_INTERPRET`` is decided (see tests/test_kernels.py), and CPU-only users never need Triton at all.
 """
@@ -11,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from ironlm.attention.cpu_backend import CpuAttention
 from ironlm.attention.metadata import AttentionMetadata
 from ironlm.attention.torch_backend import TorchAttention
 
@@ -34,13 +36,13 @@ class AttentionBackend(Protocol):
         ...
 
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 def get_backend(name: str = "auto", device: torch.device | str | None = None) -> AttentionBackend:
     dev = torch.device(device) if device is not None else None
     if name == "auto":
-        name = "torch"
+        name = "cpu" if dev is None or dev.type == "cpu" else "torch"
         if dev is not None and dev.type == "cuda":
             try:
                 import triton  # noqa: F401
@@ -50,6 +52,8 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
                 name = "triton"
     if name == "torch":
         return TorchAttention()
+    if name == "cpu":
+        return CpuAttention()
     if name == "triton":
         from ironlm.attention.triton_backend import TritonAttention
 
@@ -57,4 +61,4 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "TorchAttention", "get_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "CpuAttention", "TorchAttention", "get_backend"]

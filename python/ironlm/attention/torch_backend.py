@@ -157,7 +157,6 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     seq_lens = meta.seq_lens_cpu.astype(np.int64)
     qlens = np.diff(qsl)
-    ctx_lens = seq_lens - qlens
     is_dec = qlens == 1
     # On CPU the block table is sliced in numpy; on a device it is indexed there (no copy back, no sync).
     bt_host = meta.block_tables.numpy() if meta.block_tables.device.type == "cpu" else None
@@ -197,20 +196,30 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
         )
         i = j
 
+    return _Plan(decode, shared, plan_prefill(meta, block_size, device), int(qsl[-1]), has_padding_slots(meta))
+
+
+def has_padding_slots(meta: AttentionMetadata) -> bool | None:
+    sm = meta.slot_mapping
+    return bool((sm < 0).any()) if sm.device.type == "cpu" and sm.numel() else None
+
+
+def plan_prefill(meta: AttentionMetadata, block_size: int, device: torch.device) -> list[_PrefillSeq]:
+    """The sequences with more than one query row this step (prefill chunks), one entry each."""
+    qsl = meta.query_start_loc_cpu.astype(np.int64)
+    seq_lens = meta.seq_lens_cpu.astype(np.int64)
+    qlens = np.diff(qsl)
     prefill = []
-    for i in np.nonzero(~is_dec & (qlens > 0))[0]:
-        n, sl, ctx = int(qlens[i]), int(seq_lens[i]), int(ctx_lens[i])
-        nb = int(nbs[i])
+    for i in np.nonzero(qlens > 1)[0]:
+        n, sl = int(qlens[i]), int(seq_lens[i])
+        ctx = sl - n
         mask = None
         if ctx > 0:
             # Bottom-right aligned causal mask: query j (absolute ctx + j) sees keys 0..ctx + j.
             mask = torch.arange(sl, device=device)[None, :] <= (torch.arange(n, device=device)[:, None] + ctx)
-        prefill.append(
-            _PrefillSeq(int(qsl[i]), int(qsl[i + 1]), sl, ctx, meta.block_tables[i, :nb].long(), mask)
-        )
-    sm = meta.slot_mapping
-    has_pad = bool((sm < 0).any()) if sm.device.type == "cpu" and sm.numel() else None
-    return _Plan(decode, shared, prefill, int(qsl[-1]), has_pad)
+        blocks = meta.block_tables[i, : -(-sl // block_size)].long()
+        prefill.append(_PrefillSeq(int(qsl[i]), int(qsl[i + 1]), sl, ctx, blocks, mask))
+    return prefill
 
 
 def _shared_blocks(bt_host: np.ndarray | None, dec_idx: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:

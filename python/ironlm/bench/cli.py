@@ -57,6 +57,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", help="bytes or e.g. 2GiB")
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--max-model-len", type=int)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
 
@@ -136,7 +137,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     random, prefix = _specs(args, base.random, base.prefix)
     engine_args = {k: getattr(args, k) for k in ("dtype", "device", "block_size", "max_num_seqs",
                                                  "max_num_batched_tokens", "kv_cache_memory", "num_kv_blocks",
-                                                 "max_model_len")
+                                                 "max_model_len", "attention_backend")
                    if getattr(args, k) is not None}
     default_sizes = base.baseline_batch_sizes if args.quick else tp.ThroughputConfig().baseline_batch_sizes
     config = tp.ThroughputConfig(

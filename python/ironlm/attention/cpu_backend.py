@@ -1,0 +1,82 @@
+"""CPU attention: decode rows through the core's fused paged kernel, prefill chunks through the torch path.
+
+At decode each sequence contributes one query row per head, so attention is all memory traffic. The torch
+path gathers every sequence's pages into a padded buffer before SDPA (the cache is read, written and read
+again); ``ironlm._core.paged_decode_attention`` reads each page once, in place, with the GIL released and
+the sequences split across torch's thread count. Prefill chunks are matmul-shaped and stay on SDPA.
+Half-precision caches (numpy has no bfloat16) fall back to the torch path whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ironlm import _core
+from ironlm.attention.metadata import AttentionMetadata
+from ironlm.attention.torch_backend import (
+    TorchAttention,
+    _prefill_one,
+    _PrefillSeq,
+    has_padding_slots,
+    plan_prefill,
+    write_kv_cache,
+)
+
+
+@dataclass
+class _CpuPlan:
+    rows: torch.Tensor | None  # [n] decode rows of q, None when every row of q is a decode row, in order
+    block_tables: np.ndarray  # [n, max_blocks] int32
+    seq_lens: np.ndarray  # [n] int32
+    prefill: list[_PrefillSeq]
+    num_tokens: int
+    has_padding_slots: bool | None
+
+
+class CpuAttention(TorchAttention):
+    name = "cpu"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        plan = meta.plan_cache.get("cpu")
+        if plan is None:
+            plan = meta.plan_cache["cpu"] = _make_plan(meta, k_cache.shape[1], q.shape[0])
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
+
+        out = torch.zeros_like(q) if plan.num_tokens < q.shape[0] else torch.empty_like(q)
+        if len(plan.seq_lens):
+            qd = q.contiguous() if plan.rows is None else q.index_select(0, plan.rows)
+            od = out if plan.rows is None else torch.empty_like(qd)
+            _core.paged_decode_attention(
+                qd.numpy(), k_cache.numpy(), v_cache.numpy(), plan.block_tables, plan.seq_lens, scale,
+                od.numpy(), torch.get_num_threads())
+            if plan.rows is not None:
+                out.index_copy_(0, plan.rows, od)
+        for s in plan.prefill:
+            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale)
+        return out
+
+
+def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan:
+    qsl = meta.query_start_loc_cpu.astype(np.int64)
+    qlens = np.diff(qsl)
+    dec = np.nonzero(qlens == 1)[0]
+    rows = None if len(dec) == num_rows else torch.from_numpy(qsl[dec])
+    seq_lens = np.ascontiguousarray(meta.seq_lens_cpu[dec], dtype=np.int32)
+    width = int(-(-seq_lens.max(initial=0) // block_size))
+    tables = np.ascontiguousarray(meta.block_tables.numpy()[dec, :width], dtype=np.int32)
+    prefill = plan_prefill(meta, block_size, torch.device("cpu"))
+    return _CpuPlan(rows, tables, seq_lens, prefill, int(qsl[-1]), has_padding_slots(meta))

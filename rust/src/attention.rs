@@ -1,0 +1,228 @@
+//! Fused paged decode attention for the CPU: one query token per sequence against its paged
+//! K/V cache, read in place.
+//!
+//! The torch path gathers every sequence's blocks into a padded buffer and then runs SDPA, so
+//! the cache is read, written and read again; at decode, with one query row per KV head group,
+//! that traffic is the whole cost. Here each (sequence, KV head) reads its K rows once for the
+//! logits and its V rows once for the output. Not bookkeeping, but it is the one piece of model
+//! execution that torch cannot express without the copy.
+//!
+//! Layouts (row-major, f32): `q`/`out` `[n, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]`;
+//! `block_tables` `[n, max_blocks]`. Query head `h` reads KV head `h / (Hq / Hkv)`.
+
+use std::sync::Mutex;
+
+use crate::error::{CoreError, CoreResult};
+
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeShape {
+    pub num_seqs: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_blocks: usize,
+}
+
+pub struct DecodeArgs<'a> {
+    pub shape: DecodeShape,
+    pub q: &'a [f32],
+    pub k_cache: &'a [f32],
+    pub v_cache: &'a [f32],
+    pub block_tables: &'a [i32],
+    pub seq_lens: &'a [i32],
+    pub scale: f32,
+}
+
+impl DecodeArgs<'_> {
+    /// Every index the kernel will follow is checked here, so the loops can trust them.
+    pub fn validate(&self, out_len: usize) -> CoreResult<()> {
+        let s = self.shape;
+        if s.num_kv_heads == 0 || s.head_dim == 0 || s.block_size == 0 {
+            return Err(CoreError::invalid(
+                "k_cache",
+                "zero-sized head or block dimension",
+            ));
+        }
+        if !s.num_q_heads.is_multiple_of(s.num_kv_heads) {
+            let r = format!(
+                "{} query heads are not a multiple of {} KV heads",
+                s.num_q_heads, s.num_kv_heads
+            );
+            return Err(CoreError::invalid("q", r));
+        }
+        let q_len = s.num_seqs * s.num_q_heads * s.head_dim;
+        let cache_len = s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim;
+        let lens = [
+            ("q", self.q.len(), q_len),
+            ("out", out_len, q_len),
+            ("k_cache", self.k_cache.len(), cache_len),
+            ("v_cache", self.v_cache.len(), cache_len),
+            (
+                "block_tables",
+                self.block_tables.len(),
+                s.num_seqs * s.max_blocks,
+            ),
+            ("seq_lens", self.seq_lens.len(), s.num_seqs),
+        ];
+        for (name, got, want) in lens {
+            if got != want {
+                return Err(CoreError::invalid(
+                    name,
+                    format!("has {got} elements, expected {want}"),
+                ));
+            }
+        }
+        for (i, &len) in self.seq_lens.iter().enumerate() {
+            if len < 1 || len as usize > s.max_blocks * s.block_size {
+                let r = format!(
+                    "seq_lens[{i}] = {len} outside 1..={}",
+                    s.max_blocks * s.block_size
+                );
+                return Err(CoreError::invalid("seq_lens", r));
+            }
+            let used = (len as usize).div_ceil(s.block_size);
+            let row = &self.block_tables[i * s.max_blocks..i * s.max_blocks + used];
+            if let Some(&b) = row.iter().find(|&&b| b < 0 || b as usize >= s.num_blocks) {
+                let r = format!("row {i} names block {b}, the cache has {}", s.num_blocks);
+                return Err(CoreError::invalid("block_tables", r));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Attend every sequence, splitting the sequences into `threads` runs of about equal total
+/// context length (each thread then reads about the same number of cache rows).
+pub fn paged_decode(args: &DecodeArgs, out: &mut [f32], threads: usize) -> CoreResult<()> {
+    args.validate(out.len())?;
+    let s = args.shape;
+    let width = s.num_q_heads * s.head_dim; // one sequence's output
+    let parts = threads.clamp(1, s.num_seqs.max(1));
+    let total: usize = args.seq_lens.iter().map(|&l| l as usize).sum();
+    let (mut start, mut done, mut rest) = (0, 0, out);
+    let mut runs = Vec::with_capacity(parts);
+    for p in 0..parts {
+        let mut end = start;
+        while end < s.num_seqs && (p + 1 == parts || done < total * (p + 1) / parts) {
+            done += args.seq_lens[end] as usize;
+            end += 1;
+        }
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut((end - start) * width);
+        runs.push(Mutex::new((start, mine)));
+        (start, rest) = (end, tail);
+    }
+    // Each run is locked by exactly one thread: the mutex only proves the slices disjoint.
+    crate::parallel::run_parts(parts, &|p| {
+        let mut run = runs[p].lock().unwrap_or_else(|e| e.into_inner());
+        let (first, ref mut out) = *run;
+        run_seqs(args, first, out);
+    });
+    Ok(())
+}
+
+/// Sequences `first..first + out.len() / (Hq * D)`, picking the widest SIMD this CPU has: the
+/// generic body is inlined into each wrapper and vectorised for its target features.
+fn run_seqs(args: &DecodeArgs, first: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above).
+            return unsafe { run_seqs_avx512(args, first, out) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+            return unsafe { run_seqs_avx2(args, first, out) };
+        }
+    }
+    run_seqs_generic(args, first, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn run_seqs_avx512(args: &DecodeArgs, first: usize, out: &mut [f32]) {
+    run_seqs_generic(args, first, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_seqs_avx2(args: &DecodeArgs, first: usize, out: &mut [f32]) {
+    run_seqs_generic(args, first, out)
+}
+
+#[inline(always)]
+fn run_seqs_generic(args: &DecodeArgs, first: usize, out: &mut [f32]) {
+    let mut scores = Vec::new();
+    let width = args.shape.num_q_heads * args.shape.head_dim;
+    for (i, seq_out) in out.chunks_exact_mut(width).enumerate() {
+        attend(args, first + i, &mut scores, seq_out);
+    }
+}
+
+/// One sequence, all heads at once: the cache rows of a position (every KV head, contiguous)
+/// are read once and in order, a whole block at a time, so the prefetcher sees a stream.
+/// Two passes: logits for every position, softmax per head, then V rows weighted into `out`.
+#[inline(always)]
+fn attend(args: &DecodeArgs, seq: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let s = args.shape;
+    let (d, hq) = (s.head_dim, s.num_q_heads);
+    let group = hq / s.num_kv_heads;
+    let width = s.num_kv_heads * d;
+    let len = args.seq_lens[seq] as usize;
+    let table = &args.block_tables[seq * s.max_blocks..(seq + 1) * s.max_blocks];
+    let q = &args.q[seq * hq * d..(seq + 1) * hq * d];
+    let row = |pos: usize| {
+        (table[pos / s.block_size] as usize * s.block_size + pos % s.block_size) * width
+    };
+    scores.clear();
+    scores.resize(hq * len, 0.0);
+    for pos in 0..len {
+        let k = &args.k_cache[row(pos)..row(pos) + width];
+        for h in 0..hq {
+            let kh = &k[h / group * d..(h / group + 1) * d];
+            scores[h * len + pos] = dot(&q[h * d..(h + 1) * d], kh) * args.scale;
+        }
+    }
+    for sc in scores.chunks_exact_mut(len) {
+        let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for x in sc.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        sc.iter_mut().for_each(|x| *x *= inv);
+    }
+    out.fill(0.0);
+    for pos in 0..len {
+        let v = &args.v_cache[row(pos)..row(pos) + width];
+        for (h, o) in out.chunks_exact_mut(d).enumerate() {
+            let p = scores[h * len + pos];
+            for (o, &x) in o.iter_mut().zip(&v[h / group * d..(h / group + 1) * d]) {
+                *o += p * x;
+            }
+        }
+    }
+}
+
+/// Sixteen independent partial sums: float addition is not associative, so without them the
+/// compiler must keep one serial chain and cannot vectorise the reduction.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0.0f32; LANES];
+    let (a16, a_tail) = a.split_at(a.len() / LANES * LANES);
+    let (b16, b_tail) = b.split_at(a16.len());
+    for (x, y) in a16.chunks_exact(LANES).zip(b16.chunks_exact(LANES)) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let tail: f32 = a_tail.iter().zip(b_tail).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+#[path = "attention_tests.rs"]
+mod tests;

@@ -1,0 +1,177 @@
+use super::*;
+
+/// splitmix64 → uniform floats in [-1, 1).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn floats(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            .collect()
+    }
+}
+
+struct Case {
+    shape: DecodeShape,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    tables: Vec<i32>,
+    lens: Vec<i32>,
+}
+
+impl Case {
+    fn random(rng: &mut Rng, hq: usize, hkv: usize, d: usize, bs: usize, n: usize) -> Case {
+        let max_blocks = 1 + rng.below(6);
+        let num_blocks = n * max_blocks + rng.below(4);
+        let lens: Vec<i32> = (0..n)
+            .map(|_| 1 + rng.below(max_blocks * bs) as i32)
+            .collect();
+        // Blocks in a shuffled order, so pages are never laid out contiguously by accident.
+        let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.below(i + 1));
+        }
+        let tables = (0..n * max_blocks).map(|i| ids[i]).collect();
+        let shape = DecodeShape {
+            num_seqs: n,
+            num_q_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+            num_blocks,
+            block_size: bs,
+            max_blocks,
+        };
+        let cache = num_blocks * bs * hkv * d;
+        Case {
+            shape,
+            q: rng.floats(n * hq * d),
+            k: rng.floats(cache),
+            v: rng.floats(cache),
+            tables,
+            lens,
+        }
+    }
+
+    fn args(&self) -> DecodeArgs<'_> {
+        DecodeArgs {
+            shape: self.shape,
+            q: &self.q,
+            k_cache: &self.k,
+            v_cache: &self.v,
+            block_tables: &self.tables,
+            seq_lens: &self.lens,
+            scale: 1.0 / (self.shape.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// Textbook attention in f64: gather each position's K/V row by walking the block table.
+    fn reference(&self) -> Vec<f32> {
+        let s = self.shape;
+        let (d, group) = (s.head_dim, s.num_q_heads / s.num_kv_heads);
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut out = vec![0.0f32; self.q.len()];
+        for seq in 0..s.num_seqs {
+            let len = self.lens[seq] as usize;
+            for qh in 0..s.num_q_heads {
+                let kh = qh / group;
+                let q = &self.q[(seq * s.num_q_heads + qh) * d..][..d];
+                let at = |pos: usize| {
+                    let b = self.tables[seq * s.max_blocks + pos / s.block_size] as usize;
+                    ((b * s.block_size + pos % s.block_size) * s.num_kv_heads + kh) * d
+                };
+                let logits: Vec<f64> = (0..len)
+                    .map(|p| {
+                        (0..d)
+                            .map(|i| q[i] as f64 * self.k[at(p) + i] as f64)
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = logits.iter().map(|x| (x - max).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                for i in 0..d {
+                    let o: f64 = (0..len)
+                        .map(|p| w[p] * self.v[at(p) + i] as f64)
+                        .sum::<f64>()
+                        / sum;
+                    out[(seq * s.num_q_heads + qh) * d + i] = o as f32;
+                }
+            }
+        }
+        out
+    }
+}
+
+#[test]
+fn matches_reference_across_shapes_and_thread_counts() {
+    let mut rng = Rng(7);
+    // (Hq, Hkv, D, block_size): MHA, GQA, MQA, a head_dim that is not a multiple of 16.
+    for &(hq, hkv, d, bs) in &[
+        (4, 4, 16, 4),
+        (9, 3, 64, 16),
+        (8, 1, 128, 8),
+        (6, 2, 40, 16),
+        (2, 1, 8, 1),
+    ] {
+        for threads in [1, 2, 3, 8] {
+            let n = 1 + rng.below(7);
+            let case = Case::random(&mut rng, hq, hkv, d, bs, n);
+            let mut out = vec![f32::NAN; case.q.len()];
+            paged_decode(&case.args(), &mut out, threads).unwrap();
+            let want = case.reference();
+            let err = out
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                err < 1e-5,
+                "Hq={hq} Hkv={hkv} D={d} bs={bs} threads={threads}: max error {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn rejects_what_it_cannot_follow() {
+    let mut rng = Rng(3);
+    let case = Case::random(&mut rng, 4, 2, 16, 4, 3);
+    let mut out = vec![0.0; case.q.len()];
+    let expect = |mut f: Box<dyn FnMut(&mut Case)>, name: &str| {
+        let mut c = Case::random(&mut Rng(3), 4, 2, 16, 4, 3);
+        f(&mut c);
+        let err = paged_decode(&c.args(), &mut vec![0.0; c.q.len()], 2).unwrap_err();
+        assert!(err.to_string().starts_with(name), "{err}");
+    };
+    expect(Box::new(|c| c.lens[1] = 0), "seq_lens");
+    expect(
+        Box::new(|c| c.lens[0] = (c.shape.max_blocks * c.shape.block_size + 1) as i32),
+        "seq_lens",
+    );
+    expect(
+        Box::new(|c| c.tables[0] = c.shape.num_blocks as i32),
+        "block_tables",
+    );
+    expect(Box::new(|c| c.tables[0] = -1), "block_tables");
+    expect(Box::new(|c| c.shape.num_q_heads = 3), "q");
+    expect(
+        Box::new(|c| {
+            c.k.pop();
+        }),
+        "k_cache",
+    );
+    let short = paged_decode(&case.args(), &mut out[1..], 1).unwrap_err();
+    assert!(short.to_string().starts_with("out"), "{short}");
+}
