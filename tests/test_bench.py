@@ -224,3 +224,23 @@ def test_serve_bench_against_a_live_server(tiny_model, tmp_path):
     assert s["goodput"]["good_requests"] == 8
     assert 0 < s["busy_fraction"] <= 1.0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_decode_attention_bench_times_both_backends_on_one_live_batch(tiny_model, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benches" / "bench_decode_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "dec.json"
+    assert mod.main([tiny_model, "--num-seqs", "5", "--steps", "2", "--repeats", "2", "--input-len", "4", "12",
+                     "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["num_seqs"] == 5 and 4 <= r["mean_context"] <= 12
+    for name in ("cpu", "torch"):
+        assert len(r[name]["step_ms"]) == 2 and r[name]["attention_ms_per_step"] > 0
+        # Attention is part of the step, so it can never take longer than the whole step.
+        assert r[name]["attention_ms_per_step"] < max(r[name]["step_ms"])
+    assert "cpu / torch" in capsys.readouterr().out

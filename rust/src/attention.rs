@@ -178,6 +178,9 @@ fn attend(args: &DecodeArgs, seq: usize, scores: &mut Vec<f32>, out: &mut [f32])
     scores.clear();
     scores.resize(hq * len, 0.0);
     for pos in 0..len {
+        if pos + s.block_size < len {
+            prefetch(&args.k_cache[row(pos + s.block_size)..row(pos + s.block_size) + width]);
+        }
         let k = &args.k_cache[row(pos)..row(pos) + width];
         for h in 0..hq {
             let kh = &k[h / group * d..(h / group + 1) * d];
@@ -186,16 +189,15 @@ fn attend(args: &DecodeArgs, seq: usize, scores: &mut Vec<f32>, out: &mut [f32])
     }
     for sc in scores.chunks_exact_mut(len) {
         let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for x in sc.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        let inv = 1.0 / sum;
+        sc.iter_mut().for_each(|x| *x = exp(*x - max));
+        let inv = 1.0 / sum(sc);
         sc.iter_mut().for_each(|x| *x *= inv);
     }
     out.fill(0.0);
     for pos in 0..len {
+        if pos + s.block_size < len {
+            prefetch(&args.v_cache[row(pos + s.block_size)..row(pos + s.block_size) + width]);
+        }
         let v = &args.v_cache[row(pos)..row(pos) + width];
         for (h, o) in out.chunks_exact_mut(d).enumerate() {
             let p = scores[h * len + pos];
@@ -204,6 +206,58 @@ fn attend(args: &DecodeArgs, seq: usize, scores: &mut Vec<f32>, out: &mut [f32])
             }
         }
     }
+}
+
+/// Ask for `rows` a block ahead of use: pages are scattered, so the hardware prefetcher, which
+/// follows one contiguous stream, stalls at every block boundary without this.
+#[inline(always)]
+fn prefetch(rows: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in rows.chunks(16) {
+        // SAFETY: a prefetch is only a hint and never faults; the address is inside `rows`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = rows;
+}
+
+/// e^x for x <= 0 (a logit minus its row's max), branch-free so the softmax loop vectorises
+/// (libm's `expf` is a scalar call per logit). Cephes' single-precision scheme: x = n ln2 + r
+/// with |r| <= ln2 / 2, a degree-7 polynomial for e^r, then 2^n put straight into the exponent
+/// bits. Relative error about 1e-7; below -87 it returns e^-87 (~1.6e-38) instead of a denormal.
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    let x = x.clamp(-87.0, 0.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4; // ln2 split in two for an exact product
+    let mut p = 1.987_569_1e-4;
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = p * r + c;
+    }
+    let y = p * r * r + r + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+#[inline(always)]
+fn sum(xs: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let (body, tail) = xs.split_at(xs.len() / 16 * 16);
+    for chunk in body.chunks_exact(16) {
+        for l in 0..16 {
+            acc[l] += chunk[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail.iter().sum::<f32>()
 }
 
 /// Sixteen independent partial sums: float addition is not associative, so without them the

@@ -175,3 +175,17 @@ fn rejects_what_it_cannot_follow() {
     let short = paged_decode(&case.args(), &mut out[1..], 1).unwrap_err();
     assert!(short.to_string().starts_with("out"), "{short}");
 }
+
+#[test]
+fn exp_is_close_to_libm() {
+    let mut worst = 0.0f32;
+    for i in 0..=100_000 {
+        let x = -90.0 * i as f32 / 100_000.0;
+        let (got, want) = (exp(x), x.exp());
+        if want > 1e-30 {
+            worst = worst.max((got - want).abs() / want);
+        }
+    }
+    assert!(worst < 4e-7, "max relative error {worst}");
+    assert_eq!(exp(0.0), 1.0);
+}
