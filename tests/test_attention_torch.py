@@ -237,3 +237,28 @@ def test_cpu_decode_kernel_rejects_bad_arguments() -> None:
                 "seq_lens": np.array([5, 1], np.int32), "scale": 0.5, "out": out, **change}
         with pytest.raises(ValueError, match=field):
             _core.paged_decode_attention(**args)
+
+
+def test_cpu_backend_hands_shared_prefix_steps_to_cascade_attention() -> None:
+    """Every decode sequence starting with the same 5 blocks: the cpu backend takes the torch path's cascade
+    (shared blocks attended once for all sequences) and the result is the same attention."""
+    g = torch.Generator().manual_seed(3)
+    bs, hq, hkv, d = 4, 6, 2, 32
+    seq_lens = np.array([23, 26, 31])
+    shared = np.arange(5)
+    tails = [np.array([5, 6]), np.array([7, 8]), np.array([9, 10, 11])]
+    bt = np.zeros((3, 8), np.int32)
+    for i, t in enumerate(tails):
+        bt[i, : 5 + len(t)] = np.concatenate([shared, t])
+    k_cache = torch.randn(12, bs, hkv, d, generator=g)
+    v_cache = torch.randn(12, bs, hkv, d, generator=g)
+    meta = AttentionMetadata.from_lengths(context_lens=seq_lens - 1, query_lens=np.ones(3, np.int64),
+                                          block_tables=bt, block_size=bs)
+    q = torch.randn(3, hq, d, generator=g)
+    k = torch.randn(3, hkv, d, generator=g)
+    v = torch.randn(3, hkv, d, generator=g)
+    ref = get_backend("torch").forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d**-0.5)
+    meta.plan_cache.clear()
+    out = get_backend("cpu").forward(q, k, v, k_cache, v_cache, meta, d**-0.5)
+    assert meta.plan_cache["cpu"] is None and meta.plan_cache["torch"].shared is not None
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

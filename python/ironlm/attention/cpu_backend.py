@@ -4,7 +4,9 @@ At decode each sequence contributes one query row per head, so attention is all 
 path gathers every sequence's pages into a padded buffer before SDPA (the cache is read, written and read
 again); ``ironlm._core.paged_decode_attention`` reads each page once, in place, with the GIL released and
 the sequences split across torch's thread count. Prefill chunks are matmul-shaped and stay on SDPA.
-Half-precision caches (numpy has no bfloat16) fall back to the torch path whole.
+Half-precision caches (numpy has no bfloat16) fall back to the torch path whole, and so do steps where every
+decode sequence starts with the same cached blocks (a shared system prompt, n > 1 forks): there the torch path's
+cascade attention reads the shared blocks once for all sequences, where the kernel would read them once each.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ironlm.attention.torch_backend import (
     TorchAttention,
     _prefill_one,
     _PrefillSeq,
+    _shared_blocks,
     has_padding_slots,
     plan_prefill,
     write_kv_cache,
@@ -51,9 +54,11 @@ class CpuAttention(TorchAttention):
     ) -> torch.Tensor:
         if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        plan = meta.plan_cache.get("cpu")
+        if "cpu" not in meta.plan_cache:
+            meta.plan_cache["cpu"] = _make_plan(meta, k_cache.shape[1], q.shape[0])
+        plan = meta.plan_cache["cpu"]
         if plan is None:
-            plan = meta.plan_cache["cpu"] = _make_plan(meta, k_cache.shape[1], q.shape[0])
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
 
         out = torch.zeros_like(q) if plan.num_tokens < q.shape[0] else torch.empty_like(q)
@@ -70,10 +75,13 @@ class CpuAttention(TorchAttention):
         return out
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan:
+def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan | None:
+    """The step's plan, or None when the torch path's cascade attention serves it better."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     qlens = np.diff(qsl)
     dec = np.nonzero(qlens == 1)[0]
+    if _shared_blocks(meta.block_tables.numpy(), dec, meta.seq_lens_cpu.astype(np.int64), block_size):
+        return None
     rows = None if len(dec) == num_rows else torch.from_numpy(qsl[dec])
     seq_lens = np.ascontiguousarray(meta.seq_lens_cpu[dec], dtype=np.int32)
     width = int(-(-seq_lens.max(initial=0) // block_size))
