@@ -6,6 +6,7 @@ These need an engine that fails on demand, so they run on FakeEngine (LLMEngine'
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -119,3 +120,25 @@ def test_draining_refuses_new_work(make_server):
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and health.json()["status"] == "draining"
     error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION), 503)
+
+
+def test_a_step_stuck_past_the_limit_turns_health_503(make_server):
+    """A hung step (a wedged kernel, a deadlock) leaves the engine thread alive: /health must still notice."""
+    fake, server = make_server(step_delay=0.01)
+    server.engine.stall_timeout_s = 0.3
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    fake.step_delay = 1.5
+    request = threading.Thread(target=httpx.post, args=(f"{server.base_url}/completions",),
+                               kwargs={"json": {**COMPLETION, "max_tokens": 2}, "timeout": 30})
+    request.start()
+    assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, timeout=5)
+    body = httpx.get(f"{server.url}/health").json()
+    assert body["status"] == "engine_stalled" and "limit 0.3 s" in body["error"]
+    fake.step_delay = 0.0
+    request.join()
+    assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, timeout=5)
+
+
+def test_stall_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="stall_timeout_s"):
+        AsyncLLMEngine(FakeEngine(), start=False, stall_timeout_s=0)

@@ -37,8 +37,16 @@ class OutputObserver(Protocol):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: Any, *, observer: OutputObserver | None = None, start: bool = True) -> None:
+    def __init__(self, engine: Any, *, observer: OutputObserver | None = None, start: bool = True,
+                 stall_timeout_s: float = 300.0) -> None:
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
         self.engine = engine
+        # A step running longer than this (a hung kernel, a deadlock) makes /health answer 503 "engine_stalled",
+        # so an orchestrator restarts the process. Far above any real step: a full prefill budget on a laptop
+        # CPU takes seconds.
+        self.stall_timeout_s = stall_timeout_s
+        self.step_started_at: float | None = None  # set by the engine thread while a step runs
         self.observer = observer
         self._cv = threading.Condition()
         self._commands: list[tuple[str, Any]] = []  # ("add", RequestStream) | ("abort", [ids]) | ("stop", None)
@@ -75,6 +83,15 @@ class AsyncLLMEngine:
     @property
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stalled_for(self) -> float | None:
+        """Seconds the running step has taken once past ``stall_timeout_s``; None while steps are normal."""
+        started = self.step_started_at
+        if started is None:
+            return None
+        running = time.monotonic() - started
+        return running if running > self.stall_timeout_s else None
 
     @property
     def is_ready(self) -> bool:

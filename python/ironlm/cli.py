@@ -81,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for phase, seconds in getattr(engine, "startup_timings", {}).items():
         logger.info("phase %s: %.2fs", phase, seconds)
     t0 = time.perf_counter()
-    aengine = AsyncLLMEngine(engine)
+    aengine = AsyncLLMEngine(engine, stall_timeout_s=args.health_stall_timeout)
     names = args.served_model_name or [engine.model_name]
     app = build_app(aengine, served_model_name=names, api_key=api_key)
     logger.info("phase engine loop + app: %.2fs (model %s, max_model_len %d)", time.perf_counter() - t0,
@@ -114,6 +114,8 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=None, help="also serve gRPC on this port")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
+    serve.add_argument("--health-stall-timeout", type=float, default=300.0, metavar="S",
+                       help="/health answers 503 once one engine step has run this many seconds")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
 

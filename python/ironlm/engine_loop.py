@@ -58,16 +58,19 @@ def run_engine_loop(ae: AsyncLLMEngine) -> None:
         if orphans:
             _abort(ae, orphans)
         if engine.has_unfinished_requests():
+            ae.step_started_at = time.monotonic()
             try:
                 outputs = engine.step()
                 failures = 0
             except Exception as exc:
+                ae.step_started_at = None
                 failures += 1
                 logger.exception("engine step raised (%d in a row)", failures)
                 if failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
                     raise
                 _fail_all(ae, EngineStepError(f"engine step failed: {exc!r}"), outbox)
             else:
+                ae.step_started_at = None
                 now = time.monotonic()
                 ae.last_step_time = now
                 for output in outputs:

@@ -1,4 +1,5 @@
-"""GET /health body: readiness, engine liveness, KV headroom and device memory headroom."""
+"""GET /health body: readiness, engine liveness (dead thread or a step stuck past its limit), KV headroom and
+device memory headroom."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def health_report(engine: AsyncLLMEngine, model_name: str, started_at: float) ->
         status = "engine_dead"
     elif not engine.is_healthy:
         status = "engine_stopped"
+    elif (stalled := engine.stalled_for) is not None:
+        status = "engine_stalled"
     elif not engine.is_ready:
         status = "draining"
     else:
@@ -51,6 +54,8 @@ def health_report(engine: AsyncLLMEngine, model_name: str, started_at: float) ->
     }
     if engine.dead_error is not None:
         body["error"] = repr(engine.dead_error)
+    if status == "engine_stalled":
+        body["error"] = f"the current engine step has run for {stalled:.0f} s (limit {engine.stall_timeout_s:g} s)"
     try:
         body["device_memory"] = device_memory(getattr(engine.engine, "device", "cpu"))
     except Exception as exc:  # noqa: BLE001 - a probe must answer even if the driver query fails
