@@ -1,5 +1,9 @@
 """ironlm: a small, fast LLM inference and serving engine."""
 
+# numpy first: the core builds numpy arrays, and rust-numpy panics (PanicException) instead of raising when it
+# cannot import numpy's C API; importing it here turns a missing numpy into a plain ImportError at `import ironlm`.
+import numpy  # noqa: F401
+
 from ironlm import _core
 from ironlm.config import EngineConfig
 from ironlm.outputs import CompletionOutput, Logprob, RequestOutput
