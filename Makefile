@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(VENV)/bin/ironlm bench scheduler --quick
 	$(VENV)/bin/ironlm bench throughput --quick
 	$(VENV)/bin/ironlm bench serve --quick
+	$(VENV)/bin/python benches/bench_decode_attention.py --num-seqs 16 --steps 2 --repeats 2
 
 serve: $(STAMP)
 	@echo "ironlm: serving the built-in default model on http://$(HOST):$(PORT) — try:"
