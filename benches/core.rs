@@ -255,5 +255,65 @@ fn bench_scheduler(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_block, bench_radix, bench_scheduler);
+/// The CPU decode kernel on one SmolLM2-sized layer: 64 sequences of 32..768 tokens, 9 query
+/// heads over 3 KV heads, head_dim 64, pages shuffled across a 4096-block pool. Here, without
+/// torch loaded, it runs on scoped std threads, 1 and 2 of them.
+fn bench_attention(c: &mut Criterion) {
+    use ironlm_core::attention::{paged_decode, DecodeArgs, DecodeShape};
+    let (n, hq, hkv, d, bs, num_blocks) = (64, 9, 3, 64, 16, 4096);
+    let mut rng = Rng(11);
+    let lens: Vec<i32> = (0..n).map(|_| 32 + (rng.next() % 737) as i32).collect();
+    let max_blocks = 48;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let tables: Vec<i32> = ids[..n * max_blocks].to_vec();
+    let floats = |rng: &mut Rng, len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|_| (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect()
+    };
+    let cache = num_blocks * bs * hkv * d;
+    let (q, k, v) = (
+        floats(&mut rng, n * hq * d),
+        floats(&mut rng, cache),
+        floats(&mut rng, cache),
+    );
+    let args = DecodeArgs {
+        shape: DecodeShape {
+            num_seqs: n,
+            num_q_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+            num_blocks,
+            block_size: bs,
+            max_blocks,
+        },
+        q: &q,
+        k_cache: &k,
+        v_cache: &v,
+        block_tables: &tables,
+        seq_lens: &lens,
+        scale: 0.125,
+    };
+    let mut out = vec![0.0f32; q.len()];
+    let mut g = c.benchmark_group("attention");
+    for threads in [1, 2] {
+        g.bench_with_input(
+            BenchmarkId::new("paged_decode_64seqs", threads),
+            &threads,
+            |b, &t| b.iter(|| paged_decode(black_box(&args), &mut out, t).unwrap()),
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_block,
+    bench_radix,
+    bench_scheduler,
+    bench_attention
+);
 criterion_main!(benches);
