@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ironlm.config import ATTENTION_BACKENDS
+
 logger = logging.getLogger("ironlm.serve")
 
 
@@ -38,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--max-queue-len", type=int, default=None, help="waiting requests beyond this get 503")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may wait in the queue before it times out")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     g.add_argument("--seed", type=int, default=0)
 
 

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 
 _POLICIES = ("fcfs", "priority", "deadline")
+# Here rather than in ironlm.attention so that config validation and the CLIs need no torch import.
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
@@ -45,7 +47,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_queue_len: int | None = None
     request_timeout: float | None = None  # seconds a request may wait in the queue before it times out
-    attention_backend: str = "auto"  # auto | cpu | torch | triton
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     seed: int = 0
     served_model_name: str | None = None
     warmup: bool = True
@@ -63,8 +65,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.request_timeout is not None and self.request_timeout <= 0:

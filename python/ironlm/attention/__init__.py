@@ -15,6 +15,7 @@ import torch
 from ironlm.attention.cpu_backend import CpuAttention
 from ironlm.attention.metadata import AttentionMetadata
 from ironlm.attention.torch_backend import TorchAttention
+from ironlm.config import ATTENTION_BACKENDS
 
 
 class AttentionBackend(Protocol):
@@ -36,7 +37,7 @@ class AttentionBackend(Protocol):
         ...
 
 
-BACKENDS = ("auto", "cpu", "torch", "triton")
+BACKENDS = ATTENTION_BACKENDS
 
 
 def get_backend(name: str = "auto", device: torch.device | str | None = None) -> AttentionBackend:

@@ -10,6 +10,8 @@ import math
 import sys
 from typing import Any
 
+from ironlm.config import ATTENTION_BACKENDS
+
 W_HELP = ("with no options: workload W = 64 requests, prompt lengths uniform in [32, 512], output lengths "
           "uniform in [16, 256], random token ids, EOS ignored, seed 0, the built-in default model")
 
@@ -57,7 +59,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", help="bytes or e.g. 2GiB")
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--max-model-len", type=int)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"])
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
 
