@@ -63,14 +63,12 @@ def run_engine_loop(ae: AsyncLLMEngine) -> None:
                 outputs = engine.step()
                 failures = 0
             except Exception as exc:
-                ae.step_started_at = None
                 failures += 1
                 logger.exception("engine step raised (%d in a row)", failures)
                 if failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
                     raise
                 _fail_all(ae, EngineStepError(f"engine step failed: {exc!r}"), outbox)
             else:
-                ae.step_started_at = None
                 now = time.monotonic()
                 ae.last_step_time = now
                 for output in outputs:
@@ -81,6 +79,8 @@ def run_engine_loop(ae: AsyncLLMEngine) -> None:
                         del ae._streams[output.request_id]
                     outbox.add(stream, "output", output)
                 _observe(ae, "on_outputs", outputs, now)
+            finally:
+                ae.step_started_at = None
         ae._stats = engine.stats()
         orphans = outbox.flush()
         if orphans:

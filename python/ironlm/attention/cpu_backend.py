@@ -78,13 +78,13 @@ class CpuAttention(TorchAttention):
 def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan | None:
     """The step's plan, or None when the torch path's cascade attention serves it better."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
-    qlens = np.diff(qsl)
-    dec = np.nonzero(qlens == 1)[0]
-    if _shared_blocks(meta.block_tables.numpy(), dec, meta.seq_lens_cpu.astype(np.int64), block_size):
+    dec = np.nonzero(np.diff(qsl) == 1)[0]
+    block_tables = meta.block_tables.numpy()
+    if _shared_blocks(block_tables, dec, meta.seq_lens_cpu.astype(np.int64), block_size):
         return None
     rows = None if len(dec) == num_rows else torch.from_numpy(qsl[dec])
     seq_lens = np.ascontiguousarray(meta.seq_lens_cpu[dec], dtype=np.int32)
     width = int(-(-seq_lens.max(initial=0) // block_size))
-    tables = np.ascontiguousarray(meta.block_tables.numpy()[dec, :width], dtype=np.int32)
+    tables = np.ascontiguousarray(block_tables[dec, :width], dtype=np.int32)
     prefill = plan_prefill(meta, block_size, torch.device("cpu"))
     return _CpuPlan(rows, tables, seq_lens, prefill, int(qsl[-1]), has_padding_slots(meta))
