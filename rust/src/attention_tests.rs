@@ -1,25 +1,6 @@
 use super::*;
 
-/// splitmix64 → uniform floats in [-1, 1).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn floats(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-            .collect()
-    }
-}
+use crate::test_rng::Rng;
 
 struct Case {
     shape: DecodeShape,
@@ -32,15 +13,15 @@ struct Case {
 
 impl Case {
     fn random(rng: &mut Rng, hq: usize, hkv: usize, d: usize, bs: usize, n: usize) -> Case {
-        let max_blocks = 1 + rng.below(6);
-        let num_blocks = n * max_blocks + rng.below(4);
+        let max_blocks = 1 + rng.index(6);
+        let num_blocks = n * max_blocks + rng.index(4);
         let lens: Vec<i32> = (0..n)
-            .map(|_| 1 + rng.below(max_blocks * bs) as i32)
+            .map(|_| 1 + rng.index(max_blocks * bs) as i32)
             .collect();
         // Blocks in a shuffled order, so pages are never laid out contiguously by accident.
         let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
         for i in (1..ids.len()).rev() {
-            ids.swap(i, rng.below(i + 1));
+            ids.swap(i, rng.index(i + 1));
         }
         let tables = (0..n * max_blocks).map(|i| ids[i]).collect();
         let shape = DecodeShape {
@@ -126,7 +107,7 @@ fn matches_reference_across_shapes_and_thread_counts() {
         (2, 1, 8, 1),
     ] {
         for threads in [1, 2, 3, 8] {
-            let n = 1 + rng.below(7);
+            let n = 1 + rng.index(7);
             let case = Case::random(&mut rng, hq, hkv, d, bs, n);
             let mut out = vec![f32::NAN; case.q.len()];
             paged_decode(&case.args(), &mut out, threads).unwrap();

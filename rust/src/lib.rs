@@ -19,3 +19,6 @@ pub use sequence::{FinishReason, RequestParams, Slot};
 
 #[cfg(feature = "python")]
 mod py;
+
+#[cfg(test)]
+mod test_rng;
