@@ -30,9 +30,18 @@ def _slo(value: str) -> tuple[str, float]:
     return key, float(ms)
 
 
+def _plot_path(value: str) -> str:
+    """Refuse --plot before a long run, not after it, when the optional matplotlib is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("needs matplotlib: pip install 'ironlm[bench]'")
+    return value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write every figure, the configuration and the machine here")
-    p.add_argument("--plot", metavar="PATH.png", help="draw the results with matplotlib")
+    p.add_argument("--plot", metavar="PATH.png", type=_plot_path, help="draw the results with matplotlib")
     p.add_argument("--quick", action="store_true", help="a short version (seconds), e.g. for `make bench`")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
