@@ -6,6 +6,18 @@ import numpy  # noqa: F401
 
 from ironlm import _core
 from ironlm.config import EngineConfig
+from ironlm.exceptions import (
+    CoreError,
+    DefaultModelNotInstalled,
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    InvalidArgumentError,
+    QueueFullError,
+    RequestTooLargeError,
+    UnsupportedModelError,
+)
 from ironlm.outputs import CompletionOutput, Logprob, RequestOutput
 
 __version__ = _core.__version__
@@ -13,11 +25,21 @@ __version__ = _core.__version__
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "CoreError",
+    "DefaultModelNotInstalled",
+    "DuplicateRequestError",
     "EngineConfig",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineStepError",
+    "InvalidArgumentError",
     "LLMEngine",
     "Logprob",
+    "QueueFullError",
     "RequestOutput",
+    "RequestTooLargeError",
     "SamplingParams",
+    "UnsupportedModelError",
     "__version__",
 ]
 

