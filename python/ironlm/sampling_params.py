@@ -6,13 +6,19 @@ import math
 import numbers
 from dataclasses import dataclass
 
-# Every invalid field raises ValueError (not TypeError, even for a wrong type), as vLLM does: callers such as the
-# HTTP layer map exactly that exception to a 400 response.
+from ironlm.exceptions import InvalidArgumentError
+
+# Every invalid field raises InvalidArgumentError (a ValueError, not a TypeError even for a wrong type, as
+# vLLM does) with the field in `param`: callers such as the HTTP layer map exactly that to a 400 response.
 
 # Below this temperature the request is greedy (vLLM's threshold): dividing by it would overflow anyway.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
+
+
+def _invalid(param: str, reason: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{param} {reason}", param=param)
 
 
 def _is_int(value: object) -> bool:
@@ -52,48 +58,48 @@ class SamplingParams:
         self._check_real("temperature", self.temperature, low=0.0)
         self._check_real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise _invalid("top_p", f"must be in (0, 1], got {self.top_p}")
         self._check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
+            raise _invalid("top_k", f"must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
         self._check_real("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise _invalid("min_p", f"must be in [0, 1], got {self.min_p}")
         self._check_real("repetition_penalty", self.repetition_penalty)
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise _invalid("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             self._check_real(name, value)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise _invalid(name, f"must be in [-2, 2], got {value}")
         if self.seed is not None:
             self._check_int("seed", self.seed)
         self._check_stop()
         if self.stop_token_ids is not None:
             if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-                raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+                raise _invalid("stop_token_ids", f"must be a list of ints, got {self.stop_token_ids!r}")
             self.stop_token_ids = list(self.stop_token_ids)
             for tid in self.stop_token_ids:
                 if not _is_int(tid) or tid < 0:
-                    raise ValueError(f"stop_token_ids must be non-negative ints, got {tid!r}")
+                    raise _invalid("stop_token_ids", f"must be non-negative ints, got {tid!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")  # noqa: TRY004
+                raise _invalid(name, f"must be a bool, got {getattr(self, name)!r}")
         if self.max_tokens is not None:
             self._check_int("max_tokens", self.max_tokens, low=1)
         self._check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise _invalid("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
             self._check_int("logprobs", self.logprobs, low=0)
             if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+                raise _invalid("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         self._check_logit_bias()
         if not self.detokenize and self.stop_strings:
             # Stop strings are matched on text; without detokenization there is no text to match.
-            raise ValueError("stop strings are only supported when detokenize is True")
+            raise _invalid("stop", "strings are only supported when detokenize is True")
 
     # -- helpers -------------------------------------------------------------------------------------
 
@@ -116,16 +122,16 @@ class SamplingParams:
     @staticmethod
     def _check_int(name: str, value: object, low: int | None = None) -> None:
         if not _is_int(value):
-            raise ValueError(f"{name} must be an int, got {value!r}")
+            raise _invalid(name, f"must be an int, got {value!r}")
         if low is not None and value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
+            raise _invalid(name, f"must be >= {low}, got {value}")
 
     @staticmethod
     def _check_real(name: str, value: object, low: float | None = None) -> None:
         if not _is_real(value) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
+            raise _invalid(name, f"must be a finite number, got {value!r}")
         if low is not None and value < low:
-            raise ValueError(f"{name} must be >= {low:g}, got {value}")
+            raise _invalid(name, f"must be >= {low:g}, got {value}")
 
     def _check_stop(self) -> None:
         if self.stop is None or isinstance(self.stop, str):
@@ -133,26 +139,25 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             strings = list(self.stop)
         else:
-            raise ValueError(f"stop must be a str, a list of str or None, got {self.stop!r}")
+            raise _invalid("stop", f"must be a str, a list of str or None, got {self.stop!r}")
         for s in strings:
             if not isinstance(s, str):
-                raise ValueError(f"stop must contain only strings, got {s!r}")  # noqa: TRY004
+                raise _invalid("stop", f"must contain only strings, got {s!r}")
             if not s:
-                raise ValueError("stop cannot contain an empty string")
+                raise _invalid("stop", "cannot contain an empty string")
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:
             return
         if not isinstance(self.logit_bias, dict):
-            raise ValueError(  # noqa: TRY004
-                f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            raise _invalid("logit_bias", f"must be a dict of token id -> bias, got {self.logit_bias!r}")
         clean: dict[int, float] = {}
         for key, bias in self.logit_bias.items():
             # JSON (OpenAI API) object keys are strings: accept "123" as token 123.
             tid = int(key) if isinstance(key, str) and key.strip().isdigit() else key
             if not _is_int(tid) or tid < 0:
-                raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+                raise _invalid("logit_bias", f"keys must be non-negative token ids, got {key!r}")
             if not _is_real(bias) or math.isnan(bias):
-                raise ValueError(f"logit_bias values must be numbers, got {bias!r} for token {key!r}")
+                raise _invalid("logit_bias", f"values must be numbers, got {bias!r} for token {key!r}")
             clean[int(tid)] = float(min(max(bias, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT))
         self.logit_bias = clean
