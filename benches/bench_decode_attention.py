@@ -60,7 +60,7 @@ def run(model: str | None, num_seqs: int, steps: int, repeats: int, input_len: t
     step_ms: dict[str, list[float]] = {name: [] for name in BACKENDS}
     for _ in range(repeats):
         for name in BACKENDS:
-            engine.model.set_attention_backend(backends[name])
+            engine.runner.model.set_attention_backend(backends[name])
             t0 = time.perf_counter()
             for _ in range(steps):
                 engine.step()

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterable
 
 from ironlm import _core
-from ironlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ironlm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 EOS = 0
 

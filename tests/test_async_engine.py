@@ -15,8 +15,8 @@ import pytest
 
 from fake_engine import FakeEngine
 from ironlm import _core
-from ironlm.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
-from ironlm.request_stream import EngineStepError
+from ironlm.engine import AsyncLLMEngine
+from ironlm.exceptions import EngineDeadError, EngineOverloadedError, EngineStepError
 from ironlm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from ironlm.async_engine import AsyncLLMEngine
 from ironlm.config import EngineConfig
+from ironlm.engine import AsyncLLMEngine
 from ironlm.server.api import build_app
 from server_utils import LiveServer
 

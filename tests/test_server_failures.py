@@ -1,36 +1,41 @@
-"""Failures the server must survive or report: forward errors, a dead engine, overload, faults, draining.
+"""Failures the server must survive or report: forward errors, a dead engine, faults, timeouts, draining.
 
-These need an engine that fails on demand, so they run on FakeEngine (LLMEngine's contract).
+All on the real tiny-model engine behind a real uvicorn server; faults are injected into its model forward
+(server_utils.ForwardFaults), which runs on the engine thread exactly like a failing kernel would. Queue
+limits, priority, deadline and cache-salt isolation over HTTP and gRPC are in test_e2e_limits.py.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
 
-from fake_engine import FakeEngine
-from ironlm.async_engine import AsyncLLMEngine
-from ironlm.server.api import build_app
-from server_utils import LiveServer, wait_for
+from server_utils import AsyncLLMEngine, RealServer, wait_for
 
-COMPLETION = {"prompt": "abc", "max_tokens": 5}
-CHAT = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 5}
+COMPLETION = {"prompt": "abc", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+CHAT = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+LONG = {**COMPLETION, "max_tokens": 200, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Shared by the tests that leave the engine usable; each one restores what it changed."""
+    server = RealServer(tmp_path_factory, max_num_seqs=8)
+    yield server
+    server.stop()
 
 
 @pytest.fixture
-def make_server():
-    servers = []
+def fresh(tmp_path_factory):
+    """A private server for tests that kill or drain the engine."""
+    servers: list[RealServer] = []
 
-    def make(**kw) -> tuple[FakeEngine, LiveServer]:
-        fake = FakeEngine(**kw)
-        engine = AsyncLLMEngine(fake)
-        server = LiveServer(build_app(engine, served_model_name="fake"), engine)
-        servers.append(server)
-        return fake, server
+    def make(**kw) -> RealServer:
+        servers.append(RealServer(tmp_path_factory, **kw))
+        return servers[-1]
 
     yield make
     for s in servers:
@@ -48,97 +53,129 @@ def sse(resp_text: str) -> list[str]:
     return [e[len("data: "):] for e in resp_text.split("\n\n") if e]
 
 
-def test_forward_error_fails_only_that_request(make_server):
-    fake, server = make_server()
-    fake.fail_forward_once = True
-    err = error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION), 500)
+def test_forward_error_fails_that_request_and_frees_its_blocks(server: RealServer):
+    server.faults.fail_next = 1
+    err = error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30), 500)
     assert "injected forward failure" in err["message"] and err["type"] == "server_error"
-    assert httpx.post(f"{server.base_url}/completions", json=COMPLETION).status_code == 200
-    fake.fail_forward_once = True
-    events = sse(httpx.post(f"{server.base_url}/chat/completions", json={**CHAT, "stream": True}).text)
-    assert "error" in json.loads(events[-2]) and events[-1] == "[DONE]"
+    assert server.faults.failures == 1
+    assert wait_for(server.idle), server.kv_blocks()
+    ok = httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+    server.faults.fail_next = 1
+    events = sse(httpx.post(f"{server.base_url}/chat/completions", json={**CHAT, "stream": True}, timeout=30).text)
+    assert "injected forward failure" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert wait_for(server.idle), server.kv_blocks()
+
+
+def test_forward_error_mid_stream_ends_the_stream_with_an_error(server: RealServer):
+    server.faults.delay = 0.01
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http, \
+                http.stream("POST", "/v1/completions", json=LONG) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")
+            server.faults.fail_next = 1
+            rest = [line for line in lines if line]
+    finally:
+        server.faults.delay = 0.0
+    body = json.loads(rest[-2][len("data: "):])
+    assert "injected forward failure" in body["error"]["message"] and rest[-1] == "data: [DONE]"
+    assert len(rest) < 200  # stopped early, not after all its tokens
+    assert wait_for(server.idle), server.kv_blocks()
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 class Fatal(BaseException):
-    pass
+    """Escapes the engine's per-step error handling (only `Exception` is a request's problem)."""
 
 
-def test_dead_engine_turns_health_503_and_fails_fast(make_server):
-    fake, server = make_server(step_delay=0.02)
+def test_dead_engine_turns_health_503_and_fails_fast(fresh):
+    server = fresh()
+    server.faults.delay = 0.02
     with httpx.Client(base_url=server.url, timeout=30) as http, \
-            http.stream("POST", "/v1/completions", json={**COMPLETION, "max_tokens": 200, "stream": True}) as resp:
+            http.stream("POST", "/v1/completions", json=LONG) as resp:
         lines = resp.iter_lines()
         assert next(lines).startswith("data: {")
-        fake.raise_in_step = Fatal("GPU fell off the bus")
-        t0 = time.monotonic()
+        server.faults.error = Fatal("GPU fell off the bus")
+        server.faults.fail_next = 1
         rest = [line for line in lines if line]
-        assert time.monotonic() - t0 < 5
-    assert "error" in json.loads(rest[-2][6:]) and rest[-1] == "data: [DONE]"
+    assert "error" in json.loads(rest[-2][len("data: "):]) and rest[-1] == "data: [DONE]"
+    assert len(rest) < 50
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and health.json()["status"] == "engine_dead"
     err = error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION), 503)
     assert err["code"] == "engine_unavailable"
 
 
-def test_queue_full_is_503(make_server):
-    fake, server = make_server(max_queue_len=1, step_delay=0.02)
-    with httpx.Client(base_url=server.url, timeout=30) as http, \
-            http.stream("POST", "/v1/completions", json={**COMPLETION, "max_tokens": 200, "stream": True}):
-        assert wait_for(lambda: len(fake.requests) == 1)
-        err = error_of(http.post("/v1/completions", json=COMPLETION), 503)
-        assert err["code"] == "queue_full"
-
-
-def test_internal_fault_is_500_and_server_survives(make_server):
-    fake, server = make_server()
-
-    def broken(messages, add_generation_prompt=True):
+def test_internal_fault_is_500_and_server_survives(server: RealServer, monkeypatch):
+    def broken(messages, add_generation_prompt=True, **kwargs):
         raise KeyError("template bug")
 
-    fake.apply_chat_template = broken  # type: ignore[method-assign]
-    err = error_of(httpx.post(f"{server.base_url}/chat/completions", json=CHAT), 500)
+    monkeypatch.setattr(server.engine.engine, "apply_chat_template", broken)
+    err = error_of(httpx.post(f"{server.base_url}/chat/completions", json=CHAT, timeout=30), 500)
     assert err["type"] == "server_error"
-    assert httpx.post(f"{server.base_url}/completions", json=COMPLETION).status_code == 200
+    monkeypatch.undo()
+    assert httpx.post(f"{server.base_url}/chat/completions", json=CHAT, timeout=30).status_code == 200
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert wait_for(server.idle), server.kv_blocks()
 
 
-def test_timeout_before_any_token(make_server):
-    fake, server = make_server()
-    fake.gate.clear()
+def test_timeout_before_any_token_is_503_and_the_request_is_aborted(server: RealServer):
+    server.faults.gate.clear()  # the step holding the request never finishes a forward
     try:
-        err = error_of(httpx.post(f"{server.base_url}/completions", json={**COMPLETION, "timeout": 0.2}), 503)
+        err = error_of(httpx.post(f"{server.base_url}/completions", json={**COMPLETION, "timeout": 0.3},
+                                  timeout=30), 503)
         assert err["code"] == "timeout"
     finally:
-        fake.gate.set()
-    assert wait_for(lambda: not fake.requests)
+        server.faults.gate.set()
+    assert wait_for(server.idle), server.kv_blocks()
 
 
-def test_draining_refuses_new_work(make_server):
-    _, server = make_server()
+def test_timeout_mid_generation_returns_the_partial_output(server: RealServer):
+    server.faults.delay = 0.02
+    try:
+        resp = httpx.post(f"{server.base_url}/completions", timeout=30,
+                          json={**COMPLETION, "max_tokens": 200, "timeout": 0.5})
+    finally:
+        server.faults.delay = 0.0
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "timeout"
+    assert 0 < resp.json()["usage"]["completion_tokens"] < 200
+    assert wait_for(server.idle), server.kv_blocks()
+
+
+def test_draining_refuses_new_work(fresh):
+    server = fresh()
     server.engine.begin_drain()
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and health.json()["status"] == "draining"
-    error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION), 503)
+    assert error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION), 503)["code"] == \
+        "engine_unavailable"
 
 
-def test_a_step_stuck_past_the_limit_turns_health_503(make_server):
+def test_a_step_stuck_past_the_limit_turns_health_503(server: RealServer):
     """A hung step (a wedged kernel, a deadlock) leaves the engine thread alive: /health must still notice."""
-    fake, server = make_server(step_delay=0.01)
     server.engine.stall_timeout_s = 0.3
-    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
-    fake.step_delay = 1.5
-    request = threading.Thread(target=httpx.post, args=(f"{server.base_url}/completions",),
-                               kwargs={"json": {**COMPLETION, "max_tokens": 2}, "timeout": 30})
-    request.start()
-    assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, timeout=5)
-    body = httpx.get(f"{server.url}/health").json()
-    assert body["status"] == "engine_stalled" and "limit 0.3 s" in body["error"]
-    fake.step_delay = 0.0
-    request.join()
-    assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, timeout=5)
+    try:
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+        server.faults.delay = 1.5
+        request = threading.Thread(target=httpx.post, args=(f"{server.base_url}/completions",),
+                                   kwargs={"json": {**COMPLETION, "max_tokens": 2}, "timeout": 30})
+        request.start()
+        assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, timeout=5)
+        body = httpx.get(f"{server.url}/health").json()
+        assert body["status"] == "engine_stalled" and "limit 0.3 s" in body["error"]
+        server.faults.delay = 0.0
+        request.join()
+        assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, timeout=5)
+    finally:
+        server.faults.delay = 0.0
+        server.engine.stall_timeout_s = 300.0
+    assert wait_for(server.idle), server.kv_blocks()
 
 
 def test_stall_timeout_must_be_positive():
     with pytest.raises(ValueError, match="stall_timeout_s"):
-        AsyncLLMEngine(FakeEngine(), start=False, stall_timeout_s=0)
+        AsyncLLMEngine(None, start=False, stall_timeout_s=0)

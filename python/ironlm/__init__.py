@@ -6,6 +6,7 @@ import numpy  # noqa: F401
 
 from ironlm import _core
 from ironlm.config import EngineConfig
+from ironlm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ironlm.exceptions import (
     CoreError,
     DefaultModelNotInstalled,
@@ -18,7 +19,6 @@ from ironlm.exceptions import (
     RequestTooLargeError,
     UnsupportedModelError,
 )
-from ironlm.outputs import CompletionOutput, Logprob, RequestOutput
 
 __version__ = _core.__version__
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ironlm import __version__
-from ironlm.async_engine import AsyncLLMEngine
+from ironlm.engine import AsyncLLMEngine
 from ironlm.server.auth import APIKeyMiddleware
 from ironlm.server.errors import APIError, install_exception_handlers
 from ironlm.server.health import health_report

@@ -13,10 +13,10 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
-from ironlm.async_engine import AsyncLLMEngine
+from ironlm.engine import AsyncLLMEngine
+from ironlm.engine.outputs import CompletionOutput, RequestOutput
 from ironlm.grpc import ironlm_pb2 as pb
 from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
-from ironlm.outputs import CompletionOutput, RequestOutput
 from ironlm.server.auth import KeyChecker
 from ironlm.server.errors import APIError, validation_error
 from ironlm.server.protocol import CompletionRequest

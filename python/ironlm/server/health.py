@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ironlm.async_engine import AsyncLLMEngine
+from ironlm.engine import AsyncLLMEngine
 
 
 def device_memory(device: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from ironlm.async_engine import AsyncLLMEngine
+from ironlm.engine import AsyncLLMEngine
 
 logger = logging.getLogger("ironlm.serve")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ironlm.outputs import CompletionOutput, Logprob
+from ironlm.engine.outputs import CompletionOutput, Logprob
 from ironlm.server.serving_common import LOGPROB_FLOOR, clamp_logprob
 
 

@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ironlm.async_engine import AsyncLLMEngine, RequestStream
-from ironlm.outputs import RequestOutput
+from ironlm.engine import AsyncLLMEngine, RequestStream
+from ironlm.engine.outputs import RequestOutput
 from ironlm.server.errors import APIError
 from ironlm.server.logprobs import chat_logprobs
 from ironlm.server.protocol import (

@@ -14,8 +14,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from ironlm import _core
-from ironlm.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
-from ironlm.outputs import RequestOutput
+from ironlm.engine import AsyncLLMEngine, RequestStream
+from ironlm.engine.outputs import RequestOutput
+from ironlm.exceptions import EngineDeadError, EngineOverloadedError
 from ironlm.server.errors import APIError, error_body, param_from_message, validation_error
 
 M = TypeVar("M", bound=BaseModel)

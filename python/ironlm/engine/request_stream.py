@@ -1,35 +1,26 @@
 """The caller-side end of one request: an async iterator of cumulative RequestOutputs.
 
-Everything here runs on the caller's event loop; the engine thread reaches it only through
-`loop.call_soon_threadsafe(deliver, items)`.
+Everything in RequestStream runs on the caller's event loop; the engine thread reaches it only through
+an `Outbox`, which hands a step's items to each loop with one `loop.call_soon_threadsafe(deliver, items)`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from ironlm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ironlm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ironlm.engine.prompts import PromptType
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from ironlm.sampling_params import SamplingParams
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped; nothing will run any more (HTTP 503)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The engine is up but refuses work for now, e.g. while draining (HTTP 503)."""
-
-
-class EngineStepError(RuntimeError):
-    """A step raised outside the model forward; the requests in flight were failed (HTTP 500)."""
-
-
-# Items the engine thread hands over: (stream, kind, payload), kind in accept | output | error.
-Delivery = tuple["RequestStream", str, Any]
+DeliveryKind = Literal["accept", "output", "error"]
+# Items the engine thread hands over: (stream, kind, payload); payload is None, a RequestOutput or an exception.
+Delivery = tuple["RequestStream", DeliveryKind, Any]
 
 
 def deliver(items: list[Delivery]) -> None:
@@ -37,8 +28,31 @@ def deliver(items: list[Delivery]) -> None:
         stream._handle(kind, payload)
 
 
+class Outbox:
+    """Deliveries of one engine-loop iteration, grouped per event loop: one call_soon_threadsafe per loop
+    and step (not per request), which keeps the event loops' share of the GIL small."""
+
+    def __init__(self) -> None:
+        self.by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
+
+    def add(self, stream: RequestStream, kind: DeliveryKind, payload: Any) -> None:
+        self.by_loop.setdefault(stream.loop, []).append((stream, kind, payload))
+
+    def flush(self) -> list[str]:
+        """Send everything; returns ids of requests whose loop is closed (to abort)."""
+        orphans: list[str] = []
+        for loop, items in self.by_loop.items():
+            try:
+                loop.call_soon_threadsafe(deliver, items)
+            except RuntimeError:  # loop closed under us: nobody will read these requests
+                orphans.extend(stream.request_id for stream, _, _ in items)
+        self.by_loop = {}
+        return orphans
+
+
 class RequestStream:
-    def __init__(self, request_id: str, prompt: Any, params: Any, engine_kwargs: dict,
+    def __init__(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                 engine_kwargs: dict[str, Any],
                  loop: asyncio.AbstractEventLoop, *, timeout: float | None = None,
                  on_close: Callable[[RequestStream], None] | None = None) -> None:
         self.request_id = request_id
@@ -53,7 +67,7 @@ class RequestStream:
         self._on_close = on_close
 
     # ---- fed by the engine thread (always on self.loop) -------------------------------------------
-    def _handle(self, kind: str, payload: Any) -> None:
+    def _handle(self, kind: DeliveryKind, payload: Any) -> None:
         if kind == "accept":
             if not self._accepted.done():
                 self._accepted.set_result(None)

@@ -1,12 +1,24 @@
-"""Per-request state the engine keeps on the Python side: outputs, detokenizers, timings."""
+"""The engine's Python-side state of requests and their sequences: outputs, detokenizers, timings.
+
+The Rust core owns a sequence's tokens and blocks and names it by a slot; the sampler keeps per-slot
+sampling state. `SequenceTable` is the one place that adds and removes a slot's Python state, for the
+engine and the sampler together, so the two never disagree about which slots are live.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ironlm.detokenizer import IncrementalDetokenizer
-from ironlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ironlm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ironlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ironlm.sampler import Sampler
 
 
 @dataclass(eq=False)
@@ -45,7 +57,8 @@ class EngineSequence:
     stop_reason: int | str | None = None
 
     @classmethod
-    def create(cls, index: int, slot: int, request: EngineRequest, tokenizer) -> EngineSequence:
+    def create(cls, index: int, slot: int, request: EngineRequest,
+               tokenizer: PreTrainedTokenizerBase) -> EngineSequence:
         p = request.params
         detok = None
         if p.detokenize:
@@ -56,7 +69,7 @@ class EngineSequence:
         return cls(index, slot, request, detok, logprobs=[] if p.logprobs is not None else None)
 
     def append(self, token: int, logprob: float, top: tuple[list[int], list[float]] | None,
-               tokenizer, stop_token: bool = False) -> str | None:
+               tokenizer: PreTrainedTokenizerBase, stop_token: bool = False) -> str | None:
         """Record one sampled token; returns the stop string if one matched.
 
         A token that stopped the sequence (EOS, stop_token_ids) stays in token_ids but, as in
@@ -79,7 +92,7 @@ class EngineSequence:
         delta = self.detok.add([token])
         return delta.stop_str if delta.stopped else None
 
-    def finish(self, reason: str, eos_token_ids) -> None:
+    def finish(self, reason: str, eos_token_ids: Sequence[int]) -> None:
         if self.finish_reason is not None:
             return
         self.finish_reason = reason
@@ -98,3 +111,61 @@ class EngineSequence:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )
+
+
+class SequenceTable:
+    """Live requests by id and their sequences by slot; the only caller of `Sampler.add` / `Sampler.remove`."""
+
+    def __init__(self, sampler: Sampler, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]) -> None:
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self.requests: dict[str, EngineRequest] = {}  # accepted and not yet reported finished
+        self._seqs: dict[int, EngineSequence] = {}  # slot -> sequence still running in the core
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, request: EngineRequest, slots: Sequence[int]) -> None:
+        """Register a request the core accepted, one sequence per slot it gave (n > 1: several)."""
+        params = request.params
+        for index, slot in enumerate(slots):
+            seed = None if params.seed is None else params.seed + index
+            self.sampler.add(slot, params, request.prompt_token_ids, self.eos_token_ids, seed)
+            seq = EngineSequence.create(index, slot, request, self.tokenizer)
+            request.seqs.append(seq)
+            self._seqs[slot] = seq
+        self.requests[request.request_id] = request
+
+    def seq(self, slot: int) -> EngineSequence | None:
+        return self._seqs.get(slot)
+
+    def requests_in(self, slots: Iterable[int]) -> list[EngineRequest]:
+        """The distinct live requests owning `slots`, in first-seen order."""
+        found: dict[str, EngineRequest] = {}
+        for slot in slots:
+            seq = self._seqs.get(slot)
+            if seq is not None:
+                found.setdefault(seq.request.request_id, seq.request)
+        return list(found.values())
+
+    def finish(self, slot: int, reason: str) -> EngineRequest | None:
+        """The core finished `slot`: drop its sampler state and close its output. Returns its request."""
+        seq = self._seqs.pop(slot, None)
+        if seq is None:
+            return None
+        self.sampler.remove(slot)
+        seq.finish(reason, self.eos_token_ids)
+        return seq.request
+
+    def release(self, request: EngineRequest, reason: str) -> None:
+        """The request leaves early (abort, failed step): close every sequence still running with `reason`."""
+        for seq in request.seqs:
+            if self._seqs.pop(seq.slot, None) is not None:
+                self.sampler.remove(seq.slot)
+            if seq.finish_reason is None:
+                seq.finish(reason, ())
+
+    def pop(self, request_id: str) -> EngineRequest | None:
+        """Forget a request (aborted, or finished and reported); its sequences must be finished or released."""
+        return self.requests.pop(request_id, None)

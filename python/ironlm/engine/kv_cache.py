@@ -8,17 +8,18 @@ import numpy as np
 import torch
 
 from ironlm.config import EngineConfig, parse_bytes
+from ironlm.model.config import ModelConfig
 
 _CPU_DEFAULT_BYTES = 1 << 30
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values) [blocks, block_size, Hkv, D]
 
 
-def bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
 
 
-def num_kv_blocks(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device,
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                   profile: Callable[[], None]) -> int:
     """`num_kv_blocks` if set, else `kv_cache_memory`, else (GPU) a share of the free memory
     left after a profiling forward of a full token budget, else (CPU) 1 GiB."""
@@ -41,7 +42,7 @@ def num_kv_blocks(config: EngineConfig, model_config, dtype: torch.dtype, device
     return int(blocks)
 
 
-def allocate_kv_caches(model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> KVCaches:
     shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -1,0 +1,322 @@
+"""AsyncLLMEngine: an LLMEngine driven by one dedicated thread, consumed from asyncio.
+
+The engine is not thread-safe, so exactly one thread (the "engine loop", `_run_loop` below) ever touches
+it. Callers hand requests and aborts over through a locked command list, applied between steps, so a
+new request joins the running batch at the very next step. Outputs travel back through an `Outbox`:
+one `loop.call_soon_threadsafe` per event loop per step (not per request).
+
+Which thread owns what: `_streams` (accepted, unfinished requests) belongs to the engine thread,
+`_inflight` (added by a caller, not yet finished) to the callers; `_commands` and `_dead` are shared
+under `_cv`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal
+
+from ironlm import _core
+from ironlm.engine.outputs import RequestOutput
+from ironlm.engine.prompts import PromptType
+from ironlm.engine.protocol import OutputObserver, StepEngine
+from ironlm.engine.request_stream import Outbox, RequestStream
+from ironlm.exceptions import EngineDeadError, EngineOverloadedError, EngineStepError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ironlm.config import EngineConfig
+    from ironlm.model.config import ModelConfig
+    from ironlm.sampling_params import SamplingParams
+
+logger = logging.getLogger("ironlm.async_engine")
+
+# A step that raises (the engine already turns forward errors into per-request errors, so this means
+# its own bookkeeping failed) fails the requests in flight; this many in a row and the engine is dead.
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+# The keyword arguments of StepEngine.add_request a caller may pass through `add_request(**kwargs)`.
+_ENGINE_KWARGS = ("priority", "deadline", "timeout", "arrival_time", "cache_salt")
+
+Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[str]] | tuple[Literal["stop"], None]
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: StepEngine, *, observer: OutputObserver | None = None, start: bool = True,
+                 stall_timeout_s: float = 300.0) -> None:
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+        self.engine = engine
+        # A step running longer than this (a hung kernel, a deadlock) makes /health answer 503 "engine_stalled",
+        # so an orchestrator restarts the process. Far above any real step: a full prefill budget on a laptop
+        # CPU takes seconds.
+        self.stall_timeout_s = stall_timeout_s
+        self.step_started_at: float | None = None  # set by the engine thread while a step runs
+        self.last_step_time: float | None = None
+        self.observer = observer
+        self._cv = threading.Condition()
+        self._commands: list[Command] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._inflight: dict[str, RequestStream] = {}
+        self._dead: BaseException | None = None
+        self._draining = False
+        self._stats: dict[str, Any] = dict(engine.stats())
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLMEngine:
+        from ironlm.engine.llm_engine import LLMEngine  # torch loads here, not at `import ironlm.engine`
+
+        return cls(LLMEngine(config), **kwargs)
+
+    # ---- what the server reads (see protocol.EngineClient) ------------------------------------------
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_config(self) -> ModelConfig | None:
+        """The loaded model's config; None for an engine without one (test doubles)."""
+        return getattr(self.engine, "model_config", None)
+
+    @property
+    def device(self) -> Any:
+        """Where the model runs (a torch.device, or "cpu" for an engine that does not say)."""
+        return getattr(self.engine, "device", "cpu")
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stalled_for(self) -> float | None:
+        """Seconds the running step has taken once past ``stall_timeout_s``; None while steps are normal."""
+        started = self.step_started_at
+        if started is None:
+            return None
+        running = time.monotonic() - started
+        return running if running > self.stall_timeout_s else None
+
+    @property
+    def is_ready(self) -> bool:
+        """Loaded, warmed up (LLMEngine.__init__ did both), loop running and not draining."""
+        return self.is_healthy and not self._draining
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Callable from any thread: it only reads the tokenizer, never the engine's state."""
+        return self.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of the end of the last step (a snapshot: LLMEngine is single-threaded)."""
+        return self._stats
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ironlm-engine", daemon=True)
+            self._thread.start()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (SIGTERM); in-flight ones carry on."""
+        self._draining = True
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `drain_timeout` s, abort the rest."""
+        self.begin_drain()
+        deadline = time.monotonic() + drain_timeout
+        while self._inflight and time.monotonic() < deadline and self.is_healthy:
+            await asyncio.sleep(0.05)
+        leftover = list(self._inflight.values())
+        if leftover:
+            logger.warning("shutdown: aborting %d requests still in flight", len(leftover))
+        for stream in leftover:
+            stream.fail_threadsafe(EngineOverloadedError("the server is shutting down"))
+        self._submit(("abort", [s.request_id for s in leftover]))
+        self._submit(("stop", None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5.0)
+
+    # ---- requests (any event loop) ------------------------------------------------------------------
+    async def add_request(self, request_id: str | None, prompt: PromptType,
+                          params: SamplingParams | None = None, **kwargs: Any) -> RequestStream:
+        """Queue a request; returns its output stream once the engine accepted it.
+
+        Raises what LLMEngine.add_request raises (ValueError, QueueFullError), EngineDeadError, or
+        EngineOverloadedError while draining. `kwargs`: priority, deadline, timeout, cache_salt,
+        arrival_time. `timeout` also bounds the whole request here (the engine only bounds queueing).
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead!r}")
+        if self._draining:
+            raise EngineOverloadedError("the server is shutting down")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._inflight:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        kwargs.setdefault("arrival_time", _core.monotonic())  # the engine's clock: TTFT covers the hand-off
+        stream = RequestStream(request_id, prompt, params, kwargs, asyncio.get_running_loop(),
+                               timeout=kwargs.get("timeout"), on_close=self._on_stream_closed)
+        self._inflight[request_id] = stream
+        self._submit(("add", stream))
+        try:
+            await stream.accepted()
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self._inflight.pop(request_id, None)
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; closing or cancelling the iterator aborts it."""
+        stream = await self.add_request(request_id, prompt, params, **kwargs)
+        async with stream:
+            async for output in stream:
+                yield output
+
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Thread-safe; the blocks are freed before the next step."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self._inflight.pop(rid, None)
+        self._submit(("abort", ids))
+
+    def _on_stream_closed(self, stream: RequestStream) -> None:
+        if self._inflight.pop(stream.request_id, None) is not None and not stream.finished:
+            self._submit(("abort", [stream.request_id]))
+
+    def _submit(self, command: Command) -> None:
+        with self._cv:
+            if self._dead is not None and command[0] == "add":
+                command[1].fail_threadsafe(EngineDeadError(f"the engine is dead: {self._dead!r}"))
+                return
+            self._commands.append(command)
+            self._cv.notify()
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._run_loop()
+        except BaseException as exc:  # whatever killed the loop: fail everyone fast
+            logger.exception("engine loop died")
+            self._die(exc)
+
+    def _run_loop(self) -> None:
+        engine = self.engine
+        failures = 0
+        outbox = Outbox()
+        while True:
+            with self._cv:
+                while not self._commands and not engine.has_unfinished_requests():
+                    self._cv.wait()  # idle: sleep until `_submit` notifies
+                commands, self._commands = self._commands, []
+            stop = self._apply_commands(commands, outbox)
+            # Acceptances and add errors go out now, not after the step: a step can take a while.
+            orphans = outbox.flush()
+            if stop:
+                return
+            self._abort(orphans)
+            if engine.has_unfinished_requests():
+                self.step_started_at = time.monotonic()
+                try:
+                    outputs = engine.step()
+                    failures = 0
+                except Exception as exc:
+                    failures += 1
+                    logger.exception("engine step raised (%d in a row)", failures)
+                    if failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise
+                    self._fail_all(EngineStepError(f"engine step failed: {exc!r}"), outbox)
+                else:
+                    self.last_step_time = now = time.monotonic()
+                    self._route(outputs, outbox)
+                    if self.observer is not None:
+                        self._observe(self.observer.on_outputs, outputs, now)
+                finally:
+                    self.step_started_at = None
+            self._stats = engine.stats()
+            self._abort(outbox.flush())
+
+    def _apply_commands(self, commands: list[Command], outbox: Outbox) -> bool:
+        """Returns True on a stop command."""
+        for command in commands:
+            if command[0] == "stop":
+                return True
+            if command[0] == "abort":
+                self._abort(command[1])
+                continue
+            stream = command[1]
+            if stream.closed:  # the client left before the request even reached the engine
+                continue
+            kwargs = {k: v for k, v in stream.engine_kwargs.items() if k in _ENGINE_KWARGS and v is not None}
+            try:
+                self.engine.add_request(stream.request_id, stream.prompt, stream.params, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - ValueError, QueueFullError, ...: that request's problem only
+                outbox.add(stream, "error", exc)
+                continue
+            self._streams[stream.request_id] = stream
+            outbox.add(stream, "accept", None)
+        return False
+
+    def _route(self, outputs: list[RequestOutput], outbox: Outbox) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if output.finished:
+                del self._streams[output.request_id]
+            outbox.add(stream, "output", output)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        live = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        if live:
+            self.engine.abort_request(live)
+            if self.observer is not None:
+                self._observe(self.observer.on_aborted, live)
+
+    def _fail_all(self, exc: BaseException, outbox: Outbox) -> None:
+        streams = list(self._streams.values())
+        for stream in streams:
+            outbox.add(stream, "error", exc)
+        self._abort([s.request_id for s in streams])  # if this raises too, the loop dies: engine unusable
+
+    def _observe(self, hook: Callable[..., None], *args: Any) -> None:
+        try:
+            hook(*args)
+        except Exception:  # metrics must never take the engine down
+            logger.exception("output observer failed")
+
+    def _die(self, exc: BaseException) -> None:
+        with self._cv:
+            self._dead = exc
+            pending, self._commands = self._commands, []
+        error = EngineDeadError(f"the engine is dead: {exc!r}")
+        for command in pending:
+            if command[0] == "add":
+                command[1].fail_threadsafe(error)
+        for stream in list(self._streams.values()) + list(self._inflight.values()):
+            stream.fail_threadsafe(error)
+        self._streams.clear()

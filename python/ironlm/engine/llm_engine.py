@@ -1,0 +1,241 @@
+"""LLMEngine: one scheduler call, one forward, one sampler call per step.
+
+The Rust scheduler plans the step and hands back ready-made numpy arrays; the model runner turns them
+into logits, the sampler into tokens, and the sequence table turns sampled tokens into outputs.
+The only per-request Python work is detokenization of the tokens a step produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ironlm import _core
+from ironlm.config import EngineConfig
+from ironlm.engine.model_runner import ModelRunner
+from ironlm.engine.outputs import RequestMetrics, RequestOutput
+from ironlm.engine.prompts import PromptType, apply_chat_template, encode_prompt
+from ironlm.engine.sequence_table import EngineRequest, SequenceTable
+from ironlm.engine.timing import StepTimer
+from ironlm.sampler import Sampler, SamplerOutput
+from ironlm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ironlm.model.config import ModelConfig
+
+logger = logging.getLogger("ironlm.engine")
+
+
+class LLMEngine:
+    """Drives one model. Not thread-safe: exactly one thread calls its methods."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.runner = runner = ModelRunner(config)
+        self.max_model_len = runner.max_model_len
+        self.scheduler = _core.Scheduler(
+            num_blocks=runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=runner.token_budget, max_model_len=self.max_model_len,
+            policy=config.scheduling_policy, enable_prefix_caching=config.enable_prefix_caching,
+            max_queue_len=config.max_queue_len,
+        )
+        self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
+                               seed=config.seed)
+        self.table = SequenceTable(self.sampler, runner.tokenizer, runner.model_config.eos_token_ids)
+        self.timer = StepTimer()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        self._ids = itertools.count()
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d", self.model_name,
+                    self.device, self.dtype, self.num_blocks, config.block_size, self.max_model_len)
+
+    # ---- what the model runner loaded (read by the CLI, the server and the benchmarks) --------------
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.runner.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.runner.model_config
+
+    @property
+    def model_name(self) -> str:
+        return self.runner.model_name
+
+    @property
+    def model_path(self) -> str:
+        return self.runner.model_path
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def startup_timings(self) -> dict[str, float]:
+        return self.runner.startup_timings
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | None = None, *, priority: int = 0,
+                    deadline: float | None = None, timeout: float | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        text, token_ids = encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # up to max_model_len; a prompt already that long is the core's to reject
+            max_tokens = max(1, self.max_model_len - len(token_ids))
+        eos = [] if params.ignore_eos else list(self.model_config.eos_token_ids)
+        arrival = _core.monotonic() if arrival_time is None else arrival_time
+        slots = self.scheduler.add_request(
+            request_id, token_ids, max_tokens, min_tokens=params.min_tokens, n=params.n,
+            priority=priority, eos_token_ids=eos, stop_token_ids=list(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos, deadline=deadline,
+            timeout=timeout if timeout is not None else self.config.request_timeout,
+            namespace=cache_salt, arrival_time=arrival,
+        )
+        request = EngineRequest(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival))
+        self.table.add(request, slots)
+        self.prompt_tokens_total += len(token_ids)
+        return request_id
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            request = self.table.pop(rid)
+            if request is None:
+                continue
+            self.scheduler.abort(rid)
+            self.table.release(request, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.table) > 0
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, **kwargs)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        timer = self.timer
+        timer.start()
+        plan = self.scheduler.schedule()
+        timer.lap("schedule")
+        touched: dict[str, EngineRequest] = {}
+        for _, slot, reason in plan.finished:  # timed out while waiting
+            self._finish_seq(slot, reason, touched)
+        if plan.is_empty:
+            return self._collect(touched)
+        now = _core.monotonic()
+        for rid in plan.new_request_ids:
+            request = self.table.requests.get(rid)
+            if request is not None and request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        try:
+            logits = self.runner.execute(plan, timer)
+            with torch.inference_mode():  # the sampler edits the (inference-mode) logits in place
+                sampled = self.sampler.sample(logits, plan.sample_slots)
+            timer.lap("sample")
+        except Exception as exc:  # a failed step fails its requests, never the engine
+            logger.exception("step failed; failing the %d sequences in it", plan.num_seqs)
+            return self._fail_step(plan, exc, touched)
+        finished = {slot: reason for _, slot, reason in self.scheduler.update(sampled.token_ids)}
+        timer.lap("update")
+        self._postprocess(plan, sampled, finished, touched)
+        timer.lap("detokenize")
+        outputs = self._collect(touched)
+        timer.lap("output")
+        self.num_steps += 1
+        return outputs
+
+    def _postprocess(self, plan: _core.SchedulerPlan, sampled: SamplerOutput, finished: dict[int, str],
+                     touched: dict[str, EngineRequest]) -> None:
+        now = _core.monotonic()
+        tokens = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist()
+        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        self.generation_tokens_total += len(tokens)
+        for row, slot in enumerate(plan.sample_slots.tolist()):
+            seq = self.table.seq(slot)
+            if seq is None:
+                continue
+            request = seq.request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            top = None if top_ids is None or top_lps is None else (top_ids[row], top_lps[row])
+            stop_token = finished.get(slot) == "stop"
+            stop = seq.append(tokens[row], logprobs[row], top, self.tokenizer, stop_token)
+            touched[request.request_id] = request
+            if stop is not None:
+                seq.stop_reason = stop
+                if slot not in finished:
+                    self.scheduler.finish(slot, "stop")
+                    finished[slot] = "stop"
+        for slot, reason in finished.items():
+            self._finish_seq(slot, reason, touched)
+
+    def _finish_seq(self, slot: int, reason: str, touched: dict[str, EngineRequest]) -> None:
+        request = self.table.finish(slot, reason)
+        if request is not None:
+            touched[request.request_id] = request
+
+    def _collect(self, touched: dict[str, EngineRequest]) -> list[RequestOutput]:
+        outputs = []
+        now = _core.monotonic()
+        for rid, request in touched.items():
+            if request.finished and request.metrics.finished_time is None:
+                request.metrics.finished_time = now
+                self.table.pop(rid)
+            outputs.append(request.output())
+        return outputs
+
+    def _fail_step(self, plan: _core.SchedulerPlan, exc: Exception,
+                   touched: dict[str, EngineRequest]) -> list[RequestOutput]:
+        for request in self.table.requests_in(plan.seq_slots.tolist()):
+            self.scheduler.abort(request.request_id)
+            request.error = f"{type(exc).__name__}: {exc}"
+            self.table.release(request, "error")
+            touched[request.request_id] = request
+        return self._collect(touched)
+
+    # ---- observability -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        total = max(1, s["blocks_total"])
+        return {
+            "num_requests_running": s["num_running"],
+            "num_requests_waiting": s["num_waiting"],
+            "kv_cache_usage_perc": s["blocks_used"] / total,
+            "prefix_cache_queries": s["prefix_queries"],
+            "prefix_cache_hits": s["prefix_hits"],
+            "num_preemptions": s["num_preemptions"],
+            "num_timeouts": s["num_timeouts"],
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "blocks_total": s["blocks_total"],
+            "blocks_free": s["blocks_free"],
+            "blocks_used": s["blocks_used"],
+            "blocks_cached": s["blocks_cached"],
+            "num_steps": self.num_steps,
+        }
+
+    def step_breakdown(self) -> dict[str, float]:
+        """Seconds spent per phase of `step` so far (schedule, prepare, forward, sample, ...)."""
+        return dict(self.timer.totals)

@@ -1,0 +1,127 @@
+"""ModelRunner: the model and its paged KV pool; a scheduler plan's arrays in, logits out.
+
+This is the only engine file that touches the device. It loads the model, sizes the KV pool (on a
+GPU by profiling a forward over the full token budget), allocates it, and per step moves the plan's
+numpy arrays to the device, runs the copy-on-write block copies and the forward.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from ironlm.attention import AttentionMetadata, get_backend
+from ironlm.config import EngineConfig
+from ironlm.engine.kv_cache import KVCaches, allocate_kv_caches, copy_blocks, num_kv_blocks
+from ironlm.model import load_model, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ironlm import _core
+    from ironlm.engine.timing import StepTimer
+    from ironlm.model.config import ModelConfig
+
+# On CPU the model's advertised context (e.g. 8k) rarely fits a sensible KV pool; cap the default.
+_CPU_DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class CausalLM(Protocol):
+    """The model as the runner calls it (ironlm.model.DecoderLM): one forward over a flat token batch."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T] int64 -> float32 logits [len(logits_indices), vocab]."""
+        ...
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.perf_counter()
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, dtype=self.dtype, device=self.device,
+                            attn_backend=get_backend(config.attention_backend, self.device))
+        self.model: CausalLM = loaded.model
+        self.model_config: ModelConfig = loaded.config
+        self.tokenizer: PreTrainedTokenizerBase = loaded.tokenizer
+        self.model_name = config.served_model_name or loaded.name
+        self.model_path = loaded.path
+        self.startup_timings: dict[str, float] = {"load_model": time.perf_counter() - t0}
+
+        t0 = time.perf_counter()
+        default_budget = 2048 if self.device.type == "cpu" else 8192
+        self.token_budget = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
+        self.kv_caches: KVCaches | None = None  # profiling on a GPU runs before the pool exists
+        self.num_blocks = num_kv_blocks(config, self.model_config, self.dtype, self.device,
+                                        lambda: self.profile(self.token_budget))
+        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, config.block_size, self.dtype,
+                                            self.device)
+        self.max_model_len = self._max_model_len(self.num_blocks * config.block_size)
+        self.startup_timings["kv_cache"] = time.perf_counter() - t0
+        if config.warmup:
+            t0 = time.perf_counter()
+            self.profile(min(self.token_budget, 64))
+            self.startup_timings["warmup"] = time.perf_counter() - t0
+
+    def execute(self, plan: _core.SchedulerPlan, timer: StepTimer | None = None) -> torch.Tensor:
+        """Logits [plan.num_samples, vocab] (float32) for the plan's `logits_indices` rows.
+
+        The result is an inference-mode tensor: modify it in place only under `torch.inference_mode()`.
+        """
+        assert self.kv_caches is not None
+        device = self.device
+        if len(plan.cow_pairs):
+            copy_blocks(self.kv_caches, plan.cow_pairs)
+        input_ids = torch.from_numpy(plan.input_ids).to(device, non_blocking=True)
+        positions = torch.from_numpy(plan.positions).to(device, non_blocking=True)
+        logits_indices = torch.from_numpy(plan.logits_indices).to(device, non_blocking=True)
+        meta = AttentionMetadata.from_numpy(
+            slot_mapping=plan.slot_mapping, query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens,
+            context_lens=plan.context_lens, block_tables=plan.block_tables,
+            max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len, device=device)
+        if timer is not None:
+            timer.lap("prepare")
+        with torch.inference_mode():
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        if timer is not None:
+            timer.lap("forward", sync=device)
+        return logits
+
+    def profile(self, num_tokens: int) -> None:
+        """A forward over `num_tokens` fresh tokens: compiles kernels / warms allocators / measures peak memory.
+
+        It writes KV rows into the first blocks of the cache; those blocks are free, and a block's
+        rows are always written before they are read, so nothing leaks into real requests.
+        """
+        bs = self.config.block_size
+        caches = self.kv_caches
+        n = max(1, num_tokens if caches is None else min(num_tokens, self.num_blocks * bs))
+        nblocks = -(-n // bs)
+        if caches is None:
+            caches = allocate_kv_caches(self.model_config, nblocks, bs, self.dtype, self.device)
+        meta = AttentionMetadata.from_numpy(
+            slot_mapping=np.arange(n, dtype=np.int64), query_start_loc=np.array([0, n], dtype=np.int64),
+            seq_lens=np.array([n], dtype=np.int64), context_lens=np.zeros(1, dtype=np.int64),
+            block_tables=np.arange(nblocks, dtype=np.int32)[None, :], max_query_len=n, max_seq_len=n,
+            device=self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        with torch.inference_mode():
+            self.model(ids, pos, caches, meta, torch.tensor([n - 1], device=self.device))
+
+    def _max_model_len(self, pool_tokens: int) -> int:
+        requested = self.config.max_model_len
+        native = self.model_config.max_model_len  # capped to a sliding window the model really uses
+        if requested is not None:
+            if requested > pool_tokens:
+                raise ValueError(f"max_model_len ({requested}) is larger than the KV cache ({pool_tokens} "
+                                 "tokens): raise kv_cache_memory/num_kv_blocks or lower max_model_len")
+            return requested
+        limit = native if self.device.type == "cuda" else min(native, _CPU_DEFAULT_MAX_MODEL_LEN)
+        return min(limit, pool_tokens)

@@ -1,0 +1,59 @@
+"""Prompts in, token ids out: the three prompt forms the engine accepts, and chat templates."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# A string, token ids, or {"prompt": str} / {"prompt_token_ids": [...], "prompt": optional text}, as in vLLM.
+PromptType = str | Sequence[int] | dict[str, Any]
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType,
+                  vocab_size: int) -> tuple[str | None, list[int]]:
+    """(prompt text if known, token ids), with the ids checked against the vocabulary."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), check_token_ids(prompt["prompt_token_ids"], vocab_size)
+        if "prompt" not in prompt:
+            raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        prompt = prompt["prompt"]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt, check_token_ids(tokenizer.encode(prompt), vocab_size)
+    if isinstance(prompt, (list, tuple, np.ndarray)):
+        return None, check_token_ids(prompt, vocab_size)
+    raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    checked = [int(t) for t in ids]
+    if not checked:
+        raise ValueError("prompt must contain at least one token")
+    if min(checked) < 0 or max(checked) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got {min(checked)}..{max(checked)}")
+    return checked
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                        add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    """Token ids of `messages` rendered by the model's chat template; a bad message is a ValueError."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content", ""), str):
+            raise ValueError("each message needs a 'role' and a string 'content'")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            tokenize=True, **kwargs)
+    except Exception as exc:
+        raise ValueError(f"messages: chat template failed: {exc}") from exc
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
