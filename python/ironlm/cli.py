@@ -71,8 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("binding %s without --api-key: anyone who can reach it can use the model", args.host)
     t0 = time.perf_counter()
-    from ironlm.async_engine import AsyncLLMEngine
-    from ironlm.engine import LLMEngine
+    from ironlm.engine import AsyncLLMEngine, LLMEngine
     from ironlm.server.api import build_app
     from ironlm.server.launcher import serve_app
 

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from ironlm.config import EngineConfig
 from ironlm.engine import LLMEngine
-from ironlm.outputs import RequestOutput
+from ironlm.engine.outputs import RequestOutput
 from ironlm.sampling_params import SamplingParams
 from ironlm.stats import latency_summary
 
