@@ -1,8 +1,13 @@
 """A deterministic stand-in for LLMEngine (same contract), with fault injection.
 
-Used where the real engine cannot be made to misbehave on demand: a step that raises, a forward that
-fails, an engine thread that dies, a slow step. Tokens are bytes; the "model" emits the letter after the
-last token (greedy) or a seeded pseudo-random letter (temperature > 0).
+Used by the AsyncLLMEngine unit tests, which need control the real engine cannot give (a gate inside the
+step, a step that raises from the engine's own bookkeeping, exact letters to assert on); the server tests
+run the real engine with faults injected into its forward (server_utils.ForwardFaults). Tokens are bytes;
+the "model" emits the letter after the last token (greedy) or a seeded pseudo-random letter (temperature > 0).
+
+It follows the real engine's rules where they are observable: a step first admits waiting requests up to
+`max_num_seqs` (arrival order), and `max_queue_len` bounds the *waiting* requests only, as the core's queue
+does, so a full batch never makes a new request fail while the queue has room.
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ class FakeTokenizer:
 
 class FakeEngine:
     def __init__(self, max_model_len: int = 256, num_blocks: int = 64, block_size: int = 16,
-                 max_queue_len: int | None = None, step_delay: float = 0.0) -> None:
+                 max_queue_len: int | None = None, max_num_seqs: int = 256, step_delay: float = 0.0) -> None:
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_queue_len = max_queue_len
+        self.max_num_seqs = max_num_seqs
         self.step_delay = step_delay
-        self.requests: dict[str, dict] = {}
+        self.requests: dict[str, dict] = {}  # arrival order; the first `len(running)` were admitted
+        self.running: list[str] = []
         self.raise_in_step: BaseException | None = None  # step() raises this (every time while set)
         self.fail_forward_once = False  # step() fails its requests the way LLMEngine does
         self.gate = threading.Event()  # cleared: step() blocks (to hold requests in flight)
@@ -61,8 +68,9 @@ class FakeEngine:
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                              f"({self.max_model_len})")
-        if self.max_queue_len is not None and len(self.requests) >= self.max_queue_len:
-            raise _core.QueueFullError("queue full")
+        if self.max_queue_len is not None and self.num_waiting >= self.max_queue_len:
+            raise _core.QueueFullError(f"the waiting queue already holds max_queue_len ({self.max_queue_len}) "
+                                       "requests")
         if request_id in self.requests:
             raise _core.DuplicateRequestError(request_id)
         arrival = _core.monotonic() if arrival_time is None else arrival_time
@@ -78,13 +86,27 @@ class FakeEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         self.thread_ids.add(threading.get_ident())
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            self.requests.pop(rid, None)
+            self._drop(rid)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.requests) - len(self.running)
+
+    def _drop(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+        if rid in self.running:
+            self.running.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
+        for rid in self.requests:  # admission comes first, as in the core's schedule()
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if rid not in self.running:
+                self.running.append(rid)
         self.gate.wait(10)
         if self.step_delay:
             threading.Event().wait(self.step_delay)
@@ -92,14 +114,15 @@ class FakeEngine:
             raise self.raise_in_step
         now = _core.monotonic()
         outputs = []
-        for rid, req in list(self.requests.items()):
+        for rid in list(self.running):
+            req = self.requests[rid]
             m = req["metrics"]
             m.first_scheduled_time = m.first_scheduled_time or now
             if self.fail_forward_once:
                 for s in req["seqs"]:
                     s["finish"] = s["finish"] or "error"
                 outputs.append(self._output(rid, req, error="RuntimeError: injected forward failure"))
-                del self.requests[rid]
+                self._drop(rid)
                 continue
             for s in req["seqs"]:
                 if s["finish"] is None:
@@ -110,7 +133,7 @@ class FakeEngine:
             if out.finished:
                 m.finished_time = now
                 out.metrics = m
-                del self.requests[rid]
+                self._drop(rid)
             outputs.append(out)
         self.fail_forward_once = False
         return outputs
@@ -155,8 +178,8 @@ class FakeEngine:
 
     def stats(self) -> dict:
         used = sum(-(-(len(r["ids"]) + max(len(s["tokens"]) for s in r["seqs"])) // self.block_size)
-                   for r in self.requests.values())
-        return {"num_requests_running": len(self.requests), "num_requests_waiting": 0,
+                   for r in (self.requests[rid] for rid in self.running))  # waiting requests hold no blocks
+        return {"num_requests_running": len(self.running), "num_requests_waiting": self.num_waiting,
                 "kv_cache_usage_perc": used / self.num_blocks, "prefix_cache_queries": self.prompt_tokens_total,
                 "prefix_cache_hits": 0, "num_preemptions": 0, "prompt_tokens_total": self.prompt_tokens_total,
                 "generation_tokens_total": self.generation_tokens_total, "blocks_total": self.num_blocks,

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import uvicorn
 
-from ironlm.engine import AsyncLLMEngine
+from ironlm.engine import AsyncLLMEngine  # re-exported for the tests: one import site to update
 from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
 from ironlm.server.api import build_app
 from ironlm.server.grpc_service import start_grpc_server

@@ -99,17 +99,19 @@ def test_cancelled_task_aborts_its_request():
 
 
 def test_add_errors_reach_the_caller():
-    ae = AsyncLLMEngine(FakeEngine(max_model_len=64, max_queue_len=1, step_delay=0.02))
+    ae = AsyncLLMEngine(FakeEngine(max_model_len=64, max_queue_len=1, max_num_seqs=1, step_delay=0.02))
     with pytest.raises(ValueError, match="empty"):
         run(collect(ae, ""))
     with pytest.raises(ValueError, match="max_model_len"):
         run(collect(ae, "abc", SamplingParams(max_tokens=100)))
 
     async def overflow():
-        first = await ae.add_request("one", "abc", SamplingParams(max_tokens=50))
+        first = await ae.add_request("one", "abc", SamplingParams(max_tokens=50))  # running after a step
+        second = await ae.add_request("two", "abc", SamplingParams(max_tokens=5))  # the one waiting request
         with pytest.raises(_core.QueueFullError):
-            await ae.add_request("two", "abc", SamplingParams(max_tokens=5))
+            await ae.add_request("three", "abc", SamplingParams(max_tokens=5))
         first.close()
+        second.close()
 
     run(overflow())
     assert ae.is_healthy
