@@ -25,7 +25,7 @@ from ironlm.engine.outputs import RequestOutput
 from ironlm.engine.prompts import PromptType
 from ironlm.engine.protocol import OutputObserver, StepEngine
 from ironlm.engine.request_stream import Outbox, RequestStream
-from ironlm.exceptions import EngineDeadError, EngineOverloadedError, EngineStepError
+from ironlm.exceptions import EngineDeadError, EngineOverloadedError, EngineStepError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -49,7 +49,8 @@ class AsyncLLMEngine:
     def __init__(self, engine: StepEngine, *, observer: OutputObserver | None = None, start: bool = True,
                  stall_timeout_s: float = 300.0) -> None:
         if not stall_timeout_s > 0:
-            raise ValueError(f"stall_timeout_s must be > 0, got {stall_timeout_s}")
+            raise InvalidArgumentError(f"stall_timeout_s must be > 0, got {stall_timeout_s}",
+                                       param="stall_timeout_s")
         self.engine = engine
         # A step running longer than this (a hung kernel, a deadlock) makes /health answer 503 "engine_stalled",
         # so an orchestrator restarts the process. Far above any real step: a full prefill budget on a laptop
@@ -163,7 +164,7 @@ class AsyncLLMEngine:
                           params: SamplingParams | None = None, **kwargs: Any) -> RequestStream:
         """Queue a request; returns its output stream once the engine accepted it.
 
-        Raises what LLMEngine.add_request raises (ValueError, QueueFullError), EngineDeadError, or
+        Raises what LLMEngine.add_request raises (InvalidArgumentError, QueueFullError), EngineDeadError, or
         EngineOverloadedError while draining. `kwargs`: priority, deadline, timeout, cache_salt,
         arrival_time. `timeout` also bounds the whole request here (the engine only bounds queueing).
         """
@@ -173,7 +174,7 @@ class AsyncLLMEngine:
             raise EngineOverloadedError("the server is shutting down")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._inflight:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
+            raise InvalidArgumentError(f"request_id: {request_id!r} is already in flight", param="request_id")
         kwargs.setdefault("arrival_time", _core.monotonic())  # the engine's clock: TTFT covers the hand-off
         stream = RequestStream(request_id, prompt, params, kwargs, asyncio.get_running_loop(),
                                timeout=kwargs.get("timeout"), on_close=self._on_stream_closed)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ironlm.config import EngineConfig, parse_bytes
+from ironlm.exceptions import InvalidArgumentError
 from ironlm.model.config import ModelConfig
 
 _CPU_DEFAULT_BYTES = 1 << 30
@@ -38,7 +39,9 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.
         budget = _CPU_DEFAULT_BYTES
     blocks = budget // per_block
     if blocks < 1:
-        raise ValueError(f"kv_cache_memory ({budget} bytes) is smaller than one KV block ({per_block} bytes)")
+        raise InvalidArgumentError(
+            f"kv_cache_memory ({budget} bytes) is smaller than one KV block ({per_block} bytes)",
+            param="kv_cache_memory")
     return int(blocks)
 
 

@@ -16,6 +16,7 @@ import torch
 from ironlm.attention import AttentionMetadata, get_backend
 from ironlm.config import EngineConfig
 from ironlm.engine.kv_cache import KVCaches, allocate_kv_caches, copy_blocks, num_kv_blocks
+from ironlm.exceptions import InvalidArgumentError
 from ironlm.model import load_model, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
@@ -120,8 +121,9 @@ class ModelRunner:
         native = self.model_config.max_model_len  # capped to a sliding window the model really uses
         if requested is not None:
             if requested > pool_tokens:
-                raise ValueError(f"max_model_len ({requested}) is larger than the KV cache ({pool_tokens} "
-                                 "tokens): raise kv_cache_memory/num_kv_blocks or lower max_model_len")
+                raise InvalidArgumentError(
+                    f"max_model_len ({requested}) is larger than the KV cache ({pool_tokens} tokens): raise "
+                    "kv_cache_memory/num_kv_blocks or lower max_model_len", param="max_model_len")
             return requested
         limit = native if self.device.type == "cuda" else min(native, _CPU_DEFAULT_MAX_MODEL_LEN)
         return min(limit, pool_tokens)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,12 +10,13 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ironlm.exceptions import InvalidArgumentError
+
 logger = logging.getLogger("ironlm.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
           503: "service_unavailable_error"}
-_PARAM_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+): ")
 
 
 class APIError(Exception):
@@ -39,26 +39,26 @@ def error_response(status: int, message: str, **kw: object) -> JSONResponse:
     return JSONResponse(error_body(status, message, **kw), status_code=status, headers=headers)  # type: ignore[arg-type]
 
 
-def param_from_message(message: str) -> str | None:
-    """Our ValueErrors (and SamplingParams') start with or name the field: 'top_p must be ...'."""
-    m = _PARAM_PREFIX.match(message) or re.match(r"^([a-z_]+) (?:must|cannot|should)", message)
-    return m.group(1) if m else None
-
-
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    """First pydantic error -> 400 with `param` = the offending field's dotted path."""
+    """First pydantic error -> 400 with `param` = the offending field's dotted path.
+
+    A model-level validator has no field location: its `InvalidArgumentError` (kept by pydantic as the error's
+    ctx["error"]) names the parameter instead.
+    """
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request")
     err = errors[0]
-    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    loc = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+    ctx = err.get("ctx") or {}
     if err.get("type") == "json_invalid":
-        return APIError(400, f"Malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
-    msg = str(err.get("msg", "invalid value"))
-    param = ".".join(loc) or param_from_message(msg)
-    msg = msg.removeprefix("Value error, ")
+        return APIError(400, f"Malformed JSON body: {ctx.get('error', err.get('msg'))}")
+    cause = ctx.get("error")
+    # str(cause), not err["msg"]: pydantic prefixes a validator's message with "Value error, ".
+    msg = str(cause) if isinstance(cause, Exception) else str(err.get("msg", "invalid value"))
+    param = cause.param if isinstance(cause, InvalidArgumentError) else None
     if loc:
-        msg = f"{'.'.join(loc)}: {msg}"
+        msg, param = f"{loc}: {msg}", loc
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return APIError(400, msg + more, param=param)
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ironlm.exceptions import InvalidArgumentError
+
 # Fields that exist in OpenAI/vLLM requests but whose non-default values ironlm cannot honour.
 _UNSUPPORTED = {
     "tools": "tool calling", "functions": "function calling", "function_call": "function calling",
@@ -20,6 +22,12 @@ _UNSUPPORTED = {
     "guided_grammar": "guided decoding", "structured_outputs": "structured outputs",
     "prompt_logprobs": "prompt logprobs", "web_search_options": "web search",
 }
+
+
+def _invalid(param: str, reason: str) -> InvalidArgumentError:
+    # pydantic keeps the exception a validator raised (the error's ctx["error"]), so the 400 body takes its
+    # param from there: model-level validators have no field location of their own.
+    return InvalidArgumentError(f"{param}: {reason}", param=param)
 
 
 class _Strict(BaseModel):
@@ -67,16 +75,16 @@ class _SamplingRequest(_Strict):
         extra = self.model_extra or {}
         for name, what in _UNSUPPORTED.items():
             if extra.get(name) not in (None, [], {}, "", False):
-                raise ValueError(f"{name}: {what} is not supported by this server")
+                raise _invalid(name, f"{what} is not supported by this server")
         fmt = extra.get("response_format")
         if fmt not in (None, {"type": "text"}):
-            raise ValueError("response_format: only {'type': 'text'} is supported")
+            raise _invalid("response_format", "only {'type': 'text'} is supported")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
+            raise _invalid("stream_options", "only allowed when stream is true")
         if self.logit_bias and not all(k.strip().isdigit() for k in self.logit_bias):
-            raise ValueError("logit_bias: keys must be token ids")
+            raise _invalid("logit_bias", "keys must be token ids")
         if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: token ids must be >= 0")
+            raise _invalid("stop_token_ids", "token ids must be >= 0")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -110,9 +118,9 @@ class CompletionRequest(_SamplingRequest):
     def _check_prompt(self) -> CompletionRequest:
         p = self.prompt
         if p == "" or p == [] or (isinstance(p, list) and any(x in ("", []) for x in p)):
-            raise ValueError("prompt: must not be empty")
+            raise _invalid("prompt", "must not be empty")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of: only best_of == n is supported")
+            raise _invalid("best_of", "only best_of == n is supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -138,13 +146,13 @@ class ChatMessage(_Strict):
         if self.content is None:
             if self.role == "assistant":
                 return ""
-            raise ValueError(f"messages: a {self.role} message needs content")
+            raise _invalid("messages", f"a {self.role} message needs content")
         if isinstance(self.content, str):
             return self.content
         parts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise ValueError(f"messages: content part type {part.type!r} is not supported (text only)")
+                raise _invalid("messages", f"content part type {part.type!r} is not supported (text only)")
             parts.append(part.text)
         return "".join(parts)
 
@@ -160,9 +168,9 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: tool calling is not supported by this server")
+            raise _invalid("tool_choice", "tool calling is not supported by this server")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: requires logprobs to be true")
+            raise _invalid("top_logprobs", "requires logprobs to be true")
         return self
 
     def message_dicts(self) -> list[dict[str, str]]:
@@ -181,7 +189,7 @@ class TokenizeRequest(_Strict):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: give exactly one of prompt or messages")
+            raise _invalid("prompt", "give exactly one of prompt or messages")
         return self
 
 

@@ -13,11 +13,17 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from ironlm import _core
-from ironlm.engine import AsyncLLMEngine, RequestStream
+from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import RequestOutput
-from ironlm.exceptions import EngineDeadError, EngineOverloadedError
-from ironlm.server.errors import APIError, error_body, param_from_message, validation_error
+from ironlm.exceptions import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidArgumentError,
+    QueueFullError,
+    RequestTooLargeError,
+)
+from ironlm.server.errors import APIError, error_body, validation_error
 
 M = TypeVar("M", bound=BaseModel)
 _MAX_BODY = 64 * 1024 * 1024
@@ -43,25 +49,31 @@ def sampling_params(kwargs: dict[str, Any]) -> Any:
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
-        raise APIError(400, str(exc), param=param_from_message(str(exc))) from None
+        param = exc.param if isinstance(exc, InvalidArgumentError) else None
+        raise APIError(400, str(exc), param=param) from None
 
 
 def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
-    """Map what AsyncLLMEngine.add_request raises to an HTTP error."""
-    if isinstance(exc, _core.QueueFullError):
+    """Map what AsyncLLMEngine.add_request raises to an HTTP error, by type and `param`, never by message.
+
+    `prompt_param` is the body field holding the prompt (`prompt`, or `messages` for chat): errors about the
+    prompt, and bad values that name no parameter, point there.
+    """
+    if isinstance(exc, QueueFullError):
         return APIError(503, f"the server is overloaded: {exc}", code="queue_full")
     if isinstance(exc, (EngineDeadError, EngineOverloadedError)):
         return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, RequestTooLargeError):
+        return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, DuplicateRequestError):
+        return APIError(400, str(exc), param="request_id")
     if isinstance(exc, ValueError):
-        msg = str(exc)
-        if "max_model_len" in msg or isinstance(exc, _core.RequestTooLargeError):
-            return APIError(400, msg, param=prompt_param, code="context_length_exceeded")
-        param = param_from_message(msg)
-        return APIError(400, msg, param=prompt_param if param in (None, "prompt") else param)
+        param = exc.param if isinstance(exc, InvalidArgumentError) else None
+        return APIError(400, str(exc), param=prompt_param if param in (None, "prompt") else param)
     return APIError(500, f"the engine failed this request: {exc!r}")
 
 
-async def start_streams(engine: AsyncLLMEngine, base_id: str, prompts: Sequence[str | list[int]], params: Any,
+async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[str | list[int]], params: Any,
                         req: Any, prompt_param: str = "prompt") -> list[RequestStream]:
     """Add one engine request per prompt; on any failure abort those already added."""
     streams: list[RequestStream] = []
