@@ -11,12 +11,16 @@ import socket
 import sys
 import threading
 import time
+import typing
+from dataclasses import fields
 
 import grpc
 import httpx
 import pytest
 
-from ironlm.cli import build_parser, engine_config, main
+from ironlm.cli import build_parser, main
+from ironlm.cli_args import config_from_args, flag_name, model_from_args
+from ironlm.config import EngineConfig
 from ironlm.grpc import ironlm_pb2 as pb
 from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
 
@@ -24,7 +28,7 @@ ENGINE_FLAGS = ["--num-kv-blocks", "128", "--block-size", "4", "--max-model-len"
 SERVE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--dtype", "--device", "--block-size",
                "--kv-cache-memory", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
-               "--max-queue-len", "--request-timeout", "--grpc-port"]
+               "--max-queue-len", "--queue-timeout", "--grpc-port"]
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +53,61 @@ def test_help_lists_commands_and_vllm_named_flags(capsys):
 def test_serve_defaults_and_config_mapping():
     args = build_parser(["serve"]).parse_args(["serve"])
     assert (args.host, args.port, args.model_pos, args.grpc_port) == ("127.0.0.1", 8000, None, None)
+    assert config_from_args(args, model_from_args(args)) == EngineConfig()  # every default from one place
     args = build_parser(["serve"]).parse_args(
         ["serve", "m.gguf", "--no-enable-prefix-caching", "--scheduling-policy", "priority", "--kv-cache-memory",
-         "1GiB", "--max-queue-len", "7", "--request-timeout", "2.5", "--served-model-name", "a", "b"])
-    config = engine_config(args, args.model_pos)
+         "1GiB", "--max-queue-len", "7", "--queue-timeout", "2.5", "--served-model-name", "a", "b"])
+    config = config_from_args(args, model_from_args(args))
     assert config.model == "m.gguf" and not config.enable_prefix_caching
     assert (config.scheduling_policy, config.kv_cache_memory, config.max_queue_len) == ("priority", "1GiB", 7)
-    assert config.request_timeout == 2.5 and config.served_model_name == "a"
+    assert config.queue_timeout == 2.5 and config.served_model_name == "a" and args.served_model_name == ["a", "b"]
+    args = build_parser(["serve"]).parse_args(["serve", "pos.gguf", "--model", "opt.gguf"])
+    assert model_from_args(args) == "opt.gguf"
+
+
+def test_request_timeout_is_a_deprecated_alias_of_queue_timeout(capsys):
+    args = build_parser(["serve"]).parse_args(["serve", "--request-timeout", "2.5"])
+    assert config_from_args(args, None).queue_timeout == 2.5
+    assert "--request-timeout is deprecated, use --queue-timeout" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--request-timeout" not in capsys.readouterr().out
+
+
+def _non_default(f, annotation) -> tuple[list[str], object]:
+    """Command-line words that set field `f` to a value other than its default, and that value."""
+    flag = flag_name(f.name)
+    if annotation is bool:
+        return ([flag] if not f.default else ["--no-" + flag[2:]]), not f.default
+    if "choices" in f.metadata:
+        value = next(c for c in f.metadata["choices"] if c != f.default)
+        return [flag, value], value
+    kinds = typing.get_args(annotation) or (annotation,)
+    if str in kinds:  # "8" is a valid model path, device string, name and KV size (8 bytes) alike
+        return [flag, "8"], "8"
+    if int in kinds:
+        return [flag, "8"], 8
+    return [flag, "0.5"], 0.5
+
+
+def test_every_engine_config_field_is_a_flag_of_every_engine_command(capsys):
+    """Adding a field to EngineConfig is enough: serve, generate and chat list it and hand it to the config."""
+    hints = typing.get_type_hints(EngineConfig)
+    for command in ("serve", "generate", "chat"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        help_text = capsys.readouterr().out
+        for f in fields(EngineConfig):
+            assert f.metadata.get("help"), f"EngineConfig.{f.name} has no help text"
+            assert flag_name(f.name) in help_text, (command, f.name)
+    for f in fields(EngineConfig):
+        words, value = _non_default(f, hints[f.name])
+        assert value != f.default
+        args = build_parser(["serve"]).parse_args(["serve", *words])
+        config = config_from_args(args, model_from_args(args))
+        assert getattr(config, f.name) == value, f.name
+        args = build_parser(["generate"]).parse_args(["generate", "a prompt", *words])
+        assert getattr(config_from_args(args, model_from_args(args)), f.name) == value, f.name
 
 
 def test_bench_is_wired():

@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import fields
+
 import pytest
 
-from ironlm import LLM, SamplingParams
+import ironlm.llm
+from ironlm import LLM, EngineConfig, SamplingParams
 from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory) -> LLM:
     path = make_tiny_model(tmp_path_factory.mktemp("api"), arch="llama")
-    return LLM(str(path), num_kv_blocks=128, block_size=4, max_model_len=256)
+    # enable_metrics as vLLM examples pass it: accepted, metrics are always on
+    return LLM(str(path), num_kv_blocks=128, block_size=4, max_model_len=256, enable_metrics=True)
+
+
+def test_every_engine_config_field_is_an_llm_keyword(monkeypatch):
+    """LLM(**kwargs) is EngineConfig's fields: the signature lists each with its default, and each reaches the
+    engine's config, so a field added to EngineConfig needs no edit in llm.py."""
+    params = inspect.signature(LLM).parameters
+    for f in fields(EngineConfig):
+        assert f.name in params and params[f.name].default == f.default, f.name
+    assert params["enable_metrics"].default is True
+    seen: list[EngineConfig] = []
+    monkeypatch.setattr(ironlm.llm, "LLMEngine", seen.append)
+    flipped = {"block_size": 8, "queue_timeout": 1.5, "enable_prefix_caching": False, "warmup": False,
+               "served_model_name": "m", "scheduling_policy": "priority"}
+    LLM("some/model", enable_metrics=False, **flipped)
+    assert seen[-1] == EngineConfig(model="some/model", **flipped)
+    with pytest.raises(TypeError, match="'queue_timout'.*did you mean 'queue_timeout'"):
+        LLM(queue_timout=1.0)
+    with pytest.raises(ValueError, match="block_size") as exc:
+        LLM(block_size=3)
+    assert exc.value.param == "block_size"
 
 
 def test_string_prompts_in_order_with_timing(llm: LLM):
@@ -77,4 +102,5 @@ def test_chat_and_metrics(llm: LLM):
                 "num_preemptions", "step_breakdown_s"):
         assert key in m
     assert m["output_tokens"] >= 8 and m["ttft_s"]["median"] > 0
+    assert m["throughput"] == m["output_tokens"] / m["elapsed_s"] == m["output_tokens_per_s"] > 0
     assert {"schedule", "forward", "sample"} <= set(m["step_breakdown_s"])

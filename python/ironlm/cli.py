@@ -13,52 +13,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ironlm.config import ATTENTION_BACKENDS
+from ironlm.cli_args import HelpFormatter, add_engine_args, config_from_args, model_from_args
+from ironlm.cli_run import add_chat_parser, add_generate_parser
 
 logger = logging.getLogger("ironlm.serve")
-
-
-def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
-    if positional_model:
-        p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                       help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
-    p.add_argument("--model", dest="model_opt", default=None, help="same as MODEL")
-    g = p.add_argument_group("engine")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use for the model; the first is reported in responses")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache size: bytes or e.g. '2GiB'")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
-    g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens per request")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="max sequences in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse KV blocks of shared prompt prefixes")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "deadline"])
-    g.add_argument("--max-queue-len", type=int, default=None, help="waiting requests beyond this get 503")
-    g.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may wait in the queue before it times out")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    g.add_argument("--seed", type=int, default=0)
-
-
-def engine_config(args: argparse.Namespace, model: str | None) -> Any:
-    from ironlm.config import EngineConfig
-
-    names = args.served_model_name
-    return EngineConfig(
-        model=model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-        max_queue_len=args.max_queue_len, request_timeout=args.request_timeout,
-        attention_backend=args.attention_backend, seed=args.seed, served_model_name=names[0] if names else None)
-
-
-def _model(args: argparse.Namespace) -> str | None:
-    return getattr(args, "model_opt", None) or getattr(args, "model_pos", None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -75,7 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ironlm.server.api import build_app
     from ironlm.server.launcher import serve_app
 
-    config = engine_config(args, _model(args))
+    config = config_from_args(args, model_from_args(args))
     logger.info("phase imports: %.2fs", time.perf_counter() - t0)
     logger.info("loading model %s", config.model or "(built-in default: SmolLM2-135M-Instruct)")
     engine = LLMEngine(config)
@@ -106,7 +64,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP (and gRPC) server",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=HelpFormatter)
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
     serve.add_argument("--port", type=int, default=8000)
@@ -120,10 +78,8 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
 
-    from ironlm.cli_run import add_chat_parser, add_generate_parser
-
-    add_generate_parser(sub, add_engine_args)
-    add_chat_parser(sub, add_engine_args)
+    add_generate_parser(sub)
+    add_chat_parser(sub)
     _add_bench(sub, load=bool(argv) and argv[0] == "bench")
     return parser
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from typing import Any, TextIO
+
+from ironlm.cli_args import add_engine_args, config_from_args, model_from_args
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -17,7 +18,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible output)")
 
 
-def add_generate_parser(sub: Any, add_engine_args: Callable[..., None]) -> None:
+def add_generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="complete one prompt, streaming to the terminal",
                        usage="ironlm generate [MODEL] PROMPT [options]")
     p.add_argument("positionals", nargs="+", metavar="[MODEL] PROMPT")
@@ -27,7 +28,7 @@ def add_generate_parser(sub: Any, add_engine_args: Callable[..., None]) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def add_chat_parser(sub: Any, add_engine_args: Callable[..., None]) -> None:
+def add_chat_parser(sub: Any) -> None:
     p = sub.add_parser("chat", help="interactive chat with the model's chat template (/reset, /exit)")
     add_engine_args(p)
     _add_sampling_args(p)
@@ -38,11 +39,10 @@ def add_chat_parser(sub: Any, add_engine_args: Callable[..., None]) -> None:
 def _engine(args: argparse.Namespace, model: str | None) -> Any:
     import logging
 
-    from ironlm.cli import engine_config
     from ironlm.engine import LLMEngine
 
     logging.basicConfig(level=logging.WARNING)
-    return LLMEngine(engine_config(args, model))
+    return LLMEngine(config_from_args(args, model))
 
 
 def _params(args: argparse.Namespace) -> Any:
@@ -80,7 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if len(pos) > 2:
         print("ironlm generate: expected [MODEL] PROMPT (quote the prompt)", file=sys.stderr)
         return 2
-    model, prompt = (pos[0], pos[1]) if len(pos) == 2 else (args.model_opt, pos[0])
+    model, prompt = (pos[0], pos[1]) if len(pos) == 2 else (model_from_args(args), pos[0])
     params = _params(args)
     engine = _engine(args, model)
     if args.chat_template:
@@ -90,10 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from ironlm.cli import _model
-
     params = _params(args)
-    engine = _engine(args, _model(args))
+    engine = _engine(args, model_from_args(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
     interactive = sys.stdin.isatty()

@@ -1,56 +1,89 @@
-"""Engine configuration: one dataclass shared by `LLM`, `ironlm serve` and the benchmarks."""
+"""Engine configuration: every engine setting, its one default and its help text.
+
+`EngineConfig` is the single source: `LLM(**kwargs)` accepts exactly its fields and `ironlm serve/generate/chat`
+derive one flag per field from it (ironlm.cli_args), so a new field needs no edit anywhere else. Defaults that
+depend on the device (token budget, context cap, CPU KV pool) live here too, as `resolve_*` methods, so the
+engine never carries a number of its own. Help text goes in `field(metadata={"help": ...})`.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-_POLICIES = ("fcfs", "priority", "deadline")
+from ironlm.exceptions import InvalidArgumentError
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "deadline")
 # Here rather than in ironlm.attention so that config validation and the CLIs need no torch import.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DTYPE_ALIASES = ("fp32", "fp16", "bf16", "half", "float")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+_CPU_TOKEN_BUDGET = 2048
+_GPU_TOKEN_BUDGET = 8192
+# On CPU the model's advertised context (e.g. 8k+) rarely fits a sensible KV pool; cap the default.
+_CPU_MAX_MODEL_LEN = 8192
+_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _invalid(param: str, reason: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{param}: {reason}", param)
 
 
 def parse_bytes(value: int | str | None, field: str = "kv_cache_memory") -> int | None:
     """`2GiB`, `512MB`, `1e9` or a plain int → bytes."""
     if value is None or isinstance(value, int):
-        if isinstance(value, int) and value <= 0:
-            raise ValueError(f"{field} must be > 0, got {value}")
+        if isinstance(value, bool) or (isinstance(value, int) and value <= 0):
+            raise _invalid(field, f"must be > 0, got {value!r}")
         return value
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{field} must be bytes or a size such as '2GiB', got {value!r}")
+        raise _invalid(field, f"must be bytes or a size such as '2GiB', got {value!r}")
     try:
         number = float(match.group(1))
     except ValueError:
-        raise ValueError(f"{field} must be bytes or a size such as '2GiB', got {value!r}") from None
+        raise _invalid(field, f"must be bytes or a size such as '2GiB', got {value!r}") from None
     size = int(number * _UNITS[match.group(2).lower()])
     if size <= 0:
-        raise ValueError(f"{field} must be > 0, got {value!r}")
+        raise _invalid(field, f"must be > 0, got {value!r}")
     return size
+
+
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    """A config field with its help text; `cli` holds argparse extras (choices, metavar, nargs)."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF folder or .gguf file; None = the built-in SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
-    device: str = "auto"  # auto = cuda if available, else cpu
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; default: 1 GiB on CPU, a fraction of free GPU memory
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None  # default: the model's max_position_embeddings (capped to 8192 on CPU)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: 2048 on CPU, 8192 on GPU (at least max_num_seqs)
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    max_queue_len: int | None = None
-    request_timeout: float | None = None  # seconds a request may wait in the queue before it times out
-    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
-    seed: int = 0
-    served_model_name: str | None = None
-    warmup: bool = True
+    model: str | None = _opt(None, "HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    served_model_name: str | None = _opt(
+        None, "name clients use for the model (serve takes several; the first is reported in responses)")
+    dtype: str = _opt("auto", "weights and KV dtype; auto = bfloat16 on GPU, float32 on CPU", choices=DTYPES)
+    device: str = _opt("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    block_size: int = _opt(16, "tokens per KV block (power of two)")
+    kv_cache_memory: int | str | None = _opt(
+        None, "KV cache size, bytes or e.g. '2GiB' (default: 1 GiB on CPU, what gpu_memory_utilization leaves "
+        "free on GPU)")
+    num_kv_blocks: int | None = _opt(None, "KV blocks (overrides kv_cache_memory)")
+    gpu_memory_utilization: float = _opt(0.9, "share of GPU memory the engine may use, KV cache included")
+    max_model_len: int | None = _opt(
+        None, "max prompt + output tokens per request (default: the model's context, capped to 8192 on CPU)")
+    max_num_seqs: int = _opt(256, "max sequences in one batch")
+    max_num_batched_tokens: int | None = _opt(
+        None, "token budget per step (default: 2048 on CPU, 8192 on GPU, at least max_num_seqs)")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    scheduling_policy: str = _opt("fcfs", "order of waiting requests", choices=SCHEDULING_POLICIES)
+    max_queue_len: int | None = _opt(None, "waiting requests beyond this are refused (HTTP 503)")
+    queue_timeout: float | None = _opt(
+        None, "seconds a request may wait in the queue before it finishes with reason 'timeout' (a request's "
+        "own `timeout` over HTTP/gRPC bounds the whole request, its wait included)", metavar="S")
+    attention_backend: str = _opt("auto", "attention implementation", choices=ATTENTION_BACKENDS)
+    seed: int = _opt(0, "seed of the engine's sampler (requests may bring their own)")
+    warmup: bool = _opt(True, "run one forward at startup so the first request is not the slow one")
 
     def __post_init__(self) -> None:
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -58,18 +91,45 @@ class EngineConfig:
                     "max_num_batched_tokens": self.max_num_batched_tokens, "max_queue_len": self.max_queue_len}
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise _invalid(name, f"must be a positive integer, got {value!r}")
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.scheduling_policy not in _POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16", "half", "float"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+            raise _invalid("block_size", f"must be a power of two, got {self.block_size}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise _invalid("scheduling_policy",
+                           f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+        if self.dtype not in DTYPES + _DTYPE_ALIASES:
+            raise _invalid("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                             f"got {self.attention_backend!r}")
+            raise _invalid("attention_backend",
+                           f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.request_timeout is not None and self.request_timeout <= 0:
-            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+            raise _invalid("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            raise _invalid("queue_timeout", f"must be > 0, got {self.queue_timeout}")
         parse_bytes(self.kv_cache_memory)
+
+    @property
+    def request_timeout(self) -> float | None:
+        # TEMPORARY while engine.py moves into ironlm/engine/: its old line still reads this name.
+        return self.queue_timeout
+
+    # ---- defaults that depend on where the engine runs --------------------------------------------------
+    def resolve_max_num_batched_tokens(self, device_type: str) -> int:
+        """The per-step token budget: the configured one, else a device default of at least max_num_seqs."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        default = _CPU_TOKEN_BUDGET if device_type == "cpu" else _GPU_TOKEN_BUDGET
+        return max(default, self.max_num_seqs)
+
+    def resolve_max_model_len(self, native: int, device_type: str) -> int:
+        """The configured context length, else the model's own (`native`), capped on CPU."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return native if device_type == "cuda" else min(native, _CPU_MAX_MODEL_LEN)
+
+    def resolve_kv_cache_memory(self, device_type: str) -> int | None:
+        """KV pool bytes: the configured size; on CPU 1 GiB by default; None = profile free GPU memory."""
+        size = parse_bytes(self.kv_cache_memory)
+        if size is None and device_type == "cpu":
+            return _CPU_KV_CACHE_BYTES
+        return size

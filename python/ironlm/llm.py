@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import time
 from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -19,17 +23,17 @@ PromptType = str | list[int] | dict
 class LLM:
     """Batch generation over one model. `model=None` serves the built-in SmolLM2-135M-Instruct."""
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 block_size: int = 16, kv_cache_memory: int | str | None = None,
-                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs", seed: int = 0,
-                 **kwargs) -> None:
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            scheduling_policy=scheduling_policy, seed=seed, **kwargs)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs`: any `EngineConfig` field (see `inspect.signature(LLM)`), plus `enable_metrics`, accepted
+        for vLLM compatibility: metrics are always collected, so it changes nothing."""
+        kwargs.pop("enable_metrics", None)
+        known = {f.name for f in fields(EngineConfig)}
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
+        config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(config)
         self._finished: list[RequestOutput] = []
         self._busy_seconds = 0.0
@@ -125,6 +129,7 @@ class LLM:
             "prompt_tokens": self._prompt_tokens,
             "output_tokens": self._generated,
             "output_tokens_per_s": self._generated / busy,
+            "throughput": self._generated / busy,  # vLLM's name: generated tokens/s
             "total_tokens_per_s": (self._generated + self._prompt_tokens) / busy,
             "requests_per_s": len(self._finished) / busy,
             "ttft_s": latency_summary(ttft),
@@ -136,3 +141,18 @@ class LLM:
             "num_preemptions": stats["num_preemptions"],
             "step_breakdown_s": self.engine.step_breakdown(),
         }
+
+
+def _init_signature() -> inspect.Signature:
+    """LLM.__init__ as if it listed every EngineConfig field, so help(), IDEs and `inspect` show them."""
+    kind = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                annotation="str | None")]
+    params += [inspect.Parameter(f.name, kind, default=f.default, annotation=f.type)
+               for f in fields(EngineConfig) if f.name != "model"]
+    params.append(inspect.Parameter("enable_metrics", kind, default=True, annotation="bool"))
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _init_signature()  # type: ignore[attr-defined]

@@ -1,0 +1,91 @@
+"""Engine flags of `ironlm serve/generate/chat`, generated from `EngineConfig`: one flag per field.
+
+The flag is the field name in kebab case; type, default, choices and help come from the field, so a field added
+to EngineConfig is a flag here without an edit. Shared by cli.py and cli_run.py (which therefore need not import
+each other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from dataclasses import Field, fields
+from typing import Any
+
+from ironlm.config import EngineConfig
+
+# Flags kept for one release after a rename: old flag -> the field it now sets.
+_DEPRECATED_FLAGS = {"--request-timeout": "queue_timeout"}
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _value_type(annotation: Any) -> Any:
+    """The argparse `type` for a field: `int | str | None` stays a string (the config parses sizes)."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    for kind in (str, int, float):
+        if kind in options:
+            return kind
+    raise TypeError(f"EngineConfig field of type {annotation!r} has no command-line form")
+
+
+def _argparse_options(f: Field, annotation: Any) -> dict[str, Any]:
+    meta = dict(f.metadata)
+    opts: dict[str, Any] = {"default": f.default, "help": meta.pop("help", None)}
+    if annotation is bool:
+        opts["action"] = argparse.BooleanOptionalAction
+    else:
+        opts["type"] = _value_type(annotation)
+    opts.update(meta)  # choices, metavar, nargs
+    return opts
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows `(default: X)` unless the help already explains the default or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _DeprecatedFlag(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"ironlm: warning: {option_string} is deprecated, use {flag_name(self.dest)} (same meaning)",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    if positional_model:
+        parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                            help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        opts = _argparse_options(f, hints[f.name])
+        if f.name == "served_model_name":  # serve answers to several names; the engine reports the first
+            opts["nargs"] = "+"
+        group.add_argument(flag_name(f.name), dest=f.name, **opts)
+    for old, name in _DEPRECATED_FLAGS.items():
+        group.add_argument(old, dest=name, type=_value_type(hints[name]), default=argparse.SUPPRESS,
+                           action=_DeprecatedFlag, help=argparse.SUPPRESS)
+
+
+def model_from_args(args: argparse.Namespace) -> str | None:
+    """`--model` wins over the positional MODEL."""
+    return getattr(args, "model", None) or getattr(args, "model_pos", None)
+
+
+def config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    names = values.get("served_model_name")
+    values["served_model_name"] = names[0] if names else None
+    values["model"] = model
+    return EngineConfig(**values)
