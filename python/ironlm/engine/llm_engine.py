@@ -38,10 +38,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.runner = runner = ModelRunner(config)
-        self.max_model_len = runner.max_model_len
         self.scheduler = _core.Scheduler(
             num_blocks=runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=runner.token_budget, max_model_len=self.max_model_len,
+            max_num_batched_tokens=runner.token_budget, max_model_len=runner.max_model_len,
             policy=config.scheduling_policy, enable_prefix_caching=config.enable_prefix_caching,
             max_queue_len=config.max_queue_len,
         )
@@ -68,6 +67,10 @@ class LLMEngine:
     @property
     def model_name(self) -> str:
         return self.runner.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
 
     @property
     def model_path(self) -> str:

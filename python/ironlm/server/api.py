@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ironlm import __version__
-from ironlm.engine import AsyncLLMEngine
+from ironlm.engine import EngineClient
 from ironlm.server.auth import APIKeyMiddleware
 from ironlm.server.errors import APIError, install_exception_handlers
 from ironlm.server.health import health_report
@@ -28,7 +28,7 @@ from ironlm.server.serving_common import parse_body
 from ironlm.server.serving_completions import CompletionHandler
 
 
-def build_app(engine: AsyncLLMEngine, *, served_model_name: str | list[str] | None = None,
+def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None = None,
               api_key: str | list[str] | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
@@ -112,7 +112,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | list[str] | No
     return app
 
 
-def _vocab_size(engine: AsyncLLMEngine) -> int:
-    config = getattr(engine.engine, "model_config", None)
+def _vocab_size(engine: EngineClient) -> int:
+    config = engine.model_config
     size = getattr(config, "vocab_size", None)
     return int(size) if size else len(engine.tokenizer)

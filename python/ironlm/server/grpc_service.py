@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
-from ironlm.engine import AsyncLLMEngine
+from ironlm.engine import EngineClient
 from ironlm.engine.outputs import CompletionOutput, RequestOutput
 from ironlm.grpc import ironlm_pb2 as pb
 from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
@@ -61,7 +61,7 @@ def to_completion_request(msg: pb.GenerateRequest) -> CompletionRequest:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_names: list[str], api_key: str | None = None) -> None:
         self.engine, self.model_names = engine, model_names
         self.checker = KeyChecker(api_key) if api_key else None
 
@@ -152,7 +152,7 @@ def _usage(out: RequestOutput) -> pb.Usage:
                     cached_tokens=out.num_cached_tokens)
 
 
-async def start_grpc_server(engine: AsyncLLMEngine, host: str, port: int, model_names: list[str],
+async def start_grpc_server(engine: EngineClient, host: str, port: int, model_names: list[str],
                             api_key: str | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the service on the running event loop; returns the server and the bound port."""
     server = grpc.aio.server()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ironlm.engine import AsyncLLMEngine
+from ironlm.engine import EngineClient
 
 
 def device_memory(device: Any) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def device_memory(device: Any) -> dict[str, Any]:
     return {"device": str(device), "free_bytes": info.get("MemAvailable"), "total_bytes": info.get("MemTotal")}
 
 
-def health_report(engine: AsyncLLMEngine, model_name: str, started_at: float) -> tuple[bool, dict[str, Any]]:
+def health_report(engine: EngineClient, model_name: str, started_at: float) -> tuple[bool, dict[str, Any]]:
     stats = engine.stats()
     if engine.dead_error is not None:
         status = "engine_dead"
@@ -57,7 +57,7 @@ def health_report(engine: AsyncLLMEngine, model_name: str, started_at: float) ->
     if status == "engine_stalled":
         body["error"] = f"the current engine step has run for {stalled:.0f} s (limit {engine.stall_timeout_s:g} s)"
     try:
-        body["device_memory"] = device_memory(getattr(engine.engine, "device", "cpu"))
+        body["device_memory"] = device_memory(engine.device)
     except Exception as exc:  # noqa: BLE001 - a probe must answer even if the driver query fails
         body["device_memory"] = {"error": repr(exc)}
     return status == "ok", body

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from ironlm.engine import AsyncLLMEngine
+from ironlm.engine import EngineClient
 
 logger = logging.getLogger("ironlm.serve")
 
@@ -46,7 +46,7 @@ class _Server(uvicorn.Server):
                 captured.clear()
 
 
-async def serve_app(engine: AsyncLLMEngine, app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
+async def serve_app(engine: EngineClient, app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
                     grpc_port: int | None = None, model_names: list[str] | None = None,
                     api_key: str | None = None, drain_timeout: float = 30.0, log_level: str = "info",
                     on_ready: Callable[[], None] | None = None) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ironlm.engine import AsyncLLMEngine, RequestStream
+from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import RequestOutput
 from ironlm.server.errors import APIError
 from ironlm.server.logprobs import completion_logprobs
@@ -29,7 +29,7 @@ from ironlm.server.serving_common import (
 
 
 class CompletionHandler:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
 
     async def __call__(self, req: CompletionRequest, request: Request) -> Response:
