@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ironlm.exceptions import InvalidArgumentError
 from ironlm.sampling_params import SamplingParams
 
 # Per-slot feature bits. A step ORs the bits of its rows and skips every stage nobody needs.
@@ -241,7 +242,8 @@ class Sampler:
             raise ValueError(f"slot {slot} is already in use")
         V = self.vocab_size
         if params.logit_bias and max(params.logit_bias) >= V:
-            raise ValueError(f"logit_bias token ids must be < vocab size {V}, got {max(params.logit_bias)}")
+            raise InvalidArgumentError(
+                f"logit_bias token ids must be < vocab size {V}, got {max(params.logit_bias)}", param="logit_bias")
         if seed is None:
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         flags = 0
