@@ -7,11 +7,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ironlm.config import EngineConfig, parse_bytes
+from ironlm.config import EngineConfig
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.model.config import ModelConfig
 
-_CPU_DEFAULT_BYTES = 1 << 30
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values) [blocks, block_size, Hkv, D]
 
 
@@ -22,21 +21,19 @@ def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dty
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                   profile: Callable[[], None]) -> int:
-    """`num_kv_blocks` if set, else `kv_cache_memory`, else (GPU) a share of the free memory
-    left after a profiling forward of a full token budget, else (CPU) 1 GiB."""
+    """`num_kv_blocks` if set, else the configured pool size (EngineConfig.resolve_kv_cache_memory), else (GPU)
+    a share of the free memory left after a profiling forward of a full token budget."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = bytes_per_block(model_config, config.block_size, dtype)
-    budget = parse_bytes(config.kv_cache_memory)
-    if budget is None and device.type == "cuda":
+    budget = config.resolve_kv_cache_memory(device.type)
+    if budget is None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         profile()  # a forward over the engine's full token budget
         free, total = torch.cuda.mem_get_info(device)
         peak_extra = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
         budget = int(free - (1 - config.gpu_memory_utilization) * total - peak_extra)
-    if budget is None:
-        budget = _CPU_DEFAULT_BYTES
     blocks = budget // per_block
     if blocks < 1:
         raise InvalidArgumentError(

@@ -110,7 +110,7 @@ class LLMEngine:
             request_id, token_ids, max_tokens, min_tokens=params.min_tokens, n=params.n,
             priority=priority, eos_token_ids=eos, stop_token_ids=list(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, deadline=deadline,
-            timeout=timeout if timeout is not None else self.config.request_timeout,
+            timeout=timeout if timeout is not None else self.config.queue_timeout,
             namespace=cache_salt, arrival_time=arrival,
         )
         request = EngineRequest(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival))

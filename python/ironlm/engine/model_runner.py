@@ -26,9 +26,6 @@ if TYPE_CHECKING:
     from ironlm.engine.timing import StepTimer
     from ironlm.model.config import ModelConfig
 
-# On CPU the model's advertised context (e.g. 8k) rarely fits a sensible KV pool; cap the default.
-_CPU_DEFAULT_MAX_MODEL_LEN = 8192
-
 
 class CausalLM(Protocol):
     """The model as the runner calls it (ironlm.model.DecoderLM): one forward over a flat token batch."""
@@ -56,8 +53,7 @@ class ModelRunner:
         self.startup_timings: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
         t0 = time.perf_counter()
-        default_budget = 2048 if self.device.type == "cpu" else 8192
-        self.token_budget = config.max_num_batched_tokens or max(default_budget, config.max_num_seqs)
+        self.token_budget = config.resolve_max_num_batched_tokens(self.device.type)
         self.kv_caches: KVCaches | None = None  # profiling on a GPU runs before the pool exists
         self.num_blocks = num_kv_blocks(config, self.model_config, self.dtype, self.device,
                                         lambda: self.profile(self.token_budget))
@@ -117,13 +113,13 @@ class ModelRunner:
             self.model(ids, pos, caches, meta, torch.tensor([n - 1], device=self.device))
 
     def _max_model_len(self, pool_tokens: int) -> int:
-        requested = self.config.max_model_len
-        native = self.model_config.max_model_len  # capped to a sliding window the model really uses
-        if requested is not None:
-            if requested > pool_tokens:
-                raise InvalidArgumentError(
-                    f"max_model_len ({requested}) is larger than the KV cache ({pool_tokens} tokens): raise "
-                    "kv_cache_memory/num_kv_blocks or lower max_model_len", param="max_model_len")
-            return requested
-        limit = native if self.device.type == "cuda" else min(native, _CPU_DEFAULT_MAX_MODEL_LEN)
-        return min(limit, pool_tokens)
+        """The configured context length, which the pool must hold; else the model's own, capped to the pool."""
+        # the model's native length is already capped to a sliding window it really uses
+        length = self.config.resolve_max_model_len(self.model_config.max_model_len, self.device.type)
+        if self.config.max_model_len is None:
+            return min(length, pool_tokens)
+        if length > pool_tokens:
+            raise InvalidArgumentError(
+                f"max_model_len ({length}) is larger than the KV cache ({pool_tokens} tokens): raise "
+                "kv_cache_memory/num_kv_blocks or lower max_model_len", param="max_model_len")
+        return length
