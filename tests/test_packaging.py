@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -14,14 +15,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_kernel_file_is_linked_into_the_package():
-    kernels = sorted(p.name for p in (ROOT / "kernels").glob("*.py"))
-    linked = ROOT / "python" / "ironlm" / "kernels"
-    assert "decode_attention.py" in kernels and "prefill_attention.py" in kernels
-    for name in kernels:
-        link = linked / name
-        assert link.is_symlink(), f"{link} must be a symlink to kernels/{name} (so the wheel ships it)"
-        assert link.resolve() == (ROOT / "kernels" / name).resolve()
+KERNELS = ("cache_write.py", "decode_attention.py", "prefill_attention.py")
+
+
+def test_a_source_checkout_imports_the_top_level_kernels_in_place():
+    """No symlinks or copies in python/ironlm/kernels: the package reads kernels/ itself (edits need no rebuild)."""
+    package = ROOT / "python" / "ironlm" / "kernels"
+    assert not any(p.is_symlink() for p in package.iterdir())
+    tracked = subprocess.run(["git", "ls-files", str(package)], cwd=ROOT, capture_output=True, text=True,
+                             check=False)
+    if tracked.returncode == 0:  # in a git checkout: the package's only tracked file is its __init__
+        assert tracked.stdout.split() == ["python/ironlm/kernels/__init__.py"]
+    for name in KERNELS:
+        spec = importlib.util.find_spec(f"ironlm.kernels.{name[:-3]}")
+        assert spec is not None and Path(spec.origin).resolve() == (ROOT / "kernels" / name).resolve()
 
 
 @pytest.mark.skipif(shutil.which("cargo") is None, reason="needs the Rust toolchain")
@@ -33,10 +40,12 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
                    capture_output=True, timeout=900)
     (wheel,) = dist.glob("ironlm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for expected in ("ironlm/_core.pyi", "ironlm/py.typed", "ironlm/kernels/decode_attention.py",
-                     "ironlm/kernels/prefill_attention.py", "ironlm/kernels/cache_write.py",
-                     "ironlm/grpc/ironlm.proto"):
+    for expected in ("ironlm/_core.pyi", "ironlm/py.typed", "ironlm/kernels/__init__.py", "ironlm/grpc/ironlm.proto"):
         assert expected in names
+    with zipfile.ZipFile(wheel) as zf:  # the kernels are staged by the build, byte for byte
+        for name in KERNELS:
+            assert zf.read(f"ironlm/kernels/{name}") == (ROOT / "kernels" / name).read_bytes()
+    assert not any(n.startswith("kernels/") for n in names)  # no top-level package named `kernels`
     assert any(n.startswith("ironlm/_core") and n.endswith(".so") for n in names)
 
     venv = tmp_path / "venv"
@@ -49,9 +58,11 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
     site = next((venv / "lib").glob("python3*/site-packages"))
     code = ("import ironlm, ironlm._core as c; s = c.Scheduler(num_blocks=8, block_size=4, max_num_seqs=2, "
             "max_num_batched_tokens=8, max_model_len=32); s.add_request('r', [1, 2, 3], 4); "
-            "print(ironlm.__version__, s.schedule().num_tokens, ironlm.__file__)")
+            "import importlib.util as u; kernel = u.find_spec('ironlm.kernels.decode_attention').origin; "
+            "print(ironlm.__version__, s.schedule().num_tokens, ironlm.__file__, kernel)")
     out = subprocess.run([str(py), "-c", code], check=False, cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    version, tokens, where = out.stdout.split()
+    version, tokens, where, kernel = out.stdout.split()
     assert version == "0.1.0" and tokens == "3" and str(site) in where
+    assert kernel == str(site / "ironlm" / "kernels" / "decode_attention.py")

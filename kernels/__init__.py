@@ -1,1 +1,0 @@
-"""Triton kernels for ironlm (shipped inside the wheel as ``ironlm.kernels``)."""
