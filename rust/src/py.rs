@@ -15,6 +15,7 @@ use crate::error::CoreError as RsCoreError;
 
 mod attn;
 mod kv;
+mod ops;
 mod queue;
 mod sched;
 
@@ -243,6 +244,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(monotonic, m)?)?;
     m.add_function(wrap_pyfunction!(attn::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(attn::parallel_runtime, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::rope_inplace, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::cpu_features, m)?)?;
     m.add_class::<kv::PyBlockAllocator>()?;
     m.add_class::<kv::PyRadixCache>()?;
     m.add_class::<queue::PyRequestQueue>()?;
