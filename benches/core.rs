@@ -291,6 +291,7 @@ fn bench_attention(c: &mut Criterion) {
             max_blocks,
         },
         q: &q,
+        q_stride: hq * d,
         k_cache: &k,
         v_cache: &v,
         block_tables: &tables,

@@ -7,12 +7,16 @@
 //! logits and its V rows once for the output. Not bookkeeping, but it is the one piece of model
 //! execution that torch cannot express without the copy.
 //!
-//! Layouts (row-major, f32): `q`/`out` `[n, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]`;
-//! `block_tables` `[n, max_blocks]`. Query head `h` reads KV head `h / (Hq / Hkv)`.
+//! Layouts (row-major): `q` `[n, Hq, D]` whose rows may be `q_stride` elements apart (a view
+//! into a fused q|k|v projection), `out` `[n, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]`;
+//! `block_tables` `[n, max_blocks]`. Query head `h` reads KV head `h / (Hq / Hkv)`. Every tensor
+//! is f32, bf16 or f16 (one type for all); logits, softmax and the weighted sum are f32.
 
 use std::sync::Mutex;
 
 use crate::error::{CoreError, CoreResult};
+use crate::ops::exp;
+use crate::ops_elem::Elem;
 
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeShape {
@@ -25,17 +29,19 @@ pub struct DecodeShape {
     pub max_blocks: usize,
 }
 
-pub struct DecodeArgs<'a> {
+pub struct DecodeArgs<'a, T: Elem = f32> {
     pub shape: DecodeShape,
-    pub q: &'a [f32],
-    pub k_cache: &'a [f32],
-    pub v_cache: &'a [f32],
+    pub q: &'a [T],
+    /// Elements between consecutive sequences' rows of `q` (`Hq * D` when packed).
+    pub q_stride: usize,
+    pub k_cache: &'a [T],
+    pub v_cache: &'a [T],
     pub block_tables: &'a [i32],
     pub seq_lens: &'a [i32],
     pub scale: f32,
 }
 
-impl DecodeArgs<'_> {
+impl<T: Elem> DecodeArgs<'_, T> {
     /// Every index the kernel will follow is checked here, so the loops can trust them.
     pub fn validate(&self, out_len: usize) -> CoreResult<()> {
         let s = self.shape;
@@ -53,9 +59,17 @@ impl DecodeArgs<'_> {
             return Err(CoreError::invalid("q", r));
         }
         let q_len = s.num_seqs * s.num_q_heads * s.head_dim;
+        let q_need = match s.num_seqs {
+            0 => 0,
+            n => (n - 1) * self.q_stride + s.num_q_heads * s.head_dim,
+        };
+        if s.num_seqs > 1 && self.q_stride < s.num_q_heads * s.head_dim {
+            let r = format!("row stride {} overlaps its rows", self.q_stride);
+            return Err(CoreError::invalid("q", r));
+        }
         let cache_len = s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim;
         let lens = [
-            ("q", self.q.len(), q_len),
+            ("q", self.q.len(), q_need),
             ("out", out_len, q_len),
             ("k_cache", self.k_cache.len(), cache_len),
             ("v_cache", self.v_cache.len(), cache_len),
@@ -93,9 +107,66 @@ impl DecodeArgs<'_> {
     }
 }
 
+/// This step's new K/V rows, `[n, Hkv, D]` each, rows `stride` elements apart (views into a
+/// fused q|k|v projection), and the cache slot of each (`block * block_size + offset`; a negative
+/// slot marks a padding row, not written).
+pub struct NewRows<'a, T: Elem> {
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub stride: usize,
+    pub slots: &'a [i64],
+}
+
+/// Write `rows` into the caches (`[num_slots, width]` each). Done in the attention call itself:
+/// at batch 1 a separate scatter per cache costs more in dispatch than the copy.
+pub fn write_rows<T: Elem>(
+    k_cache: &mut [T],
+    v_cache: &mut [T],
+    rows: &NewRows<T>,
+    width: usize,
+) -> CoreResult<()> {
+    let n = rows.slots.len();
+    if width == 0 || k_cache.len() != v_cache.len() || !k_cache.len().is_multiple_of(width) {
+        return Err(CoreError::invalid("v_cache", "does not match k_cache"));
+    }
+    if n > 1 && rows.stride < width {
+        let r = format!("row stride {} overlaps its rows", rows.stride);
+        return Err(CoreError::invalid("k", r));
+    }
+    let need = if n == 0 {
+        0
+    } else {
+        (n - 1) * rows.stride + width
+    };
+    for (name, got) in [("k", rows.k.len()), ("v", rows.v.len())] {
+        if got < need {
+            let r = format!("has {got} elements, {n} rows need {need}");
+            return Err(CoreError::invalid(name, r));
+        }
+    }
+    let num_slots = (k_cache.len() / width) as i64;
+    if let Some(&bad) = rows.slots.iter().find(|&&s| s >= num_slots) {
+        let r = format!("slot {bad} outside a cache of {num_slots} slots");
+        return Err(CoreError::invalid("slot_mapping", r));
+    }
+    for (i, &slot) in rows.slots.iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        let (src, dst) = (i * rows.stride, slot as usize * width);
+        k_cache[dst..dst + width].copy_from_slice(&rows.k[src..src + width]);
+        v_cache[dst..dst + width].copy_from_slice(&rows.v[src..src + width]);
+    }
+    Ok(())
+}
+
 /// Attend every sequence, splitting the sequences into `threads` runs of about equal total
 /// context length (each thread then reads about the same number of cache rows).
-pub fn paged_decode(args: &DecodeArgs, out: &mut [f32], threads: usize) -> CoreResult<()> {
+pub fn paged_decode<T: Elem>(
+    args: &DecodeArgs<T>,
+    out: &mut [T],
+    threads: usize,
+) -> CoreResult<()> {
     args.validate(out.len())?;
     let s = args.shape;
     let width = s.num_q_heads * s.head_dim; // one sequence's output
@@ -124,11 +195,11 @@ pub fn paged_decode(args: &DecodeArgs, out: &mut [f32], threads: usize) -> CoreR
 
 /// Sequences `first..first + out.len() / (Hq * D)`, picking the widest SIMD this CPU has: the
 /// generic body is inlined into each wrapper and vectorised for its target features.
-fn run_seqs(args: &DecodeArgs, first: usize, out: &mut [f32]) {
+fn run_seqs<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked just above).
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU supports AVX-512F and BW (checked just above).
             return unsafe { run_seqs_avx512(args, first, out) };
         }
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
@@ -140,38 +211,53 @@ fn run_seqs(args: &DecodeArgs, first: usize, out: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn run_seqs_avx512(args: &DecodeArgs, first: usize, out: &mut [f32]) {
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn run_seqs_avx512<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
     run_seqs_generic(args, first, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_seqs_avx2(args: &DecodeArgs, first: usize, out: &mut [f32]) {
+unsafe fn run_seqs_avx2<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
     run_seqs_generic(args, first, out)
 }
 
 #[inline(always)]
-fn run_seqs_generic(args: &DecodeArgs, first: usize, out: &mut [f32]) {
-    let mut scores = Vec::new();
+fn run_seqs_generic<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
     let width = args.shape.num_q_heads * args.shape.head_dim;
+    let mut scratch = Scratch {
+        scores: Vec::new(),
+        q: vec![0.0; width],
+        acc: vec![0.0; width],
+    };
     for (i, seq_out) in out.chunks_exact_mut(width).enumerate() {
-        attend(args, first + i, &mut scores, seq_out);
+        attend(args, first + i, &mut scratch, seq_out);
     }
+}
+
+/// Per-thread f32 working rows: one sequence's logits, its query and its output accumulator.
+struct Scratch {
+    scores: Vec<f32>,
+    q: Vec<f32>,
+    acc: Vec<f32>,
 }
 
 /// One sequence, all heads at once: the cache rows of a position (every KV head, contiguous)
 /// are read once and in order, a whole block at a time, so the prefetcher sees a stream.
 /// Two passes: logits for every position, softmax per head, then V rows weighted into `out`.
 #[inline(always)]
-fn attend(args: &DecodeArgs, seq: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
+fn attend<T: Elem>(args: &DecodeArgs<T>, seq: usize, scratch: &mut Scratch, out: &mut [T]) {
     let s = args.shape;
     let (d, hq) = (s.head_dim, s.num_q_heads);
     let group = hq / s.num_kv_heads;
     let width = s.num_kv_heads * d;
     let len = args.seq_lens[seq] as usize;
     let table = &args.block_tables[seq * s.max_blocks..(seq + 1) * s.max_blocks];
-    let q = &args.q[seq * hq * d..(seq + 1) * hq * d];
+    let start = seq * args.q_stride;
+    let (scores, q, acc) = (&mut scratch.scores, &mut scratch.q, &mut scratch.acc);
+    for (x, &y) in q.iter_mut().zip(&args.q[start..start + hq * d]) {
+        *x = y.load();
+    }
     let row = |pos: usize| {
         (table[pos / s.block_size] as usize * s.block_size + pos % s.block_size) * width
     };
@@ -193,27 +279,30 @@ fn attend(args: &DecodeArgs, seq: usize, scores: &mut Vec<f32>, out: &mut [f32])
         let inv = 1.0 / sum(sc);
         sc.iter_mut().for_each(|x| *x *= inv);
     }
-    out.fill(0.0);
+    acc.fill(0.0);
     for pos in 0..len {
         if pos + s.block_size < len {
             prefetch(&args.v_cache[row(pos + s.block_size)..row(pos + s.block_size) + width]);
         }
         let v = &args.v_cache[row(pos)..row(pos) + width];
-        for (h, o) in out.chunks_exact_mut(d).enumerate() {
+        for (h, o) in acc.chunks_exact_mut(d).enumerate() {
             let p = scores[h * len + pos];
             for (o, &x) in o.iter_mut().zip(&v[h / group * d..(h / group + 1) * d]) {
-                *o += p * x;
+                *o += p * x.load();
             }
         }
+    }
+    for (o, &x) in out.iter_mut().zip(acc.iter()) {
+        *o = T::store(x);
     }
 }
 
 /// Ask for `rows` a block ahead of use: pages are scattered, so the hardware prefetcher, which
 /// follows one contiguous stream, stalls at every block boundary without this.
 #[inline(always)]
-fn prefetch(rows: &[f32]) {
+fn prefetch<T>(rows: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    for line in rows.chunks(16) {
+    for line in rows.chunks(64 / std::mem::size_of::<T>().max(1)) {
         // SAFETY: a prefetch is only a hint and never faults; the address is inside `rows`.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
@@ -223,29 +312,6 @@ fn prefetch(rows: &[f32]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = rows;
-}
-
-/// e^x for x <= 0 (a logit minus its row's max), branch-free so the softmax loop vectorises
-/// (libm's `expf` is a scalar call per logit). Cephes' single-precision scheme: x = n ln2 + r
-/// with |r| <= ln2 / 2, a degree-7 polynomial for e^r, then 2^n put straight into the exponent
-/// bits. Relative error about 1e-7; below -87 it returns e^-87 (~1.6e-38) instead of a denormal.
-#[inline(always)]
-fn exp(x: f32) -> f32 {
-    let x = x.clamp(-87.0, 0.0);
-    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
-    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4; // ln2 split in two for an exact product
-    let mut p = 1.987_569_1e-4;
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
-        p = p * r + c;
-    }
-    let y = p * r * r + r + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 #[inline(always)]
@@ -263,17 +329,17 @@ fn sum(xs: &[f32]) -> f32 {
 /// Sixteen independent partial sums: float addition is not associative, so without them the
 /// compiler must keep one serial chain and cannot vectorise the reduction.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0.0f32; LANES];
     let (a16, a_tail) = a.split_at(a.len() / LANES * LANES);
     let (b16, b_tail) = b.split_at(a16.len());
     for (x, y) in a16.chunks_exact(LANES).zip(b16.chunks_exact(LANES)) {
         for l in 0..LANES {
-            acc[l] += x[l] * y[l];
+            acc[l] += x[l] * y[l].load();
         }
     }
-    let tail: f32 = a_tail.iter().zip(b_tail).map(|(x, y)| x * y).sum();
+    let tail: f32 = a_tail.iter().zip(b_tail).map(|(x, y)| x * y.load()).sum();
     acc.iter().sum::<f32>() + tail
 }
 

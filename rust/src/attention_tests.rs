@@ -48,6 +48,7 @@ impl Case {
         DecodeArgs {
             shape: self.shape,
             q: &self.q,
+            q_stride: self.shape.num_q_heads * self.shape.head_dim,
             k_cache: &self.k,
             v_cache: &self.v,
             block_tables: &self.tables,
@@ -157,6 +158,87 @@ fn rejects_what_it_cannot_follow() {
     assert!(short.to_string().starts_with("out"), "{short}");
 }
 
+#[test]
+fn half_caches_and_strided_queries_match_the_f32_kernel() {
+    use crate::ops_elem::{Bf16, F16};
+    fn run<T: Elem>(case: &Case, pad: usize) -> Vec<f32> {
+        let s = case.shape;
+        let width = s.num_q_heads * s.head_dim;
+        // Rows `pad` elements apart, as q sits in a fused q|k|v row.
+        let mut q = vec![T::store(f32::NAN); s.num_seqs * (width + pad)];
+        for (i, row) in case.q.chunks(width).enumerate() {
+            for (j, &x) in row.iter().enumerate() {
+                q[i * (width + pad) + j] = T::store(x);
+            }
+        }
+        let (k, v): (Vec<T>, Vec<T>) = (
+            case.k.iter().map(|&x| T::store(x)).collect(),
+            case.v.iter().map(|&x| T::store(x)).collect(),
+        );
+        let args = DecodeArgs {
+            shape: s,
+            q: &q[..q.len() - pad],
+            q_stride: width + pad,
+            k_cache: &k,
+            v_cache: &v,
+            block_tables: &case.tables,
+            seq_lens: &case.lens,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+        };
+        let mut out = vec![T::store(0.0); case.q.len()];
+        paged_decode(&args, &mut out, 2).unwrap();
+        out.iter().map(|x| x.load()).collect()
+    }
+    let mut rng = Rng(21);
+    for &(hq, hkv, d, bs) in &[(9, 3, 64, 16), (4, 4, 16, 4)] {
+        let mut case = Case::random(&mut rng, hq, hkv, d, bs, 5);
+        // Round the inputs to bf16 first: the kernels then see the same values, and the
+        // outputs differ only by the final rounding (bf16 2^-8, f16 2^-11 of a value <= 1).
+        for x in case.q.iter_mut().chain(&mut case.k).chain(&mut case.v) {
+            *x = Bf16::store(*x).load();
+        }
+        let want = run::<f32>(&case, 0);
+        for (got, tol) in [
+            (run::<Bf16>(&case, 2 * hkv * d), 4e-3),
+            (run::<F16>(&case, 0), 5e-4),
+        ] {
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(err < tol, "Hq={hq} D={d}: max error {err}");
+        }
+        assert_eq!(run::<f32>(&case, 7), want, "a row stride changes nothing");
+    }
+}
+
+#[test]
+fn write_rows_fills_slots_and_skips_padding() {
+    let (width, stride) = (6, 10);
+    let k: Vec<f32> = (0..3 * stride).map(|i| i as f32).collect();
+    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+    let (mut kc, mut vc) = (vec![0.0f32; 5 * width], vec![0.0f32; 5 * width]);
+    let rows = NewRows {
+        k: &k[..2 * stride + width],
+        v: &v[..2 * stride + width],
+        stride,
+        slots: &[4, -1, 0],
+    };
+    write_rows(&mut kc, &mut vc, &rows, width).unwrap();
+    assert_eq!(&kc[4 * width..], &k[..width]);
+    assert_eq!(&vc[..width], &v[2 * stride..2 * stride + width]);
+    assert!(
+        kc[width..4 * width].iter().all(|&x| x == 0.0),
+        "slot -1 is not written"
+    );
+    let bad = NewRows {
+        slots: &[5],
+        ..rows
+    };
+    let err = write_rows(&mut kc, &mut vc, &bad, width).unwrap_err();
+    assert!(err.to_string().starts_with("slot_mapping"), "{err}");
+}
 #[test]
 fn exp_is_close_to_libm() {
     let mut worst = 0.0f32;

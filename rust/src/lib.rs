@@ -2,6 +2,9 @@
 
 pub mod attention;
 pub mod block;
+pub mod ops;
+pub mod ops_cpu;
+pub mod ops_elem;
 pub mod radix;
 
 pub mod error;

@@ -1,74 +1,125 @@
 //! `paged_decode_attention`: the CPU decode kernel of `crate::attention` over numpy views of
-//! torch tensors (zero-copy: `tensor.numpy()`), run with the GIL released.
+//! torch tensors (zero-copy: `tensor.numpy()`, half tensors as int16 views of their bits), run
+//! with the GIL released.
 
-use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3,
-    PyUntypedArrayMethods,
-};
+use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use super::ops::{dtype_arg, ro, rw, with_elem};
 use super::value_error;
-use crate::attention::{paged_decode, DecodeArgs, DecodeShape};
+use crate::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
 
 /// `out[i, h] = softmax(q[i, h] · K_i^T * scale) V_i` over the first `seq_lens[i]` positions of
-/// sequence `i`'s pages. Shapes: q/out `[n, Hq, D]`, caches `[num_blocks, block_size, Hkv, D]`
-/// (f32, C-contiguous), block_tables `[n, max_blocks]` and seq_lens `[n]` (int32).
+/// sequence `i`'s pages. Shapes: q/out `[n, Hq, D]` (q's rows may be strided, as a view into a
+/// fused q|k|v row), caches `[num_blocks, block_size, Hkv, D]` (C-contiguous), block_tables
+/// `[n, max_blocks]` and seq_lens `[n]` (int32). Every float array has `dtype`. With `k`, `v`
+/// (`[n, Hkv, D]`, rows may be strided) and `slot_mapping` (`[n]` int64, -1 = skip), those rows
+/// are first written into the caches: the step's whole attention in one call.
 #[pyfunction]
-#[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, threads = 1))]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, threads = 1, *,
+                    dtype = "float32", k = None, v = None, slot_mapping = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_decode_attention(
     py: Python<'_>,
-    q: PyReadonlyArray3<'_, f32>,
-    k_cache: PyReadonlyArray4<'_, f32>,
-    v_cache: PyReadonlyArray4<'_, f32>,
+    q: &Bound<'_, PyAny>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
     block_tables: PyReadonlyArray2<'_, i32>,
     seq_lens: PyReadonlyArray1<'_, i32>,
     scale: f32,
-    mut out: PyReadwriteArray3<'_, f32>,
+    out: &Bound<'_, PyAny>,
     threads: usize,
+    dtype: &str,
+    k: Option<&Bound<'_, PyAny>>,
+    v: Option<&Bound<'_, PyAny>>,
+    slot_mapping: Option<PyReadonlyArray1<'_, i64>>,
 ) -> PyResult<()> {
-    let (qs, cs, bt) = (q.shape(), k_cache.shape(), block_tables.shape());
-    if v_cache.shape() != cs {
-        return Err(value_error(
-            "v_cache",
-            format!("shape {:?} differs from k_cache {cs:?}", v_cache.shape()),
-        ));
-    }
-    if cs[3] != qs[2] || bt[0] != qs[0] {
-        return Err(value_error(
-            "q",
-            format!("shape {qs:?} does not fit k_cache {cs:?} and block_tables {bt:?}"),
-        ));
-    }
-    if out.shape() != qs {
-        return Err(value_error(
-            "out",
-            format!("shape {:?} differs from q {qs:?}", out.shape()),
-        ));
-    }
-    let shape = DecodeShape {
-        num_seqs: qs[0],
-        num_q_heads: qs[1],
-        num_kv_heads: cs[2],
-        head_dim: qs[2],
-        num_blocks: cs[0],
-        block_size: cs[1],
-        max_blocks: bt[1],
+    let dt = dtype_arg(dtype)?;
+    let q = ro(q, "q", dt)?;
+    let (mut kc, mut vc) = (rw(k_cache, "k_cache", dt)?, rw(v_cache, "v_cache", dt)?);
+    let mut out = rw(out, "out", dt)?;
+    let new = match (k, v, &slot_mapping) {
+        (Some(k), Some(v), Some(_)) => Some((ro(k, "k", dt)?, ro(v, "v", dt)?)),
+        (None, None, None) => None,
+        _ => {
+            let r = "k, v and slot_mapping go together";
+            return Err(value_error("slot_mapping", r));
+        }
+    };
+    let slots = match &slot_mapping {
+        Some(s) => s
+            .as_slice()
+            .map_err(|_| value_error("slot_mapping", "must be C-contiguous"))?,
+        None => &[],
     };
     let contiguous = |name: &str, e| value_error(name, format!("must be C-contiguous ({e})"));
-    let args = DecodeArgs {
-        shape,
-        q: q.as_slice().map_err(|e| contiguous("q", e))?,
-        k_cache: k_cache.as_slice().map_err(|e| contiguous("k_cache", e))?,
-        v_cache: v_cache.as_slice().map_err(|e| contiguous("v_cache", e))?,
-        block_tables: block_tables
-            .as_slice()
-            .map_err(|e| contiguous("block_tables", e))?,
-        seq_lens: seq_lens.as_slice().map_err(|e| contiguous("seq_lens", e))?,
-        scale,
-    };
-    let out = out.as_slice_mut().map_err(|e| contiguous("out", e))?;
-    py.detach(|| paged_decode(&args, out, threads))?;
+    let tables = block_tables
+        .as_slice()
+        .map_err(|e| contiguous("block_tables", e))?;
+    let lens = seq_lens.as_slice().map_err(|e| contiguous("seq_lens", e))?;
+    let bt = block_tables.shape();
+    with_elem!(dt, T => {
+        let qr = q.rows::<T>("q")?;
+        let (kcs, cs) = kc.slice::<T>("k_cache")?;
+        let (vcs, vs) = vc.slice::<T>("v_cache")?;
+        let (os, oshape) = out.slice::<T>("out")?;
+        let qs = &qr.shape;
+        if qs.len() != 3 || cs.len() != 4 {
+            let r = format!("q must be [n, Hq, D] and the caches 4-D, got {qs:?} and {cs:?}");
+            return Err(value_error("q", r));
+        }
+        if vs != cs {
+            let r = format!("shape {vs:?} differs from k_cache {cs:?}");
+            return Err(value_error("v_cache", r));
+        }
+        if cs[3] != qs[2] || bt[0] != qs[0] {
+            let r = format!("shape {qs:?} does not fit k_cache {cs:?} and block_tables {bt:?}");
+            return Err(value_error("q", r));
+        }
+        if oshape != *qs {
+            let r = format!("shape {oshape:?} differs from q {qs:?}");
+            return Err(value_error("out", r));
+        }
+        let rows = match &new {
+            Some((k, v)) => {
+                let (kr, vr) = (k.rows::<T>("k")?, v.rows::<T>("v")?);
+                let want = [slots.len(), cs[2], cs[3]];
+                if kr.shape != want || vr.shape != want || kr.stride != vr.stride {
+                    let r = format!("k {:?} and v {:?} must both be {want:?}", kr.shape, vr.shape);
+                    return Err(value_error("k", r));
+                }
+                Some(NewRows { k: kr.data, v: vr.data, stride: kr.stride, slots })
+            }
+            None => None,
+        };
+        let args_shape = DecodeShape {
+            num_seqs: qs[0],
+            num_q_heads: qs[1],
+            num_kv_heads: cs[2],
+            head_dim: qs[2],
+            num_blocks: cs[0],
+            block_size: cs[1],
+            max_blocks: bt[1],
+        };
+        let q_stride = qr.stride;
+        let qdata = qr.data;
+        py.detach(|| {
+            if let Some(rows) = &rows {
+                write_rows(kcs, vcs, rows, cs[2] * cs[3])?;
+            }
+            let args = DecodeArgs {
+                shape: args_shape,
+                q: qdata,
+                q_stride,
+                k_cache: kcs,
+                v_cache: vcs,
+                block_tables: tables,
+                seq_lens: lens,
+                scale,
+            };
+            paged_decode(&args, os, threads)
+        })?;
+    });
     Ok(())
 }
 

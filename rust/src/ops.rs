@@ -1,0 +1,311 @@
+//! Fused elementwise kernels of the decoder for the CPU: RMSNorm, rotary embedding in place and
+//! SiLU-and-mul. Each replaces a chain of torch ops (7 for RMSNorm, 7 for RoPE, 3 for SiLU-mul)
+//! with one pass over memory; at batch 1 those chains cost more in per-op dispatch than their
+//! arithmetic, and at large batches the single pass saves the intermediate tensors' traffic.
+//!
+//! Every kernel reads f32, bf16 or f16 (`Elem`), computes in f32 and rounds once on the store.
+//! The generic bodies are compiled three times (AVX-512, AVX2+FMA, baseline) and picked at run
+//! time, so one wheel runs everywhere and vectorises for the CPU it lands on. Rows are split
+//! across `threads` only when there is enough work to pay for waking them.
+
+use std::sync::Mutex;
+
+use crate::error::{CoreError, CoreResult};
+use crate::ops_elem::Elem;
+
+/// Below this many elements a kernel runs on the calling thread: a fork-join on the OpenMP
+/// pool costs a few microseconds, more than a decode row's whole norm or activation.
+const PARALLEL_MIN_ELEMS: usize = 1 << 16;
+
+/// `fn name<T: Elem>(args)` compiled for AVX-512, AVX2+FMA and baseline x86-64 (or the target's
+/// baseline elsewhere), dispatched on the features this CPU reports.
+macro_rules! simd_dispatch {
+    ($vis:vis fn $name:ident<$t:ident: Elem>($($a:ident: $ty:ty),* $(,)?) $body:block) => {
+        $vis fn $name<$t: Elem>($($a: $ty),*) {
+            #[inline(always)]
+            fn generic<$t: Elem>($($a: $ty),*) $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw")]
+            unsafe fn avx512<$t: Elem>($($a: $ty),*) {
+                generic::<$t>($($a),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2<$t: Elem>($($a: $ty),*) {
+                generic::<$t>($($a),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512bw")
+                {
+                    // SAFETY: the CPU supports AVX-512F and BW (checked just above).
+                    return unsafe { avx512::<$t>($($a),*) };
+                }
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                    return unsafe { avx2::<$t>($($a),*) };
+                }
+            }
+            generic::<$t>($($a),*)
+        }
+    };
+}
+
+/// Run `f(first_row, rows_of_out)` over `out` (rows of `row_len`, the last one may be cut
+/// short), on up to `threads` threads when it holds at least `PARALLEL_MIN_ELEMS` elements.
+fn par_rows<T: Send>(
+    out: &mut [T],
+    row_len: usize,
+    threads: usize,
+    f: &(dyn Fn(usize, &mut [T]) + Sync),
+) {
+    let rows = out.len().div_ceil(row_len.max(1));
+    let parts = if out.len() < PARALLEL_MIN_ELEMS {
+        1
+    } else {
+        threads.clamp(1, rows.max(1))
+    };
+    if parts <= 1 || rows == 0 {
+        return f(0, out);
+    }
+    let per = rows.div_ceil(parts);
+    let chunks: Vec<Mutex<(usize, &mut [T])>> = out
+        .chunks_mut(per * row_len)
+        .enumerate()
+        .map(|(i, c)| Mutex::new((i * per, c)))
+        .collect();
+    // Each chunk is locked by exactly one part: the mutex only proves the slices disjoint.
+    crate::parallel::run_parts(chunks.len(), &|p| {
+        let mut chunk = chunks[p].lock().unwrap_or_else(|e| e.into_inner());
+        let (first, ref mut rows) = *chunk;
+        f(first, rows);
+    });
+}
+
+fn check_len(name: &'static str, got: usize, want: usize) -> CoreResult<()> {
+    if got != want {
+        return Err(CoreError::invalid(
+            name,
+            format!("has {got} elements, expected {want}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `out = x / sqrt(mean(x^2) + eps) * weight` over rows of `dim` (weight `None` = all ones):
+/// the Llama RMSNorm, statistics in f32 whatever the storage type.
+pub fn rms_norm<T: Elem>(
+    x: &[T],
+    weight: Option<&[T]>,
+    eps: f32,
+    out: &mut [T],
+    dim: usize,
+    threads: usize,
+) -> CoreResult<()> {
+    if dim == 0 || !x.len().is_multiple_of(dim) {
+        let r = format!("{} elements are not rows of {dim}", x.len());
+        return Err(CoreError::invalid("x", r));
+    }
+    check_len("out", out.len(), x.len())?;
+    if let Some(w) = weight {
+        check_len("weight", w.len(), dim)?;
+    }
+    par_rows(out, dim, threads, &|first, rows| {
+        let x = &x[first * dim..first * dim + rows.len()];
+        norm_rows(x, weight, eps, rows, dim)
+    });
+    Ok(())
+}
+
+simd_dispatch! {
+    fn norm_rows<T: Elem>(x: &[T], weight: Option<&[T]>, eps: f32, out: &mut [T], dim: usize) {
+        for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            let scale = 1.0 / (sum_squares(xr) / dim as f32 + eps).sqrt();
+            match weight {
+                Some(w) => {
+                    for ((o, &v), &w) in or.iter_mut().zip(xr).zip(w) {
+                        *o = T::store(v.load() * scale * w.load());
+                    }
+                }
+                None => {
+                    for (o, &v) in or.iter_mut().zip(xr) {
+                        *o = T::store(v.load() * scale);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sixteen independent partial sums, so the reduction vectorises (float addition does not
+/// reassociate on its own).
+#[inline(always)]
+fn sum_squares<T: Elem>(x: &[T]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [0.0f32; LANES];
+    let body = x.len() / LANES * LANES;
+    for chunk in x[..body].chunks_exact(LANES) {
+        for l in 0..LANES {
+            let v = chunk[l].load();
+            acc[l] += v * v;
+        }
+    }
+    let tail: f32 = x[body..].iter().map(|v| v.load() * v.load()).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Where the rotary embedding goes: `rows` rows of `x`, `stride` elements apart, each starting
+/// with `heads` heads of `head_dim` to rotate (q's heads then k's, in a fused q|k|v row).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeShape {
+    pub rows: usize,
+    pub stride: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+/// Neox-style (rotate-half) rotary embedding, in place: for each head's halves (x1, x2) and the
+/// row's position p, `x1' = x1 cos - x2 sin`, `x2' = x2 cos + x1 sin`, with cos|sin read from
+/// `table` (`[P, head_dim]`: cos in the first half of a row, sin in the second).
+pub fn rope<T: Elem>(
+    x: &mut [T],
+    shape: RopeShape,
+    positions: &[i64],
+    table: &[T],
+    threads: usize,
+) -> CoreResult<()> {
+    let RopeShape {
+        rows,
+        stride,
+        heads,
+        head_dim: d,
+    } = shape;
+    if d == 0 || !d.is_multiple_of(2) {
+        return Err(CoreError::invalid("head_dim", format!("{d} is not even")));
+    }
+    let width = heads * d;
+    if rows > 1 && stride < width {
+        let r = format!("row stride {stride} is shorter than {heads} heads of {d}");
+        return Err(CoreError::invalid("x", r));
+    }
+    let need = if rows == 0 {
+        0
+    } else {
+        (rows - 1) * stride + width
+    };
+    if x.len() < need {
+        let r = format!("has {} elements, {rows} rows need {need}", x.len());
+        return Err(CoreError::invalid("x", r));
+    }
+    check_len("positions", positions.len(), rows)?;
+    if !table.len().is_multiple_of(d) {
+        let r = format!("{} elements are not rows of {d}", table.len());
+        return Err(CoreError::invalid("table", r));
+    }
+    let num_pos = (table.len() / d) as i64;
+    if let Some(&p) = positions.iter().find(|&&p| p < 0 || p >= num_pos) {
+        let r = format!("position {p} outside the table's {num_pos} rows");
+        return Err(CoreError::invalid("positions", r));
+    }
+    // Whole rows per part: the last one ends at `need`, not at the full stride.
+    let x = &mut x[..need];
+    par_rows(x, stride.max(width), threads, &|first, part| {
+        rope_rows(part, stride, heads, d, &positions[first..], table)
+    });
+    Ok(())
+}
+
+simd_dispatch! {
+    fn rope_rows<T: Elem>(
+        x: &mut [T],
+        stride: usize,
+        heads: usize,
+        d: usize,
+        positions: &[i64],
+        table: &[T],
+    ) {
+        let half = d / 2;
+        let mut cs = vec![0.0f32; d];
+        let mut row_start = 0;
+        let mut i = 0;
+        while row_start < x.len() {
+            let p = positions[i] as usize;
+            for (c, &t) in cs.iter_mut().zip(&table[p * d..(p + 1) * d]) {
+                *c = t.load();
+            }
+            let (cos, sin) = cs.split_at(half);
+            for h in 0..heads {
+                let head = &mut x[row_start + h * d..row_start + (h + 1) * d];
+                let (x1, x2) = head.split_at_mut(half);
+                for j in 0..half {
+                    let (a, b) = (x1[j].load(), x2[j].load());
+                    x1[j] = T::store(a * cos[j] - b * sin[j]);
+                    x2[j] = T::store(b * cos[j] + a * sin[j]);
+                }
+            }
+            row_start += stride;
+            i += 1;
+        }
+    }
+}
+
+/// `out[r] = silu(gate[r]) * up[r]` for rows `gate_up[r] = gate | up` of `2 * inter`, with
+/// `silu(g) = g / (1 + e^-g)`.
+pub fn silu_and_mul<T: Elem>(
+    gate_up: &[T],
+    out: &mut [T],
+    inter: usize,
+    threads: usize,
+) -> CoreResult<()> {
+    if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) {
+        let r = format!("{} elements are not rows of 2 x {inter}", gate_up.len());
+        return Err(CoreError::invalid("gate_up", r));
+    }
+    check_len("out", out.len(), gate_up.len() / 2)?;
+    par_rows(out, inter, threads, &|first, rows| {
+        let src = &gate_up[first * 2 * inter..(first * inter + rows.len()) * 2];
+        silu_rows(src, rows, inter)
+    });
+    Ok(())
+}
+
+simd_dispatch! {
+    fn silu_rows<T: Elem>(gate_up: &[T], out: &mut [T], inter: usize) {
+        for (gu, o) in gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
+            let (gate, up) = gu.split_at(inter);
+            for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                let g = g.load();
+                *o = T::store(g / (1.0 + exp(-g)) * u.load());
+            }
+        }
+    }
+}
+
+/// e^x, branch-free so the loops that call it vectorise (libm's `expf` is a scalar call).
+/// Cephes' single-precision scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial
+/// for e^r, then 2^n put straight into the exponent bits. Relative error about 1e-7. Inputs are
+/// clamped to [-87, 88]: below, e^-87 (~1.6e-38) instead of a denormal; above, e^88 (~1.7e38)
+/// instead of infinity (so `1 / (1 + e^x)` stays a plain 0, never NaN).
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4; // ln2 split in two for an exact product
+    let mut p = 1.987_569_1e-4;
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = p * r + c;
+    }
+    let y = p * r * r + r + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+#[cfg(test)]
+#[path = "ops_tests.rs"]
+mod tests;
