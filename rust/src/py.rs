@@ -6,7 +6,7 @@ use std::ffi::CStr;
 
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyException, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -183,9 +183,14 @@ pub(crate) fn token_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>
             "{name}: expected a sequence of ints, got str"
         )));
     }
-    let v: Vec<i64> = obj
-        .extract()
-        .map_err(|e| PyTypeError::new_err(format!("{name}: expected a sequence of ints ({e})")))?;
+    let v: Vec<i64> = obj.extract().map_err(|e: PyErr| {
+        // An int beyond 64 bits is a bad value, not a bad type: the caller must see the argument's name.
+        if e.is_instance_of::<PyOverflowError>(obj.py()) {
+            value_error(name, "token id out of range")
+        } else {
+            PyTypeError::new_err(format!("{name}: expected a sequence of ints ({e})"))
+        }
+    })?;
     v.into_iter().map(|t| check(name, t)).collect()
 }
 

@@ -30,6 +30,10 @@ def _invalid(param: str, reason: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"{param}: {reason}", param=param)
 
 
+# The core takes counts and priorities as 64-bit ints: a larger JSON number is a 400 here, not an overflow later.
+_I64_MAX = 2**63 - 1
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -43,7 +47,7 @@ class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=_I64_MAX)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=128)
@@ -59,12 +63,12 @@ class _SamplingRequest(_Strict):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=_I64_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=-_I64_MAX - 1, le=_I64_MAX)
     timeout: float | None = Field(None, gt=0)  # seconds for the whole request
     deadline: float | None = Field(None, gt=0)  # TTFT target in seconds (scheduling policy "deadline")
     cache_salt: str | None = None
@@ -159,7 +163,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_I64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
