@@ -8,7 +8,7 @@ PORT   ?= 8000
 export PYO3_PYTHON := $(abspath $(PY))
 RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 
-.PHONY: install develop test test-rust test-python lint bench serve wheel clean
+.PHONY: install develop test test-rust test-python lint bench serve wheel clean llama-cpp
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -47,6 +47,11 @@ bench: $(STAMP)
 	$(VENV)/bin/ironlm bench throughput --quick
 	$(VENV)/bin/ironlm bench serve --quick
 	$(VENV)/bin/python benches/bench_decode_attention.py --num-seqs 16 --steps 2 --repeats 2
+
+# llama.cpp's llama-server and llama-bench for `ironlm bench ... --baseline llama.cpp`, built once from the
+# llama-cpp-python sdist into .llama.cpp/ at the lowest CPU priority (~10 min on 2 cores). Not part of `make test`.
+llama-cpp: $(PY)
+	PYTHON=$(abspath $(PY)) bash benches/build_llama_cpp.sh
 
 serve: $(STAMP)
 	@echo "ironlm: serving the built-in default model on http://$(HOST):$(PORT) — try:"

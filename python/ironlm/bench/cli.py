@@ -1,4 +1,4 @@
-"""`ironlm bench {throughput,serve,scheduler}`: argument parsing and output (table, --json, --plot).
+"""`ironlm bench {throughput,serve,latency,scheduler}`: argument parsing and output (table, --json, --plot).
 
 Heavy imports (torch, transformers, httpx) happen only when a subcommand runs.
 """
@@ -6,6 +6,7 @@ Heavy imports (torch, transformers, httpx) happen only when a subcommand runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from typing import Any
@@ -37,6 +38,16 @@ def _plot_path(value: str) -> str:
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError("needs matplotlib: pip install 'ironlm[bench]'")
     return value
+
+
+def _threads(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--threads", type=int, help=f"CPU threads for {what} (default: torch's default here)")
+
+
+def _warmup(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--warmup", choices=("full", "short", "none"), default="full",
+                   help="untimed pass before each configuration's first timed run, the same for every engine: "
+                        "full = the workload drawn with the next seed (default), short = two tiny requests")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -73,8 +84,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, scheduler")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,scheduler}")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,latency,scheduler}")
     sub.required = True
 
     tp = sub.add_parser("throughput", help="offline throughput via LLM.generate (optionally vs transformers)",
@@ -83,7 +94,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _dataset_args(tp)
     _engine_args(tp)
     g = tp.add_argument_group("baseline")
-    g.add_argument("--baseline", choices=("none", "transformers"), default="none")
+    g.add_argument("--baseline", choices=("none", "transformers", "llama.cpp"), default="none",
+                   help="llama.cpp: llama-server on the same GGUF, one slot per request (build: make llama-cpp)")
     g.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=None, help="default 8 16 32 64")
     g.add_argument("--no-baseline-single", dest="baseline_single", action="store_false",
                    help="skip the one-request-at-a-time baseline")
@@ -91,6 +103,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     tp.add_argument("--compare-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="run ironlm with and without prefix caching (default: on for --dataset prefix)")
     tp.add_argument("--repeats", type=int, default=1, help="alternate all configurations N times; report medians")
+    _warmup(tp)
+    _threads(tp, "ironlm, transformers and llama-server")
     _common(tp)
     tp.set_defaults(func=cmd_throughput)
 
@@ -106,8 +120,27 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sv.add_argument("--vocab-size", type=int, help="token id range of random prompts (default: the model's)")
     sv.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for `ironlm serve` (repeatable), e.g. --server-arg=--max-num-seqs=64")
+    sv.add_argument("--baseline", choices=("none", "llama.cpp"), default="none",
+                    help="then the same requests through llama-server on the same GGUF (build: make llama-cpp)")
+    _warmup(sv)
+    _threads(sv, "both servers")
     _common(sv)
     sv.set_defaults(func=cmd_serve)
+
+    lt = sub.add_parser("latency", help="single-stream prefill and decode tokens/s (optionally vs llama-bench)",
+                        description="One request at a time: prefill of a --prompt-len prompt and --gen-len decode "
+                                    "steps, greedy, EOS ignored; --baseline llama.cpp runs llama-bench on the "
+                                    "same GGUF with the same threads, alternating with ironlm.")
+    lt.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: built-in model)")
+    lt.add_argument("--prompt-len", type=int, default=512)
+    lt.add_argument("--gen-len", type=int, default=128)
+    lt.add_argument("--repeats", type=int, default=3, help="rounds alternating the engines; medians reported")
+    lt.add_argument("--baseline", choices=("none", "llama.cpp"), default="none")
+    lt.add_argument("--seed", type=int, default=0)
+    _threads(lt, "ironlm and llama-bench")
+    _engine_args(lt)
+    _common(lt)
+    lt.set_defaults(func=cmd_latency)
 
     sc = sub.add_parser("scheduler", help="Rust vs Python scheduler step time at 64/256/1024 sequences")
     sc.add_argument("--num-seqs", type=int, nargs="+", default=[64, 256, 1024])
@@ -141,15 +174,33 @@ def _finish(report: dict[str, Any], args: argparse.Namespace, text: str, plot) -
     return 0
 
 
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                                          "kv_cache_memory", "num_kv_blocks", "max_model_len", "attention_backend")
+            if getattr(args, k) is not None}
+
+
+def _missing_baseline_is_an_error(cmd):
+    """A baseline that is not built ends the command with its how-to-build message, not a traceback."""
+    @functools.wraps(cmd)
+    def run(args: argparse.Namespace) -> int:
+        from ironlm.bench.llama_cpp import LlamaCppNotBuilt
+
+        try:
+            return cmd(args)
+        except LlamaCppNotBuilt as exc:
+            print(f"ironlm bench: error: {exc}", file=sys.stderr)
+            return 2
+    return run
+
+
+@_missing_baseline_is_an_error
 def cmd_throughput(args: argparse.Namespace) -> int:
     from ironlm.bench import throughput as tp
 
     base = tp.quick(tp.ThroughputConfig())
     random, prefix = _specs(args, base.random, base.prefix)
-    engine_args = {k: getattr(args, k) for k in ("dtype", "device", "block_size", "max_num_seqs",
-                                                 "max_num_batched_tokens", "kv_cache_memory", "num_kv_blocks",
-                                                 "max_model_len", "attention_backend")
-                   if getattr(args, k) is not None}
+    engine_args = _engine_kwargs(args)
     default_sizes = base.baseline_batch_sizes if args.quick else tp.ThroughputConfig().baseline_batch_sizes
     config = tp.ThroughputConfig(
         model=args.model, dataset=args.dataset, random=random, prefix=prefix,
@@ -157,11 +208,13 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         baseline_batch_sizes=tuple(args.baseline_batch_sizes or default_sizes),
         baseline_single=args.baseline_single, baseline_single_limit=args.baseline_single_limit,
         enable_prefix_caching=args.enable_prefix_caching, compare_prefix_caching=args.compare_prefix_caching,
-        repeats=args.repeats, engine_args=engine_args, progress=not args.no_progress)
+        repeats=args.repeats, warmup=args.warmup, threads=args.threads, engine_args=engine_args,
+        progress=not args.no_progress)
     report = tp.run(config)
     return _finish(report, args, tp.summary_text(report), tp.plot)
 
 
+@_missing_baseline_is_an_error
 def cmd_serve(args: argparse.Namespace) -> int:
     from ironlm.bench import serve as sv
 
@@ -171,9 +224,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, url=args.url, dataset=args.dataset, random=random, prefix=prefix,
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         goodput=dict(args.goodput), vocab_size=args.vocab_size, seed=args.seed, server_args=args.server_arg,
+        baseline=None if args.baseline == "none" else args.baseline, threads=args.threads, warmup=args.warmup,
         progress=not args.no_progress)
     report = sv.run(config)
     return _finish(report, args, sv.summary_text(report), sv.plot)
+
+
+@_missing_baseline_is_an_error
+def cmd_latency(args: argparse.Namespace) -> int:
+    from ironlm.bench import latency as lt
+
+    config = lt.LatencyConfig(
+        model=args.model, prompt_len=args.prompt_len, gen_len=args.gen_len, repeats=args.repeats,
+        threads=args.threads, baseline=None if args.baseline == "none" else args.baseline, seed=args.seed,
+        engine_args=_engine_kwargs(args), progress=not args.no_progress)
+    if args.quick:
+        config = lt.quick(config)
+    report = lt.run(config)
+    return _finish(report, args, lt.summary_text(report), lt.plot)
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:

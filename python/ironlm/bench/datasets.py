@@ -9,7 +9,7 @@ special tokens (BOS/EOS/padding/chat markers), so a random prompt never contains
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -109,3 +109,26 @@ def make_dataset(name: str, vocab_size: int, *, random: RandomSpec | None = None
     if name == "prefix":
         return prefix_dataset(prefix or PrefixSpec(), vocab_size)
     raise ValueError(f"unknown dataset {name!r}: use 'random' or 'prefix'")
+
+
+WARMUPS = ("full", "short", "none")
+
+
+def warmup_dataset(name: str, vocab_size: int, mode: str, *, random: RandomSpec | None = None,
+                   prefix: PrefixSpec | None = None) -> Dataset | None:
+    """The untimed pass every engine and configuration gets before its first timed run.
+
+    "full": the timed workload's shape drawn with the next seed, so that nothing the timed pass asks for is
+    already in a prefix cache; "short": two 8-token prompts, 2 output tokens (allocator and kernels only);
+    "none": no warm-up."""
+    if mode not in WARMUPS:
+        raise ValueError(f"warmup must be one of {WARMUPS}, got {mode!r}")
+    if mode == "none":
+        return None
+    random, prefix = random or RandomSpec(), prefix or PrefixSpec()
+    warm = make_dataset(name, vocab_size, random=replace(random, seed=random.seed + 1),
+                        prefix=replace(prefix, seed=prefix.seed + 1))
+    if mode == "short":
+        warm.requests = [BenchRequest(r.prompt_token_ids[:8], 2) for r in warm.requests[:2]]
+        warm.config = {**warm.config, "warmup": "short"}
+    return warm

@@ -24,13 +24,31 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The /proc/cpuinfo flags that decide which kernels torch and llama.cpp can use.
+_SIMD_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "vnni", "bf16")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's vector-instruction flags (AVX2, AVX-512 and its VNNI/BF16 parts, AMX...), sorted."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return sorted({x for x in flags if x.startswith(_SIMD_PREFIXES)})
+    except OSError:
+        pass
+    return []
+
+
 def machine_info(device: str | None = None) -> dict[str, Any]:
-    """CPU model, cores, memory, torch/transformers versions and the accelerator, if any."""
+    """CPU model and vector flags, cores, memory, torch/transformers versions and the accelerator, if any."""
     import torch
 
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpu_cores": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),

@@ -6,6 +6,10 @@ Poisson, < 1 burstier, > 1 more regular; `inf` sends everything at once), option
 
 Per request: TTFT (send to first token chunk), E2E latency, TPOT = (E2E − TTFT) / (output tokens − 1) and
 the inter-token gaps (ITL) between token chunks. Output tokens are the server's own `usage` count.
+
+`baseline="llama.cpp"` runs the same requests, with the same payloads, arrivals and concurrency, through
+llama-server on the same GGUF file afterwards. Each server first gets the same untimed warm-up pass
+(`datasets.warmup_dataset`: by default the whole workload drawn with the next seed).
 """
 
 from __future__ import annotations
@@ -14,14 +18,17 @@ import asyncio
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from ironlm.bench import datasets
 from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, make_dataset
 from ironlm.bench.report import format_table, machine_info
 from ironlm.bench.server_process import ServerProcess, model_vocab_size
+
+BASELINES = ("llama.cpp",)
 from ironlm.stats import latency_summary
 
 
@@ -39,14 +46,15 @@ class ServeConfig:
     vocab_size: int | None = None  # default: read from the model
     seed: int = 0
     server_args: list[str] = field(default_factory=list)
+    baseline: str | None = None  # None | "llama.cpp"
+    threads: int | None = None  # CPU threads of every server; None: torch's default here (the baseline gets it)
+    warmup: str = "full"  # full | short | none, the same for every server
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
     progress: bool = True
 
 
 def quick(config: ServeConfig) -> ServeConfig:
-    from dataclasses import replace
-
     return replace(config, random=RandomSpec(8, (16, 64), (8, 32), config.random.seed),
                    prefix=PrefixSpec(8, 256, 16, 8, config.prefix.seed))
 
@@ -92,12 +100,19 @@ def _http_errors() -> type[Exception]:
     return httpx.HTTPError
 
 
-async def _one_request(client, url: str, model: str | None, req: BenchRequest, timeout: float) -> RequestResult:
-    res = RequestResult(req.prompt_len, req.output_len)
-    payload: dict[str, Any] = {"prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
-                               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def completion_payload(req: BenchRequest, model: str | None = None) -> dict[str, Any]:
+    """The /v1/completions body every server gets: token ids, greedy, EOS ignored, streamed with usage."""
+    payload: dict[str, Any] = {"prompt": list(req.prompt_token_ids), "max_tokens": req.output_len,
+                               "temperature": 0.0, "ignore_eos": True, "stream": True,
+                               "stream_options": {"include_usage": True}}
     if model:
         payload["model"] = model
+    return payload
+
+
+async def _one_request(client, url: str, model: str | None, req: BenchRequest, timeout: float) -> RequestResult:
+    res = RequestResult(req.prompt_len, req.output_len)
+    payload = completion_payload(req, model)
     res.start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=payload, timeout=timeout) as resp:
@@ -142,14 +157,15 @@ async def _one_request(client, url: str, model: str | None, req: BenchRequest, t
     return res
 
 
-async def _drive(config: ServeConfig, base_url: str, model_name: str | None, ds: Dataset) -> tuple[list, float]:
+async def _drive(config: ServeConfig, base_url: str, model_name: str | None, ds: Dataset,
+                 desc: str = "serve bench") -> tuple[list, float]:
     import httpx
     from tqdm.auto import tqdm
 
     url = base_url.rstrip("/") + "/v1/completions"
     offsets = arrival_offsets(len(ds.requests), config.request_rate, config.burstiness, config.seed)
     sem = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    bar = tqdm(total=len(ds.requests), unit="req", desc="serve bench", disable=not config.progress)
+    bar = tqdm(total=len(ds.requests), unit="req", desc=desc, disable=not config.progress)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=config.request_timeout_s) as client:
         t0 = time.perf_counter()
@@ -220,37 +236,102 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
     return summary
 
 
+def drive(config: ServeConfig, base_url: str, ds: Dataset, warm: Dataset | None,
+          label: str) -> tuple[list[RequestResult], float]:
+    """The untimed warm-up pass (if any), then the timed one, against one running server."""
+    if warm is not None and warm.requests:
+        asyncio.run(_drive(config, base_url, None, warm, desc=f"{label} warm-up"))
+    return asyncio.run(_drive(config, base_url, None, ds, desc=label))
+
+
+def warmup_dataset(config: ServeConfig, vocab: int) -> Dataset | None:
+    return datasets.warmup_dataset(config.dataset, vocab, config.warmup, random=config.random,
+                                   prefix=config.prefix)
+
+
+def bench_threads(threads: int | None) -> int:
+    """The thread count both engines get: the explicit one, or the one torch picks by default here."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        return threads
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _llama_server(config: ServeConfig, ds: Dataset, warm: Dataset | None, threads: int):
+    from ironlm.bench.llama_cpp import LlamaServer, gguf_path, slot_context
+
+    # One slot per request that can be in flight at once, each big enough for the longest request.
+    parallel = min(config.max_concurrency or len(ds.requests), len(ds.requests))
+    reqs = ds.requests + (warm.requests if warm else [])
+    return LlamaServer(gguf_path(config.model), threads=threads, parallel=max(1, parallel),
+                       ctx_per_slot=slot_context(reqs))
+
+
 def run(config: ServeConfig) -> dict[str, Any]:
     for key in config.goodput:
         if key not in ("ttft", "tpot", "e2el"):
             raise ValueError(f"goodput SLO {key!r}: use ttft, tpot or e2el (in ms)")
+    if config.baseline not in (None, *BASELINES):
+        raise ValueError(f"baseline must be one of {BASELINES}, got {config.baseline!r}")
     vocab = config.vocab_size or model_vocab_size(config.model)
     ds = make_dataset(config.dataset, vocab, random=config.random, prefix=config.prefix)
+    warm = warmup_dataset(config, vocab)
+    threads = bench_threads(config.threads)
+    # Built (binary located) before the long ironlm run, so a missing llama-server fails at once.
+    baseline = _llama_server(config, ds, warm, threads) if config.baseline == "llama.cpp" else None
     server = None
     if config.url is None:
-        server = ServerProcess(config.model, config.server_args)
+        env = {} if config.threads is None else {"OMP_NUM_THREADS": str(threads)}
+        server = ServerProcess(config.model, config.server_args, env=env)
         server.start(config.startup_timeout_s)
     base_url = config.url or server.url
     try:
-        results, duration = asyncio.run(_drive(config, base_url, None, ds))
+        results, duration = drive(config, base_url, ds, warm, "ironlm" if server else "server")
     finally:
         if server is not None:
             server.stop()
     summary = summarize(results, duration, config.goodput)
-    return {
+    report: dict[str, Any] = {
         "bench": "serve",
-        "config": {**asdict(config), "url": base_url, "started_server": server is not None},
+        "config": {**asdict(config), "url": base_url, "started_server": server is not None,
+                   "threads_used": threads},
         "machine": machine_info(),
         "dataset": ds.summary(),
         "summary": summary,
-        "requests": [{k: v for k, v in asdict(r).items()} for r in results],
+        "requests": [asdict(r) for r in results],
+    }
+    if baseline is not None:
+        baseline.start(config.startup_timeout_s)
+        try:
+            b_results, b_duration = drive(config, baseline.url, ds, warm, "llama.cpp")
+        finally:
+            baseline.stop()
+        b_summary = summarize(b_results, b_duration, config.goodput)
+        report["baseline"] = {"name": "llama.cpp", "server": baseline.describe(), "summary": b_summary,
+                              "requests": [asdict(r) for r in b_results]}
+        report["comparison"] = compare(summary, b_summary)
+    return report
+
+
+def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    """ironlm / baseline for throughput (higher is better), baseline / ironlm for latencies (the same way)."""
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else math.nan
+
+    return {
+        "output_throughput_ratio": ratio(ours["output_token_throughput"], theirs["output_token_throughput"]),
+        "ttft_median_speedup": ratio(theirs["ttft_ms"]["median"], ours["ttft_ms"]["median"]),
+        "ttft_p99_speedup": ratio(theirs["ttft_ms"]["p99"], ours["ttft_ms"]["p99"]),
+        "tpot_median_speedup": ratio(theirs["tpot_ms"]["median"], ours["tpot_ms"]["median"]),
+        "e2el_median_speedup": ratio(theirs["e2el_ms"]["median"], ours["e2el_ms"]["median"]),
     }
 
 
-def summary_text(report: dict[str, Any]) -> str:
-    s = report["summary"]
-    cfg = report["config"]
-    lines = [(f"requests: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.2f} s "
+def _summary_lines(s: dict[str, Any], cfg: dict[str, Any], label: str) -> list[str]:
+    lines = [(f"{label}: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.2f} s "
               f"(rate {cfg['request_rate']}, burstiness {cfg['burstiness']}, "
               f"max concurrency {cfg['max_concurrency']}); server busy {100 * s['busy_fraction']:.0f}% of the run"),
              (f"throughput: {s['request_throughput']:.3f} req/s, {s['output_token_throughput']:.1f} output tok/s, "
@@ -265,6 +346,22 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append(f"goodput {g['slo_ms']}: {g['good_requests']} requests, {g['requests_per_s']:.3f} req/s")
     if s["errors"]:
         lines.append("errors: " + "; ".join(s["errors"]))
+    return lines
+
+
+def summary_text(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    head = "ironlm" if cfg.get("started_server", True) else f"server {cfg['url']}"
+    lines = _summary_lines(report["summary"], cfg, head)
+    base = report.get("baseline")
+    if base:
+        lines.append("")
+        lines += _summary_lines(base["summary"], cfg, f"{base['name']} ({base['server']['version'] or 'llama-server'})")
+        c = report["comparison"]
+        lines.append("")
+        lines.append(f"{head} vs {base['name']}: output tok/s {c['output_throughput_ratio']:.2f}x; "
+                     f"TTFT median {c['ttft_median_speedup']:.2f}x, p99 {c['ttft_p99_speedup']:.2f}x lower; "
+                     f"TPOT median {c['tpot_median_speedup']:.2f}x lower")
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""Start `ironlm serve` as a subprocess on 127.0.0.1 with a free port, wait for /health, stop it."""
+"""Start a server (`ironlm serve`, or a baseline's) as a subprocess on 127.0.0.1 with a free port, wait for
+/health, stop it."""
 
 from __future__ import annotations
 
@@ -40,10 +41,16 @@ def model_vocab_size(model: str | None) -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str | None, extra_args: list[str] | None = None, host: str = "127.0.0.1") -> None:
+    """`ironlm serve`; subclasses start another server by overriding `name` and `command()`."""
+
+    name = "ironlm serve"
+
+    def __init__(self, model: str | None, extra_args: list[str] | None = None, host: str = "127.0.0.1",
+                 env: dict[str, str] | None = None) -> None:
         self.model = model
         self.extra_args = list(extra_args or [])
         self.host = host
+        self.env = dict(env or {})
         self.port = 0
         self.proc: subprocess.Popen | None = None
         # Lives as long as the server process, closed in stop(): no `with` block fits that lifetime.
@@ -66,14 +73,14 @@ class ServerProcess:
         import httpx
 
         self.port = free_port()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 rc, tail = self.proc.returncode, self.log_tail()
                 self.stop()
-                raise RuntimeError(f"ironlm serve exited with {rc}:\n{tail}")
+                raise RuntimeError(f"{self.name} exited with {rc}:\n{tail}")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return
@@ -82,7 +89,7 @@ class ServerProcess:
             time.sleep(0.25)
         tail = self.log_tail()
         self.stop()
-        raise TimeoutError(f"ironlm serve was not healthy after {timeout_s:.0f} s:\n{tail}")
+        raise TimeoutError(f"{self.name} was not healthy after {timeout_s:.0f} s:\n{tail}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -3,6 +3,11 @@
 Every configuration runs the same requests in the same process; with `repeats > 1` the configurations
 alternate (ironlm, baselines, ironlm, ...) and each one's median wall time is reported, so slow drift of the
 machine hits all of them alike. Token counts come from what was actually generated, never from the request.
+
+Warm-up is the same for everyone: before its first timed run every configuration (ironlm per prefix-caching
+setting, transformers per batch size, llama-server) gets one untimed pass over `datasets.warmup_dataset`
+(by default the whole workload drawn with the next seed). The llama.cpp baseline is llama-server on the same
+GGUF file with one slot per request, all requests sent at once over HTTP (`serve`'s client).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ironlm.bench.baseline import BaselineRun, TransformersBaseline, sync
-from ironlm.bench.datasets import Dataset, PrefixSpec, RandomSpec, make_dataset
+from ironlm.bench.datasets import Dataset, PrefixSpec, RandomSpec, make_dataset, warmup_dataset
 from ironlm.bench.report import format_table, machine_info
 
 # The phases of `LLMEngine.step` whose time is the model's own work.
@@ -28,13 +33,15 @@ class ThroughputConfig:
     dataset: str = "random"  # random | prefix
     random: RandomSpec = field(default_factory=RandomSpec)
     prefix: PrefixSpec = field(default_factory=PrefixSpec)
-    baseline: str | None = None  # None | "transformers"
+    baseline: str | None = None  # None | "transformers" | "llama.cpp"
     baseline_batch_sizes: tuple[int, ...] = (8, 16, 32, 64)
     baseline_single: bool = True  # also run one request at a time
     baseline_single_limit: int | None = None  # one-at-a-time on the first N requests only (rates stay rates)
     enable_prefix_caching: bool = True
     compare_prefix_caching: bool | None = None  # None: on for the prefix dataset
     repeats: int = 1
+    warmup: str = "full"  # full | short | none (datasets.warmup_dataset), the same for every configuration
+    threads: int | None = None  # torch threads for ironlm and transformers, llama.cpp's -t; None: torch's default
     engine_args: dict[str, Any] = field(default_factory=dict)  # dtype, device, max_num_seqs, kv_cache_memory...
     progress: bool = True
 
@@ -92,11 +99,22 @@ def _ironlm_once(llm, ds: Dataset, progress: bool) -> dict[str, Any]:
     }
 
 
-def _warm_ironlm(llm, ds: Dataset) -> None:
-    from ironlm.sampling_params import SamplingParams
+BASELINES = ("transformers", "llama.cpp")
 
-    head = [{"prompt_token_ids": r.prompt_token_ids[:8]} for r in ds.requests[:2]]
-    llm.generate(head, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), use_tqdm=False)
+
+def _llama_cpp_once(server, ds: Dataset, progress: bool, desc: str) -> BaselineRun:
+    """All requests at once to a running llama-server; counts are its own `usage` figures."""
+    import asyncio
+
+    from ironlm.bench.serve import ServeConfig, _drive
+
+    results, elapsed = asyncio.run(_drive(ServeConfig(progress=progress), server.url, None, ds, desc=desc))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"llama-server failed {len(failed)} of {len(results)} requests: {failed[:3]}")
+    return BaselineRun(f"llama.cpp llama-server np={server.parallel}", server.parallel, elapsed,
+                       sum(r.output_tokens for r in results), sum(r.output_tokens for r in results),
+                       sum(r.prompt_len for r in results), len(results), [])
 
 
 def _rates(elapsed: float, output_tokens: int, prompt_tokens: int, num_requests: int) -> dict[str, float]:
@@ -151,17 +169,17 @@ def _ironlm_result(label: str, caching: bool, runs: list[dict[str, Any]], ds: Da
     }
 
 
-def _baseline_result(runs: list[BaselineRun], reference_first: list[int] | None) -> dict[str, Any]:
+def _baseline_result(runs: list[BaselineRun], reference_first: list[int] | None, engine: str) -> dict[str, Any]:
     elapsed = statistics.median(r.elapsed_s for r in runs)
     last = runs[-1]
     out = {
-        "label": last.label, "engine": "transformers", "batch_size": last.batch_size,
+        "label": last.label, "engine": engine, "batch_size": last.batch_size,
         **_rates(elapsed, last.output_tokens, last.prompt_tokens, last.num_requests),
         "samples_s": [r.elapsed_s for r in runs],
         "num_requests": last.num_requests, "output_tokens": last.output_tokens,
         "prompt_tokens": last.prompt_tokens, "generated_tokens": last.generated_tokens,
     }
-    if reference_first:
+    if reference_first and last.first_tokens:
         pairs = list(zip(last.first_tokens, reference_first))
         out["first_token_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
     return out
@@ -177,26 +195,15 @@ def _baseline_plan(config: ThroughputConfig, ds: Dataset) -> list[tuple[int, Dat
     return plan
 
 
-def run(config: ThroughputConfig) -> dict[str, Any]:
-    if config.baseline not in (None, "transformers"):
-        raise ValueError(f"unknown baseline {config.baseline!r}: only 'transformers' is supported")
-    if config.repeats < 1:
-        raise ValueError("repeats must be >= 1")
-    settings = _settings(config)
-    llms = {caching: _make_llm(config, caching) for caching in settings}
-    engine = llms[settings[0]].engine
-    ds = make_dataset(config.dataset, engine.model_config.vocab_size, random=config.random, prefix=config.prefix)
-    for llm in llms.values():
-        _warm_ironlm(llm, ds)
-    baseline = None
-    plan = []
-    if config.baseline == "transformers":
-        baseline = TransformersBaseline(engine.model_path, engine.dtype, engine.device)
-        baseline.warmup(ds.requests)
-        plan = _baseline_plan(config, ds)
-
-    ironlm_runs: dict[bool, list[dict[str, Any]]] = {c: [] for c in settings}
-    base_runs: dict[int, list[BaselineRun]] = {b: [] for b, _ in plan}
+def _timed_runs(config: ThroughputConfig, llms: dict, ds: Dataset, warm: Dataset | None, baseline,
+                plan: list[tuple[int, Dataset]], server) -> tuple[dict, dict]:
+    """`repeats` rounds, each running every configuration once in the same order."""
+    ironlm_runs: dict[bool, list[dict[str, Any]]] = {c: [] for c in llms}
+    base_runs: dict[Any, list[BaselineRun]] = {b: [] for b, _ in plan}
+    if server is not None:
+        if warm is not None:
+            _llama_cpp_once(server, warm, False, "llama.cpp warm-up")
+        base_runs["llama.cpp"] = []
     for rep in range(config.repeats):
         for caching, llm in llms.items():
             if config.progress:
@@ -207,18 +214,77 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
                        desc=f"[{rep + 1}/{config.repeats}] transformers bs={batch_size}")
             base_runs[batch_size].append(baseline.run(sub.requests, batch_size, bar.update))
             bar.close()
+        if server is not None:
+            base_runs["llama.cpp"].append(
+                _llama_cpp_once(server, ds, config.progress, f"[{rep + 1}/{config.repeats}] llama.cpp"))
+    return ironlm_runs, base_runs
+
+
+def _limit(ds: Dataset, limit: int | None) -> Dataset:
+    return ds if limit is None else Dataset(ds.name, {**ds.config, "limit": limit}, ds.requests[:limit])
+
+
+def run(config: ThroughputConfig) -> dict[str, Any]:
+    if config.baseline not in (None, *BASELINES):
+        raise ValueError(f"baseline must be one of {BASELINES}, got {config.baseline!r}")
+    if config.repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    if config.threads is not None:
+        if config.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {config.threads}")
+        import torch
+
+        torch.set_num_threads(config.threads)
+    llama_binary = llama_model = None
+    if config.baseline == "llama.cpp":  # before the long ironlm runs: a missing binary fails at once
+        from ironlm.bench.llama_cpp import find_binary, gguf_path
+
+        llama_binary, llama_model = find_binary("llama-server"), gguf_path(config.model)
+    settings = _settings(config)
+    llms = {caching: _make_llm(config, caching) for caching in settings}
+    engine = llms[settings[0]].engine
+    vocab = engine.model_config.vocab_size
+    ds = make_dataset(config.dataset, vocab, random=config.random, prefix=config.prefix)
+    warm = warmup_dataset(config.dataset, vocab, config.warmup, random=config.random, prefix=config.prefix)
+    for llm in llms.values():
+        if warm is not None:
+            _ironlm_once(llm, warm, progress=False)
+    baseline = None
+    server = None
+    plan = []
+    if config.baseline == "transformers":
+        baseline = TransformersBaseline(engine.model_path, engine.dtype, engine.device)
+        plan = _baseline_plan(config, ds)
+        for batch_size, sub in plan:
+            if warm is not None:
+                baseline.run(_limit(warm, len(sub.requests)).requests, batch_size)
+    elif config.baseline == "llama.cpp":
+        import torch
+
+        from ironlm.bench.llama_cpp import LlamaServer, slot_context
+
+        reqs = ds.requests + (warm.requests if warm else [])
+        server = LlamaServer(llama_model, threads=torch.get_num_threads(), parallel=len(ds.requests),
+                             ctx_per_slot=slot_context(reqs), binary=llama_binary)
+        server.start()
+    try:
+        ironlm_runs, base_runs = _timed_runs(config, llms, ds, warm, baseline, plan, server)
+    finally:
+        if server is not None:
+            server.stop()
 
     results = []
     for caching in settings:
         label = "ironlm" if len(settings) == 1 else f"ironlm prefix-cache {'on' if caching else 'off'}"
         results.append(_ironlm_result(label, caching, ironlm_runs[caching], ds))
     reference = ironlm_runs[settings[0]][-1]["first_tokens"]
-    for batch_size, _ in plan:
-        results.append(_baseline_result(base_runs[batch_size], reference))
+    for runs in base_runs.values():
+        results.append(_baseline_result(runs, reference, config.baseline))
 
     report: dict[str, Any] = {
         "bench": "throughput",
         "config": {**asdict(config), "prefix_caching_settings": settings},
+        "warmup_dataset": warm.summary() if warm is not None else None,
         "machine": machine_info(str(engine.device)),
         "model": {"name": engine.model_name, "path": str(engine.model_path), "dtype": str(engine.dtype),
                   "num_kv_blocks": engine.num_blocks, "block_size": engine.config.block_size},
@@ -227,7 +293,9 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
         "headline": results[0]["label"],
         "step_overhead": results[0]["step_overhead"],
     }
-    baselines = [r for r in results if r["engine"] == "transformers"]
+    if server is not None:
+        report["llama_cpp_server"] = server.describe()
+    baselines = [r for r in results if r["engine"] != "ironlm"]
     if baselines:
         best = max(baselines, key=lambda r: r["output_tokens_per_s"])
         report["best_baseline"] = best["label"]

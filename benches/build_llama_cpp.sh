@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` and `llama-bench` once, for the llama.cpp baseline of
+# `ironlm bench {throughput,serve,latency} --baseline llama.cpp`.
+#
+# The source is the llama.cpp that the `llama-cpp-python` source distribution on PyPI vendors,
+# so the build needs nothing but PyPI and a C++ compiler. The result lives in a git-ignored
+# folder (.llama.cpp/ by default); a second run with the same pinned version does nothing.
+# The whole build runs at the lowest CPU priority: the build machine is shared.
+#
+# Environment: LLAMA_CPP_PYTHON_VERSION (pin), LLAMA_CPP_DIR (output folder),
+#              PYTHON (interpreter whose pip downloads the sdist and, if needed, cmake),
+#              JOBS (parallel compile jobs; default: all cores).
+set -euo pipefail
+
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEST="${LLAMA_CPP_DIR:-$ROOT/.llama.cpp}"
+PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+JOBS="${JOBS:-$(nproc)}"
+BIN="$DEST/build/bin"
+STAMP="$DEST/build/.built-from-llama-cpp-python-$VERSION"
+
+print_paths() {
+    echo "llama-server: $BIN/llama-server"
+    echo "llama-bench:  $BIN/llama-bench"
+}
+
+if [[ -f "$STAMP" && -x "$BIN/llama-server" && -x "$BIN/llama-bench" ]]; then
+    echo "llama.cpp (llama-cpp-python $VERSION) already built in $DEST"
+    print_paths
+    exit 0
+fi
+
+# Children inherit the niceness, so pip, cmake and every compiler process run at priority 19.
+renice -n 19 -p $$ >/dev/null
+
+mkdir -p "$DEST/sdist"
+# Ignored by git wherever LLAMA_CPP_DIR points, not only at the checkout's .llama.cpp/.
+printf '*\n' > "$DEST/.gitignore"
+SDIST="$DEST/sdist/llama_cpp_python-$VERSION.tar.gz"
+if [[ ! -f "$SDIST" ]]; then
+    # --no-binary for this one package only: with :all: pip would also compile the sdist's own
+    # build backend dependencies (cmake among them) from source just to read its metadata.
+    "$PYTHON" -m pip download --disable-pip-version-check --no-deps \
+        --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$DEST/sdist"
+fi
+
+SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
+if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
+    rm -rf "$DEST/src"
+    mkdir -p "$DEST/src"
+    tar -xzf "$SDIST" -C "$DEST/src"
+fi
+if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
+    echo "error: $SDIST has no vendor/llama.cpp/CMakeLists.txt" >&2
+    exit 1
+fi
+
+CMAKE="$(command -v cmake || true)"
+if [[ -z "$CMAKE" ]]; then
+    CMAKE="$(dirname "$PYTHON")/cmake"
+    if [[ ! -x "$CMAKE" ]]; then
+        "$PYTHON" -m pip install --disable-pip-version-check -q cmake
+    fi
+fi
+
+# A changed version or an earlier failed configure must not leave stale objects behind.
+rm -rf "$DEST/build"
+# GGML_NATIVE: -march=native, as a llama.cpp user building on this machine gets. Static
+# libraries, so the two binaries run from anywhere without LD_LIBRARY_PATH.
+"$CMAKE" -S "$SRC" -B "$DEST/build" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=OFF \
+    -DGGML_NATIVE=ON \
+    -DGGML_CUDA=OFF \
+    -DGGML_METAL=OFF \
+    -DGGML_VULKAN=OFF \
+    -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_TOOLS=ON \
+    -DLLAMA_BUILD_SERVER=ON
+"$CMAKE" --build "$DEST/build" --config Release -j "$JOBS" --target llama-server llama-bench
+
+touch "$STAMP"
+print_paths
