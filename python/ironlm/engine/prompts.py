@@ -57,8 +57,9 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[
         if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content", ""), str):
             raise InvalidArgumentError("each message needs a 'role' and a string 'content'", param="messages")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True, **kwargs)
+        # Any: what comes back depends on the tokenizer's version (ids, or a BatchEncoding holding them)
+        ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, **kwargs)
     except Exception as exc:
         raise InvalidArgumentError(f"messages: chat template failed: {exc}", param="messages") from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
