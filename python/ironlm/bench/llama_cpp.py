@@ -21,6 +21,7 @@ from typing import Any
 
 from ironlm.bench.datasets import BenchRequest
 from ironlm.bench.server_process import ServerProcess
+from ironlm.exceptions import LlamaCppNotBuilt
 
 DIR_ENV = "IRONLM_LLAMA_CPP_DIR"
 BUILD_HINT = ("build it once with `make llama-cpp` (benches/build_llama_cpp.sh: llama.cpp from the llama-cpp-python "
@@ -29,10 +30,6 @@ BUILD_HINT = ("build it once with `make llama-cpp` (benches/build_llama_cpp.sh: 
 _CHECKOUT_BIN = Path(__file__).resolve().parents[3] / ".llama.cpp" / "build" / "bin"
 # Slot contexts are whole multiples of this, with room to spare past prompt + output.
 _CTX_ROUND = 256
-
-
-class LlamaCppNotBuilt(FileNotFoundError):
-    """A llama.cpp binary the baseline needs is not built; the message says how to build it."""
 
 
 def search_dirs() -> list[Path]:
