@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from ironlm.model.config import (
 )
 from ironlm.model.default import DefaultModelNotInstalled, default_model_path
 from ironlm.model.llama import DecoderLM
+
+if TYPE_CHECKING:
+    from ironlm.attention import AttentionBackend
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -79,7 +82,7 @@ def load_model(
     *,
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "auto",
-    attn_backend: Any = None,
+    attn_backend: AttentionBackend | None = None,
 ) -> LoadedModel:
     """Load a local HF folder or GGUF file (None = the built-in default model) onto `device` in `dtype`."""
     from ironlm.model import gguf as gguf_mod

@@ -13,7 +13,7 @@ copy of the model. Tied embeddings share one tensor ([vocab, hidden], also the l
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ from ironlm.model.config import ModelConfig
 from ironlm.model.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 
 if TYPE_CHECKING:
-    from ironlm.attention import AttentionMetadata
+    from ironlm.attention import AttentionBackend, AttentionMetadata
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -66,7 +66,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        backend: Any,
+        backend: AttentionBackend,
         select: torch.Tensor | None,
     ) -> torch.Tensor:
         t = h.shape[0]
@@ -104,7 +104,7 @@ class DecoderLM(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
-        attn_backend: Any = None,
+        attn_backend: AttentionBackend | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device)
@@ -126,7 +126,7 @@ class DecoderLM(nn.Module):
         self.eval()
 
     # ---- attention backend ---------------------------------------------------------------------------------
-    def set_attention_backend(self, backend: Any) -> None:
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
         self.attn_backend = backend
 
     # ---- weights -------------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class DecoderLM(nn.Module):
         return F.linear(h, self.lm_head).float()
 
 
-def _default_backend(device: torch.device) -> Any:
+def _default_backend(device: torch.device) -> AttentionBackend | None:
     try:
         from ironlm.attention import get_backend
     except ImportError:
