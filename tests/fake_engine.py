@@ -55,7 +55,7 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
 
     # ---- contract ---------------------------------------------------------------------------------
-    def add_request(self, request_id, prompt, params=None, *, priority=0, deadline=None, timeout=None,
+    def add_request(self, request_id, prompt, params=None, *, priority=0, deadline=None, queue_timeout=None,
                     arrival_time=None, cache_salt=None) -> str:
         from ironlm.sampling_params import SamplingParams
 

@@ -108,11 +108,6 @@ class EngineConfig:
             raise _invalid("queue_timeout", f"must be > 0, got {self.queue_timeout}")
         parse_bytes(self.kv_cache_memory)
 
-    @property
-    def request_timeout(self) -> float | None:
-        # TEMPORARY while engine.py moves into ironlm/engine/: its old line still reads this name.
-        return self.queue_timeout
-
     # ---- defaults that depend on where the engine runs --------------------------------------------------
     def resolve_max_num_batched_tokens(self, device_type: str) -> int:
         """The per-step token budget: the configured one, else a device default of at least max_num_seqs."""

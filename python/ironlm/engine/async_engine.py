@@ -40,7 +40,10 @@ logger = logging.getLogger("ironlm.async_engine")
 # its own bookkeeping failed) fails the requests in flight; this many in a row and the engine is dead.
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
 # The keyword arguments of StepEngine.add_request a caller may pass through `add_request(**kwargs)`.
-_ENGINE_KWARGS = ("priority", "deadline", "timeout", "arrival_time", "cache_salt")
+# add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) bounds its wait
+# in the queue as well.
+_ENGINE_KWARGS = {"priority": "priority", "deadline": "deadline", "timeout": "queue_timeout",
+                  "arrival_time": "arrival_time", "cache_salt": "cache_salt"}
 
 Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[str]] | tuple[Literal["stop"], None]
 
@@ -166,7 +169,7 @@ class AsyncLLMEngine:
 
         Raises what LLMEngine.add_request raises (InvalidArgumentError, QueueFullError), EngineDeadError, or
         EngineOverloadedError while draining. `kwargs`: priority, deadline, timeout, cache_salt,
-        arrival_time. `timeout` also bounds the whole request here (the engine only bounds queueing).
+        arrival_time. `timeout` bounds the whole request; the engine gets it as its `queue_timeout`.
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead!r}")
@@ -272,7 +275,7 @@ class AsyncLLMEngine:
             stream = command[1]
             if stream.closed:  # the client left before the request even reached the engine
                 continue
-            kwargs = {k: v for k, v in stream.engine_kwargs.items() if k in _ENGINE_KWARGS and v is not None}
+            kwargs = {_ENGINE_KWARGS[k]: v for k, v in stream.engine_kwargs.items() if k in _ENGINE_KWARGS and v is not None}
             try:
                 self.engine.add_request(stream.request_id, stream.prompt, stream.params, **kwargs)
             except Exception as exc:  # noqa: BLE001 - ValueError, QueueFullError, ...: that request's problem only

@@ -44,7 +44,7 @@ class StepEngine(Protocol):
     def max_model_len(self) -> int: ...
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None, *,
-                    priority: int = 0, deadline: float | None = None, timeout: float | None = None,
+                    priority: int = 0, deadline: float | None = None, queue_timeout: float | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> str:
         """Queue a request (raises ValueError / QueueFullError and the like on bad input); returns its id."""
         ...
