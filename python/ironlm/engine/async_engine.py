@@ -40,8 +40,8 @@ logger = logging.getLogger("ironlm.async_engine")
 # its own bookkeeping failed) fails the requests in flight; this many in a row and the engine is dead.
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
 # The keyword arguments of StepEngine.add_request a caller may pass through `add_request(**kwargs)`.
-# add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) bounds its wait
-# in the queue as well.
+# add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) also
+# bounds its wait in the queue.
 _ENGINE_KWARGS = {"priority": "priority", "deadline": "deadline", "timeout": "queue_timeout",
                   "arrival_time": "arrival_time", "cache_salt": "cache_salt"}
 
@@ -275,7 +275,8 @@ class AsyncLLMEngine:
             stream = command[1]
             if stream.closed:  # the client left before the request even reached the engine
                 continue
-            kwargs = {_ENGINE_KWARGS[k]: v for k, v in stream.engine_kwargs.items() if k in _ENGINE_KWARGS and v is not None}
+            kwargs = {_ENGINE_KWARGS[k]: v for k, v in stream.engine_kwargs.items()
+                      if k in _ENGINE_KWARGS and v is not None}
             try:
                 self.engine.add_request(stream.request_id, stream.prompt, stream.params, **kwargs)
             except Exception as exc:  # noqa: BLE001 - ValueError, QueueFullError, ...: that request's problem only
