@@ -70,6 +70,28 @@ def test_llama_bench_command_and_output_parsing():
         lc.parse_bench_json(json.dumps(json.loads(LLAMA_BENCH_JSON)[:1]))
 
 
+def _summary(ttft: float, tokens_per_request: int, duration: float) -> dict:
+    results = [sv.RequestResult(prompt_len=10, expected_output_len=tokens_per_request, success=True,
+                                output_tokens=tokens_per_request, token_chunks=tokens_per_request, ttft=ttft,
+                                latency=ttft + 0.01 * (tokens_per_request - 1), start=0.0, end=1.0)
+               for _ in range(4)]
+    return sv.summarize(results, duration, {})
+
+
+def test_serve_comparison_reads_higher_is_better_both_ways():
+    ours, theirs = _summary(0.5, 10, 2.0), _summary(2.0, 10, 4.0)
+    c = sv.compare(ours, theirs)
+    assert c["output_throughput_ratio"] == pytest.approx(2.0)  # 20 vs 10 output tok/s
+    assert c["ttft_median_speedup"] == pytest.approx(4.0) and c["ttft_p99_speedup"] == pytest.approx(4.0)
+    assert c["tpot_median_speedup"] == pytest.approx(1.0)
+    report = {"config": {"started_server": True, "url": "u", "request_rate": "inf", "burstiness": 1.0,
+                         "max_concurrency": None},
+              "summary": ours, "comparison": c,
+              "baseline": {"name": "llama.cpp", "server": {"version": "version: 1 (abc)"}, "summary": theirs}}
+    text = sv.summary_text(report)
+    assert "ironlm vs llama.cpp: output tok/s 2.00x" in text and "version: 1 (abc)" in text
+
+
 # ---- the missing binary --------------------------------------------------------------------------
 @pytest.fixture
 def no_llama_cpp(tmp_path, monkeypatch):
