@@ -60,7 +60,8 @@ def test_serve_defaults_and_config_mapping():
     config = config_from_args(args, model_from_args(args))
     assert config.model == "m.gguf" and not config.enable_prefix_caching
     assert (config.scheduling_policy, config.kv_cache_memory, config.max_queue_len) == ("priority", "1GiB", 7)
-    assert config.queue_timeout == 2.5 and config.served_model_name == "a" and args.served_model_name == ["a", "b"]
+    assert config.queue_timeout == 2.5 and config.served_model_name == "a"
+    assert args.served_model_name == ["a", "b"]
     args = build_parser(["serve"]).parse_args(["serve", "pos.gguf", "--model", "opt.gguf"])
     assert model_from_args(args) == "opt.gguf"
 
@@ -91,7 +92,7 @@ def _non_default(f, annotation) -> tuple[list[str], object]:
 
 
 def test_every_engine_config_field_is_a_flag_of_every_engine_command(capsys):
-    """Adding a field to EngineConfig is enough: serve, generate and chat list it and hand it to the config."""
+    """Adding a field to EngineConfig is enough: serve, generate and chat list it and pass it to the config."""
     hints = typing.get_type_hints(EngineConfig)
     for command in ("serve", "generate", "chat"):
         with pytest.raises(SystemExit):

@@ -19,7 +19,7 @@ KERNELS = ("cache_write.py", "decode_attention.py", "prefill_attention.py")
 
 
 def test_a_source_checkout_imports_the_top_level_kernels_in_place():
-    """No symlinks or copies in python/ironlm/kernels: the package reads kernels/ itself (edits need no rebuild)."""
+    """No symlinks or tracked copies in python/ironlm/kernels: the package reads kernels/ itself."""
     package = ROOT / "python" / "ironlm" / "kernels"
     assert not any(p.is_symlink() for p in package.iterdir())
     tracked = subprocess.run(["git", "ls-files", str(package)], cwd=ROOT, capture_output=True, text=True,
@@ -40,7 +40,8 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
                    capture_output=True, timeout=900)
     (wheel,) = dist.glob("ironlm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for expected in ("ironlm/_core.pyi", "ironlm/py.typed", "ironlm/kernels/__init__.py", "ironlm/grpc/ironlm.proto"):
+    for expected in ("ironlm/_core.pyi", "ironlm/py.typed", "ironlm/kernels/__init__.py",
+                     "ironlm/grpc/ironlm.proto"):
         assert expected in names
     with zipfile.ZipFile(wheel) as zf:  # the kernels are staged by the build, byte for byte
         for name in KERNELS:

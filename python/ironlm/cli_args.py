@@ -1,8 +1,8 @@
 """Engine flags of `ironlm serve/generate/chat`, generated from `EngineConfig`: one flag per field.
 
-The flag is the field name in kebab case; type, default, choices and help come from the field, so a field added
-to EngineConfig is a flag here without an edit. Shared by cli.py and cli_run.py (which therefore need not import
-each other).
+The flag is the field name in kebab case; type, default, choices and help come from the field, so a field
+added to EngineConfig is a flag here without an edit. Shared by cli.py and cli_run.py (which therefore need
+not import each other).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def flag_name(field_name: str) -> str:
 
 def _value_type(annotation: Any) -> Any:
     """The argparse `type` for a field: `int | str | None` stays a string (the config parses sizes)."""
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
-        else (annotation,)
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    options = typing.get_args(annotation) if is_union else (annotation,)
     for kind in (str, int, float):
         if kind in options:
             return kind
@@ -65,7 +65,7 @@ class _DeprecatedFlag(argparse.Action):
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
     if positional_model:
         parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                            help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+                            help=EngineConfig.__dataclass_fields__["model"].metadata["help"])
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in fields(EngineConfig):

@@ -1,9 +1,9 @@
 """Engine configuration: every engine setting, its one default and its help text.
 
-`EngineConfig` is the single source: `LLM(**kwargs)` accepts exactly its fields and `ironlm serve/generate/chat`
-derive one flag per field from it (ironlm.cli_args), so a new field needs no edit anywhere else. Defaults that
-depend on the device (token budget, context cap, CPU KV pool) live here too, as `resolve_*` methods, so the
-engine never carries a number of its own. Help text goes in `field(metadata={"help": ...})`.
+`EngineConfig` is the single source: `LLM(**kwargs)` accepts exactly its fields and `ironlm serve/generate/
+chat` derive one flag per field from it (ironlm.cli_args), so a new field needs no edit anywhere else. Defaults
+that depend on the device (token budget, context cap, CPU KV pool) live here too, as `resolve_*` methods, so
+the engine never carries a number of its own. Help text goes in `field(metadata={"help": ...})`.
 """
 
 from __future__ import annotations
@@ -59,15 +59,16 @@ def _opt(default: Any, help: str, **cli: Any) -> Any:
 
 @dataclass
 class EngineConfig:
-    model: str | None = _opt(None, "HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    model: str | None = _opt(
+        None, "HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     served_model_name: str | None = _opt(
         None, "name clients use for the model (serve takes several; the first is reported in responses)")
     dtype: str = _opt("auto", "weights and KV dtype; auto = bfloat16 on GPU, float32 on CPU", choices=DTYPES)
     device: str = _opt("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     block_size: int = _opt(16, "tokens per KV block (power of two)")
     kv_cache_memory: int | str | None = _opt(
-        None, "KV cache size, bytes or e.g. '2GiB' (default: 1 GiB on CPU, what gpu_memory_utilization leaves "
-        "free on GPU)")
+        None, "KV cache size, bytes or e.g. '2GiB' (default: 1 GiB on CPU, what gpu_memory_utilization "
+        "leaves free on GPU)")
     num_kv_blocks: int | None = _opt(None, "KV blocks (overrides kv_cache_memory)")
     gpu_memory_utilization: float = _opt(0.9, "share of GPU memory the engine may use, KV cache included")
     max_model_len: int | None = _opt(
@@ -88,7 +89,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
                     "num_kv_blocks": self.num_kv_blocks, "max_model_len": self.max_model_len,
-                    "max_num_batched_tokens": self.max_num_batched_tokens, "max_queue_len": self.max_queue_len}
+                    "max_num_batched_tokens": self.max_num_batched_tokens,
+                    "max_queue_len": self.max_queue_len}
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise _invalid(name, f"must be a positive integer, got {value!r}")

@@ -1,8 +1,8 @@
 """Triton kernels: paged prefill and decode attention, and the KV-cache write.
 
-Their sources live in the repository's top-level `kernels/` directory. A wheel carries them inside this package
-(build.rs stages them and `[tool.maturin] include` puts them here); in a source checkout, editable installs
-included, this package reads them from `kernels/` in place, so an edited kernel needs no rebuild.
+Their sources live in the repository's top-level `kernels/` directory. A wheel carries them inside this
+package (build.rs stages them and `[tool.maturin] include` puts them here); in a source checkout, editable
+installs included, this package reads them from `kernels/` in place, so an edited kernel needs no rebuild.
 """
 
 from pathlib import Path
