@@ -46,10 +46,10 @@ class _Server(uvicorn.Server):
                 captured.clear()
 
 
-async def serve_app(engine: EngineClient, app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000,
-                    grpc_port: int | None = None, model_names: list[str] | None = None,
-                    api_key: str | None = None, drain_timeout: float = 30.0, log_level: str = "info",
-                    on_ready: Callable[[], None] | None = None) -> None:
+async def serve_app(engine: EngineClient, app: FastAPI, *, host: str, port: int, drain_timeout: float,
+                    log_level: str, grpc_port: int | None = None, model_names: list[str] | None = None,
+                    api_key: str | None = None, on_ready: Callable[[], None] | None = None) -> None:
+    """`host`, `port`, `drain_timeout`, `log_level`: no defaults here, `ironlm serve`'s flags hold them."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=max(1, int(drain_timeout)), access_log=False)
     server = _Server(config, on_signal=engine.begin_drain)
