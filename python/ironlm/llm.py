@@ -7,7 +7,7 @@ import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -18,6 +18,7 @@ from ironlm.sampling_params import SamplingParams
 from ironlm.stats import latency_summary
 
 PromptType = str | list[int] | dict
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -65,17 +66,19 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
+    def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = cast(list[Conversation], [messages] if one else messages)
         prompts = [{"prompt_token_ids": self.engine.apply_chat_template(
             c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))}
             for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+    def _params_list(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                     n: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
