@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ironlm.exceptions import InvalidArgumentError
 
@@ -21,12 +22,12 @@ def _invalid(param: str, reason: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"{param} {reason}", param=param)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     # bool is an int subclass; `n=True` is almost certainly a bug, so reject it.
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[float]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 

@@ -23,6 +23,7 @@ from ironlm.server.protocol import CompletionRequest
 from ironlm.server.serving_common import (
     check_failed,
     clamp_logprob,
+    decode,
     engine_error,
     sampling_params,
     start_streams,
@@ -135,11 +136,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         for j in range(tokens_from, min(len(c.token_ids), len(entries))):
             tid, entry = c.token_ids[j], entries[j]
             chosen = entry.get(tid)
-            top = [pb.TopLogprob(token_id=t, token=lp.decoded_token or tokenizer.decode([t]),
+            top = [pb.TopLogprob(token_id=t, token=lp.decoded_token or decode(tokenizer, [t]),
                                  logprob=clamp_logprob(lp.logprob))
                    for t, lp in sorted(entry.items(), key=lambda kv: -kv[1].logprob)]
             logprobs.append(pb.TokenLogprob(
-                token_id=tid, token=(chosen.decoded_token if chosen else None) or tokenizer.decode([tid]),
+                token_id=tid, token=(chosen.decoded_token if chosen else None) or decode(tokenizer, [tid]),
                 logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0, top=top))
         return pb.Completion(index=c.index, text=c.text[text_from:], token_ids=c.token_ids[tokens_from:],
                              finish_reason=c.finish_reason or "",

@@ -6,7 +6,7 @@ import asyncio
 import json
 import math
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -24,6 +24,9 @@ from ironlm.exceptions import (
     RequestTooLargeError,
 )
 from ironlm.server.errors import APIError, error_body, validation_error
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 M = TypeVar("M", bound=BaseModel)
 _MAX_BODY = 64 * 1024 * 1024
@@ -131,8 +134,9 @@ async def final_outputs(streams: list[RequestStream], request: Request) -> list[
 
     gathered = asyncio.gather(*(last(s) for s in streams))
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    either: set[asyncio.Future[Any]] = {gathered, watcher}
     try:
-        await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not gathered.done():
             raise APIError(499, "client disconnected")  # nobody reads this; it unwinds the handler
         try:
@@ -163,6 +167,13 @@ def usage(outputs: Sequence[RequestOutput | None]) -> dict[str, Any]:
     cached = sum(o.num_cached_tokens for o in outputs if o is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def decode(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
+    """The text of one token id list (`decode` is typed for batches too, which return a list)."""
+    text = tokenizer.decode(list(token_ids))
+    assert isinstance(text, str)
+    return text
 
 
 def clamp_logprob(value: float) -> float:

@@ -18,6 +18,7 @@ from ironlm.server.protocol import CompletionChoice, CompletionRequest, Completi
 from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
+    decode,
     final_outputs,
     merge_streams,
     sampling_params,
@@ -54,7 +55,7 @@ class CompletionHandler:
         return JSONResponse(body.model_dump())
 
     def _prompt_text(self, out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else self.engine.tokenizer.decode(out.prompt_token_ids)
+        return out.prompt if out.prompt is not None else decode(self.engine.tokenizer, out.prompt_token_ids)
 
     async def _stream(self, req: CompletionRequest, rid: str, streams: list[RequestStream]) -> AsyncIterator[str]:
         created = int(time.time())
