@@ -87,8 +87,8 @@ class Harness:
         sched, bs = self.sched, self.bs
         assert sched.num_running == len(self.running)
         plan = sched.schedule(now=self.now)
-        for rid, slot, reason in plan.finished:
-            assert reason == "timeout"
+        for rid, slot, reason, stop_token in plan.finished:
+            assert reason == "timeout" and stop_token is None
             assert slot in self.requests[rid] and slot not in self.running
             if len(self.requests[rid]) == 1:
                 self.seen["timeouts"] += 1
@@ -175,6 +175,12 @@ class Harness:
         rows = plan.logits_indices.tolist()
         slots = plan.sample_slots.tolist()
         assert len(rows) == len(slots) == plan.num_samples
+        # What the sampler gets: each row's output count and whether its stop tokens are banned yet.
+        assert plan.sample_ban_stop.dtype == np.bool_
+        for s, n_out, ban in zip(slots, plan.sample_output_lens.tolist(), plan.sample_ban_stop.tolist()):
+            seq = self.seqs[s]
+            assert n_out == len(seq.tokens) - seq.prompt_len
+            assert ban == (n_out < seq.min_tokens)
         got = {}
         for r, s in zip(rows, slots):
             got.setdefault(r, []).append(s)
@@ -201,17 +207,16 @@ class Harness:
             if seq is not parent:
                 seq.blocks = list(parent.blocks)
                 self.running.add(s)
+            n_before = len(seq.tokens) - seq.prompt_len
             seq.tokens.append(tok)
-            n_out = len(seq.tokens) - seq.prompt_len
-            reason = None
-            if n_out >= seq.min_tokens and (tok in seq.stop or (not seq.ignore_eos and tok in seq.eos)):
-                reason = "stop"
-            elif n_out >= seq.max_tokens or len(seq.tokens) >= self.cfg["max_model_len"]:
-                reason = "length"
-            if reason:
-                expect_finished[s] = (seq.request_id, s, reason)
-        assert sorted(finished) == sorted(expect_finished.values())
-        for _, slot, _ in finished:
+            is_eos = not seq.ignore_eos and tok in seq.eos
+            if n_before >= seq.min_tokens and (tok in seq.stop or is_eos):
+                # The matched stop_token_ids entry; EOS reports none.
+                expect_finished[s] = (seq.request_id, s, "stop", None if is_eos else tok)
+            elif n_before + 1 >= seq.max_tokens or len(seq.tokens) >= self.cfg["max_model_len"]:
+                expect_finished[s] = (seq.request_id, s, "length", None)
+        assert sorted(finished, key=str) == sorted(expect_finished.values(), key=str)
+        for _, slot, _, _ in finished:
             assert self.sched.output_token_ids(slot) == self.seqs[slot].tokens[self.seqs[slot].prompt_len:]
             self.drop_slot(slot)
             self.seen["finished"] += 1
@@ -261,7 +266,7 @@ def test_simulated_generation_loop(policy: str, caching: bool) -> None:
             h.seen["aborted"] += 1
         elif op < 0.38 and h.seqs:
             slot = rng.choice(sorted(h.seqs))
-            assert h.sched.finish(slot, "stop")
+            assert h.sched.finish(slot)
             h.drop_slot(slot)
         else:
             plan = h.step()
@@ -316,7 +321,7 @@ def test_deadline_order_and_timeout() -> None:
         finished += plan.finished
         finished += s.update(np.full(plan.num_samples, 3))
     assert order == ["soon", "late", "none"]
-    assert ("expires", 3, "timeout") in finished
+    assert ("expires", 3, "timeout", None) in finished
     assert s.stats()["num_timeouts"] == 1
 
 
@@ -342,7 +347,7 @@ def test_n_greater_than_one_and_chunked_prefill_arrays() -> None:
     assert done == []
     s.schedule()
     done = s.update([4, 5, 6])
-    assert sorted(done) == [("r", 0, "length"), ("r", 1, "length"), ("r", 2, "length")]
+    assert sorted(done) == [("r", 0, "length", None), ("r", 1, "length", None), ("r", 2, "length", None)]
     assert s.output_token_ids(1) == [8, 2, 5]
 
 

@@ -6,11 +6,31 @@ import numpy as np
 import pytest
 import torch
 
-import ironlm.sampler as sampler_mod
-from ironlm.sampler import Sampler
+import ironlm.sampler.filters as filters_mod
+from ironlm.sampler import Sampler, SamplerOutput
 from ironlm.sampling_params import SamplingParams as SP
 
 EOS = 2
+
+
+class CountingSampler(Sampler):
+    """Plays the core's part: counts each slot's outputs and hands them to `sample` as `output_lens`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.outputs: dict[int, int] = {}
+
+    def step(self, logits: torch.Tensor, slots: np.ndarray, ban_stop: np.ndarray | None = None) -> SamplerOutput:
+        slots = np.asarray(slots, dtype=np.int64)
+        lens = np.array([self.outputs.get(s, 0) for s in slots.tolist()], np.int64)
+        out = self.sample(logits, slots, lens, ban_stop)
+        for s in slots.tolist():
+            self.outputs[s] = self.outputs.get(s, 0) + 1
+        return out
+
+    def remove(self, slot: int) -> None:
+        super().remove(slot)
+        self.outputs.pop(slot, None)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -23,10 +43,10 @@ def _one_thread():
 
 
 def make(vocab: int, params: list[SP], *, prompts: list[list[int]] | None = None, seeds: list[int | None] | None = None,
-         sampler_seed: int = 0, max_slots: int = 8) -> Sampler:
-    s = Sampler(vocab, "cpu", max_slots=max_slots, seed=sampler_seed)
+         sampler_seed: int = 0, max_slots: int = 8) -> CountingSampler:
+    s = CountingSampler(vocab, "cpu", max_slots=max_slots, seed=sampler_seed)
     for i, p in enumerate(params):
-        s.add(i, p, (prompts or [[]] * len(params))[i], [EOS], (seeds or [None] * len(params))[i])
+        s.add(i, p, (prompts or [[]] * len(params))[i], (seeds or [None] * len(params))[i])
     return s
 
 
@@ -36,7 +56,7 @@ def draw_many(logits_row: torch.Tensor, params: SP, slots: int, steps: int) -> n
     batch = logits_row.expand(slots, -1).contiguous()
     counts = np.zeros(logits_row.numel(), np.int64)
     for _ in range(steps):
-        out = s.sample(batch, np.arange(slots))
+        out = s.step(batch, np.arange(slots))
         counts += np.bincount(out.token_ids, minlength=logits_row.numel())
     return counts
 
@@ -59,7 +79,7 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax() -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, 300) * 4
     s = make(300, [SP(temperature=0.0)] * 6)
-    out = s.sample(logits, np.arange(6))
+    out = s.step(logits, np.arange(6))
     assert np.array_equal(out.token_ids, logits.argmax(-1).numpy())
     ref = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
     np.testing.assert_allclose(out.logprobs, ref.numpy(), rtol=0, atol=1e-5)
@@ -72,7 +92,7 @@ def test_chosen_logprob_is_raw_even_when_processing_changes_the_distribution() -
     params = [SP(temperature=0.5, top_k=10), SP(temperature=2.0, repetition_penalty=1.7),
               SP(temperature=0, logit_bias={7: 100}), SP(min_p=0.1, presence_penalty=1.0)]
     s = make(200, params, prompts=[[1, 2, 3]] * 4)
-    out = s.sample(logits, np.arange(4))
+    out = s.step(logits, np.arange(4))
     ref = torch.log_softmax(logits, -1)[torch.arange(4), torch.from_numpy(out.token_ids)]
     np.testing.assert_allclose(out.logprobs, ref.numpy(), atol=1e-5)
     assert out.token_ids[2] == 7
@@ -82,7 +102,7 @@ def test_top_logprobs_sorted_and_correct_with_k_the_batch_maximum() -> None:
     torch.manual_seed(2)
     logits = torch.randn(3, 500)
     s = make(500, [SP(temperature=0, logprobs=2), SP(logprobs=5), SP(temperature=0)])
-    out = s.sample(logits, np.arange(3))
+    out = s.step(logits, np.arange(3))
     assert out.top_ids.shape == (3, 5) and out.top_logprobs.shape == (3, 5)
     ref_vals, ref_ids = torch.log_softmax(logits, -1).topk(5, -1)
     np.testing.assert_array_equal(out.top_ids, ref_ids.numpy())
@@ -91,7 +111,7 @@ def test_top_logprobs_sorted_and_correct_with_k_the_batch_maximum() -> None:
     # A vocab that splits into whole blocks takes the block-maxima path; rounded logits make many ties.
     wide = (torch.randn(3, 4096) * 4).round()
     s = make(4096, [SP(logprobs=20), SP(temperature=0), SP(logprobs=3, top_k=7)])
-    out = s.sample(wide, np.arange(3))
+    out = s.step(wide, np.arange(3))
     ref_vals = torch.log_softmax(wide, -1).topk(20, -1).values
     np.testing.assert_allclose(out.top_logprobs, ref_vals.numpy(), atol=1e-5)
     picked = torch.log_softmax(wide, -1).gather(1, torch.from_numpy(out.top_ids))
@@ -99,7 +119,7 @@ def test_top_logprobs_sorted_and_correct_with_k_the_batch_maximum() -> None:
     assert all(len(set(row)) == 20 for row in out.top_ids.tolist())
     # logprobs=0 asks only for the chosen token (always returned): no top-N columns.
     s0 = make(500, [SP(logprobs=0)])
-    assert s0.sample(logits[:1], np.array([0])).top_ids is None
+    assert s0.step(logits[:1], np.array([0])).top_ids is None
 
 
 # -- temperature, top-k, top-p, min-p ----------------------------------------------------------------------
@@ -112,7 +132,7 @@ def test_tiny_temperature_top_k_1_and_tiny_top_p_equal_greedy() -> None:
     for params in (SP(temperature=1e-6), SP(temperature=1.5, top_k=1), SP(temperature=1.5, top_p=1e-6)):
         s = make(1000, [params] * 5, seeds=[10, 11, 12, 13, 14])
         for _ in range(3):
-            assert np.array_equal(s.sample(logits, np.arange(5)).token_ids, greedy), params
+            assert np.array_equal(s.step(logits, np.arange(5)).token_ids, greedy), params
 
 
 def test_temperature_distribution_matches_softmax_chi_square() -> None:
@@ -163,7 +183,7 @@ def test_top_p_nucleus_of_thousands_of_tokens() -> None:
 
 def test_top_p_exact_fallback_after_rejections(monkeypatch: pytest.MonkeyPatch) -> None:
     # Rows that exhaust the rejection attempts are finished by an exact sort: same distribution.
-    monkeypatch.setattr(sampler_mod, "MAX_REJECTION_ROUNDS", 0)
+    monkeypatch.setattr(filters_mod, "MAX_REJECTION_ROUNDS", 0)
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2, -2.0, 0.7, -0.3, 0.9])
     counts = draw_many(logits, SP(top_p=0.8, min_p=0.2), slots=800, steps=10)
     ref = torch.from_numpy(ref_top_k_top_p(logits, -1, 0.8))
@@ -245,7 +265,7 @@ def test_penalties_match_reference_over_many_steps(params: SP) -> None:
     changed = 0
     for _ in range(steps):
         logits = torch.randn(S, V, generator=gen)
-        got = s.sample(logits, np.arange(S)).token_ids
+        got = s.step(logits, np.arange(S)).token_ids
         for i in range(S):
             ref = ref_penalize(logits[i], prompts[i], outputs[i], plist[i]) if i % 2 else logits[i]
             assert got[i] == int(ref.argmax()), (i, outputs[i])
@@ -258,18 +278,18 @@ def test_each_penalty_flips_a_constructed_argmax() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]] * 4)
     # repetition: token 0 is in the prompt -> 3.0 / 1.1 < 2.9
     s = make(4, [SP(temperature=0, repetition_penalty=1.1)], prompts=[[0]])
-    assert s.sample(logits[:1], np.array([0])).token_ids[0] == 1
+    assert s.step(logits[:1], np.array([0])).token_ids[0] == 1
     # presence/frequency count outputs only: a prompt token is not penalised by them.
     s = make(4, [SP(temperature=0, presence_penalty=0.5)], prompts=[[0]])
-    assert s.sample(logits[:1], np.array([0])).token_ids[0] == 0  # token 0 now generated once
-    assert s.sample(logits[:1], np.array([0])).token_ids[0] == 1
+    assert s.step(logits[:1], np.array([0])).token_ids[0] == 0  # token 0 now generated once
+    assert s.step(logits[:1], np.array([0])).token_ids[0] == 1
     s = make(4, [SP(temperature=0, frequency_penalty=0.06)])
-    toks = [int(s.sample(logits[:1], np.array([0])).token_ids[0]) for _ in range(4)]
+    toks = [int(s.step(logits[:1], np.array([0])).token_ids[0]) for _ in range(4)]
     assert toks == [0, 0, 1, 0]  # 3.0-0.06 > 2.9; 3.0-0.12 < 2.9; 2.9-0.06 < 2.88
     # repetition penalty on a negative logit multiplies (pushes further down).
     neg = torch.tensor([[-1.0, -1.1, -5.0, -6.0]])
     s = make(4, [SP(temperature=0, repetition_penalty=1.2)], prompts=[[0]])
-    assert s.sample(neg, np.array([0])).token_ids[0] == 1
+    assert s.step(neg, np.array([0])).token_ids[0] == 1
 
 
 def test_logit_bias_forces_and_bans_tokens_per_row() -> None:
@@ -279,7 +299,7 @@ def test_logit_bias_forces_and_bans_tokens_per_row() -> None:
     top1 = int(logits[1].argmax())
     s = make(100, [SP(logit_bias={low: 100.0}), SP(temperature=0, logit_bias={top1: -100.0}), SP(temperature=0)])
     for _ in range(5):
-        out = s.sample(logits, np.arange(3)).token_ids
+        out = s.step(logits, np.arange(3)).token_ids
         assert out[0] == low
         assert out[1] == int(logits[1].topk(2).indices[1])
         assert out[2] == int(logits[2].argmax())
@@ -288,27 +308,37 @@ def test_logit_bias_forces_and_bans_tokens_per_row() -> None:
 def test_logit_bias_rows_added_later_with_wider_tables_keep_earlier_rows_intact() -> None:
     logits = torch.zeros(2, 50)
     logits[:, 0] = 5.0
-    s = Sampler(50, "cpu", max_slots=2)
-    s.add(0, SP(temperature=0, logit_bias={3: 10.0}), [], [EOS], None)
-    s.add(1, SP(temperature=0, logit_bias={i: -1.0 for i in range(10, 30)} | {0: -20.0}), [], [EOS], None)
-    assert s.sample(logits, np.array([0, 1])).token_ids.tolist() == [3, 1]
+    s = CountingSampler(50, "cpu", max_slots=2)
+    s.add(0, SP(temperature=0, logit_bias={3: 10.0}), [])
+    s.add(1, SP(temperature=0, logit_bias={i: -1.0 for i in range(10, 30)} | {0: -20.0}), [])
+    assert s.step(logits, np.array([0, 1])).token_ids.tolist() == [3, 1]
     with pytest.raises(ValueError, match="logit_bias"):
-        s.add(2, SP(logit_bias={50: 1.0}), [], [EOS], None)
+        s.add(2, SP(logit_bias={50: 1.0}), [])
 
 
-def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:
+def test_banned_rows_mask_exactly_their_stop_token_ids() -> None:
+    # The core decides which rows are banned (min_tokens not reached) and which ids stop each sequence
+    # (EOS left out under ignore_eos); the sampler masks those ids on those rows, whatever the row's company.
     V = 20
-    logits = torch.full((3, V), -5.0)
+    logits = torch.full((4, V), -5.0)
     logits[:, EOS] = 10.0
     logits[:, 7] = 9.0
     logits[:, 11] = 8.0
-    params = [SP(temperature=0, min_tokens=3, stop_token_ids=[7]), SP(temperature=0),
-              SP(temperature=0, min_tokens=2, ignore_eos=True)]
-    s = make(V, params)
-    seen = [s.sample(logits, np.arange(3)).token_ids.tolist() for _ in range(4)]
+    s = CountingSampler(V, "cpu")
+    s.add(0, SP(temperature=0, min_tokens=3, stop_token_ids=[7]), [], stop_token_ids=[EOS, 7])
+    s.add(1, SP(temperature=0), [], stop_token_ids=[EOS])
+    s.add(2, SP(temperature=0, min_tokens=2, ignore_eos=True), [], stop_token_ids=[])
+    s.add(3, SP(temperature=0.5, min_tokens=2), [], stop_token_ids=[EOS, 7, 11])
+    seen = []
+    for step in range(4):
+        ban = np.array([step < 3, False, step < 2, step < 2])
+        seen.append(s.step(logits, np.arange(4), ban).token_ids.tolist())
     assert [row[0] for row in seen] == [11, 11, 11, EOS]
     assert [row[1] for row in seen] == [EOS] * 4
     assert [row[2] for row in seen] == [EOS] * 4  # ignore_eos: EOS is not a stop, so not masked
+    assert all(row[3] not in (EOS, 7, 11) for row in seen[:2]) and seen[2][3] == EOS
+    # Without a ban every row is left alone (no hidden counter of the sampler's own).
+    assert s.step(logits, np.arange(4)).token_ids.tolist()[:3] == [EOS] * 3
 
 
 # -- seeds, slots, n > 1 -------------------------------------------------------------------------------------
@@ -317,11 +347,11 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:
 def run_seeded(slot: int, others: int, position: int, params: SP, seed: int, logits_seq: list[torch.Tensor],
                prompt: list[int]) -> list[int]:
     """Sample `params` with `seed` in `slot`, sharing every step with `others` unrelated random rows."""
-    s = Sampler(logits_seq[0].numel(), "cpu", max_slots=4, seed=99 + others)
-    s.add(slot, params, prompt, [EOS], seed)
+    s = CountingSampler(logits_seq[0].numel(), "cpu", max_slots=4, seed=99 + others)
+    s.add(slot, params, prompt, seed)
     other_slots = [i for i in range(slot + others + 1) if i != slot][:others]
     for j, o in enumerate(other_slots):
-        s.add(o, SP(temperature=0.9, top_p=0.95 if j % 2 else 1.0, presence_penalty=0.3 * (j % 5)), [1, 2], [EOS], None)
+        s.add(o, SP(temperature=0.9, top_p=0.95 if j % 2 else 1.0, presence_penalty=0.3 * (j % 5)), [1, 2])
     slots = list(other_slots)
     slots.insert(position, slot)
     gen = torch.Generator().manual_seed(others)
@@ -329,7 +359,7 @@ def run_seeded(slot: int, others: int, position: int, params: SP, seed: int, log
     for row in logits_seq:
         batch = torch.randn(len(slots), row.numel(), generator=gen)
         batch[position] = row
-        toks.append(int(s.sample(batch, np.array(slots)).token_ids[position]))
+        toks.append(int(s.step(batch, np.array(slots)).token_ids[position]))
     return toks
 
 
@@ -351,67 +381,64 @@ def test_unseeded_requests_reproducible_from_sampler_seed() -> None:
 
     def run(sampler_seed: int) -> list[list[int]]:
         s = make(300, [SP()] * 4, sampler_seed=sampler_seed)
-        return [s.sample(x, np.arange(4)).token_ids.tolist() for x in logits]
+        return [s.step(x, np.arange(4)).token_ids.tolist() for x in logits]
 
     assert run(0) == run(0)
     assert run(0) != run(1)
 
 
-def test_fork_children_share_prompt_stats_but_draw_independently() -> None:
+def test_n_sequences_share_prompt_stats_but_draw_independently() -> None:
+    # An n > 1 request adds one slot per sequence, seeded seed + index.
     V = 300
-    s = Sampler(V, "cpu", max_slots=4)
-    s.add(0, SP(temperature=0.05, repetition_penalty=2.0), [3], [EOS], 1)
-    for c in (1, 2, 3):
-        s.fork(0, c, 100 + c)
+    s = make(V, [SP(temperature=0.05, repetition_penalty=2.0)] * 4, prompts=[[3]] * 4, seeds=[101, 102, 103, 104])
     logits = torch.zeros(V)
-    logits[3], logits[4] = 5.0, 4.0  # token 3 is in the prompt: 5 / 2 < 4 for every child too
-    assert s.sample(logits.expand(4, -1), np.arange(4)).token_ids.tolist() == [4, 4, 4, 4]
+    logits[3], logits[4] = 5.0, 4.0  # token 3 is in the prompt: 5 / 2 < 4 for every sequence
+    assert s.step(logits.expand(4, -1), np.arange(4)).token_ids.tolist() == [4, 4, 4, 4]
 
     gen = torch.Generator().manual_seed(8)
     params = SP(temperature=1.0, repetition_penalty=2.0)
-    s = Sampler(V, "cpu", max_slots=4)
-    s.add(0, params, [3], [EOS], 1)
-    for c in (1, 2, 3):
-        s.fork(0, c, 100 + c)
+    s = make(V, [params] * 4, prompts=[[3]] * 4, seeds=[101, 102, 103, 104])
     logits = [torch.randn(V, generator=gen) for _ in range(6)]
-    outs = [s.sample(x.expand(4, -1), np.arange(4)).token_ids.tolist() for x in logits]
+    outs = [s.step(x.expand(4, -1), np.arange(4)).token_ids.tolist() for x in logits]
     assert len({tuple(col) for col in zip(*outs)}) == 4  # four different streams
-    # A child forked with a given seed matches a sequence added with that seed.
-    t = Sampler(V, "cpu", max_slots=4)
-    t.add(2, params, [3], [EOS], 102)
-    assert [t.sample(x[None], np.array([2])).token_ids[0] for x in logits] == [row[2] for row in outs]
+    # A sequence's stream is its seed's, wherever its slot.
+    t = CountingSampler(V, "cpu", max_slots=4)
+    t.add(2, params, [3], 103)
+    assert [t.step(x[None], np.array([2])).token_ids[0] for x in logits] == [row[2] for row in outs]
 
 
 def test_removed_slot_is_reset_before_reuse() -> None:
     V = 10
     logits = torch.tensor([[1.0, 0.9] + [0.0] * 8])
-    s = Sampler(V, "cpu", max_slots=2)
-    s.add(0, SP(temperature=0, presence_penalty=2.0), [], [EOS], None)
-    assert s.sample(logits, np.array([0])).token_ids[0] == 0
-    assert s.sample(logits, np.array([0])).token_ids[0] == 1
+    s = CountingSampler(V, "cpu", max_slots=2)
+    s.add(0, SP(temperature=0, presence_penalty=2.0), [])
+    assert s.step(logits, np.array([0])).token_ids[0] == 0
+    assert s.step(logits, np.array([0])).token_ids[0] == 1
     s.remove(0)
-    s.add(0, SP(temperature=0, presence_penalty=2.0), [], [EOS], None)  # no leftover counts from before
-    assert s.sample(logits, np.array([0])).token_ids[0] == 0
+    s.add(0, SP(temperature=0, presence_penalty=2.0), [])  # no leftover counts from before
+    assert s.step(logits, np.array([0])).token_ids[0] == 0
     with pytest.raises(ValueError, match="in use"):
-        s.add(0, SP(), [], [EOS], None)
+        s.add(0, SP(), [])
 
 
-def test_re_adding_with_output_tokens_resumes_the_same_stream() -> None:
-    # Preemption (recompute) re-adds a sequence: penalties and the random stream must continue, not restart.
+def test_the_random_stream_is_keyed_by_the_output_position() -> None:
+    # The core hands each row its sequence's output count: a sequence recomputed after preemption, or sampled in
+    # another step order, draws at position k what it draws at position k anywhere else.
     V = 200
     gen = torch.Generator().manual_seed(9)
     logits = [torch.randn(1, V, generator=gen) for _ in range(8)]
-    params = SP(temperature=1.0, frequency_penalty=1.5)
+    params = SP(temperature=1.0, top_p=0.9)
     a = Sampler(V, "cpu")
-    a.add(0, params, [1], [EOS], 77)
-    straight = [int(a.sample(x, np.array([0])).token_ids[0]) for x in logits]
+    a.add(0, params, [1], 77)
+    straight = [int(a.sample(x, np.array([0]), np.array([k])).token_ids[0]) for k, x in enumerate(logits)]
+    assert len(set(straight)) > 3
     b = Sampler(V, "cpu")
-    b.add(0, params, [1], [EOS], 77)
-    first = [int(b.sample(x, np.array([0])).token_ids[0]) for x in logits[:4]]
-    b.remove(0)
-    b.add(5, params, [1], [EOS], 77, output_token_ids=first)
-    rest = [int(b.sample(x, np.array([5])).token_ids[0]) for x in logits[4:]]
-    assert first + rest == straight
+    b.add(5, params, [1], 77)
+    backwards = [int(b.sample(logits[k], np.array([5]), np.array([k])).token_ids[0]) for k in reversed(range(8))]
+    assert backwards[::-1] == straight
+    # The same logits at another position draw differently (the stream moves on).
+    again = [int(b.sample(logits[0], np.array([5]), np.array([k])).token_ids[0]) for k in range(1, 8)]
+    assert again != [straight[0]] * 7
 
 
 def test_mixed_batch_greedy_rows_unaffected_by_random_rows() -> None:
@@ -420,12 +447,12 @@ def test_mixed_batch_greedy_rows_unaffected_by_random_rows() -> None:
     params = [SP(temperature=0) if i % 2 == 0 else SP(temperature=1.0, top_p=0.5, frequency_penalty=1.0)
               for i in range(8)]
     s = make(1000, params)
-    out = s.sample(logits, np.arange(8)).token_ids
+    out = s.step(logits, np.arange(8)).token_ids
     assert np.array_equal(out[::2], logits[::2].argmax(-1).numpy())
 
 
 def test_bf16_logits_and_empty_batch() -> None:
     s = make(64, [SP(temperature=0)])
     logits = torch.randn(1, 64).to(torch.bfloat16)
-    assert s.sample(logits, np.array([0])).token_ids[0] == int(logits.float().argmax())
-    assert s.sample(torch.zeros(0, 64), np.zeros(0, np.int64)).token_ids.shape == (0,)
+    assert s.step(logits, np.array([0])).token_ids[0] == int(logits.float().argmax())
+    assert s.step(torch.zeros(0, 64), np.zeros(0, np.int64)).token_ids.shape == (0,)

@@ -159,6 +159,9 @@ class RequestQueue:
     def __len__(self) -> int: ...
     def __contains__(self, request_id: str) -> bool: ...
 
+# (request id, seq slot, reason "stop" | "length" | "timeout", matched stop_token_ids entry or None)
+_FinishedSeq = tuple[str, int, str, int | None]
+
 class SchedulerPlan:
     """Everything the model runner needs for one step. Arrays are freshly built numpy arrays.
 
@@ -175,10 +178,12 @@ class SchedulerPlan:
     seq_slots: npt.NDArray[np.int64]  # [B] sequence handle of each batch row
     logits_indices: npt.NDArray[np.int64]  # [S] token rows whose logits are sampled (may repeat for n > 1)
     sample_slots: npt.NDArray[np.int64]  # [S] sequence handle receiving each sampled token
+    sample_output_lens: npt.NDArray[np.int64]  # [S] tokens each row's sequence generated so far
+    sample_ban_stop: npt.NDArray[np.bool_]  # [S] stop token ids must not be sampled yet (min_tokens)
     cow_pairs: npt.NDArray[np.int64]  # [K, 2] (src, dst) block copies to run before the forward
     new_request_ids: list[str]  # admitted for the first time this step
     preempted_request_ids: list[str]  # sent back to the queue this step (recompute)
-    finished: list[tuple[str, int, str]]  # (request id, seq slot, reason) e.g. timed out while waiting
+    finished: list[_FinishedSeq]  # sequences of requests that timed out while waiting
     num_prefill_tokens: int
     num_decode_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache for requests admitted this step
@@ -244,18 +249,21 @@ class Scheduler:
         """
     def schedule(self, now: float | None = None) -> SchedulerPlan:
         """Plan the next step; waiting requests past their timeout finish first (``plan.finished``)."""
-    def update(self, sampled_token_ids: npt.NDArray[np.int64] | Sequence[int]) -> list[tuple[str, int, str]]:
+    def update(self, sampled_token_ids: npt.NDArray[np.int64] | Sequence[int]) -> list[_FinishedSeq]:
         """Append one token per ``plan.sample_slots`` row of the last plan.
 
-        Applies max_tokens, min_tokens (no EOS / stop-token stop before it), EOS (unless
-        ignore_eos), stop_token_ids (always) and max_model_len; returns ``(request id, seq
-        slot, reason)`` for each sequence that finished (reason ``length`` or ``stop``).
-        Finished sequences' blocks go to the radix cache. Rows of sequences finished or
-        aborted since the plan are ignored. ValueError if the length is not
-        ``plan.num_samples`` or no plan is waiting for an update.
+        The core's stop decision, the only one: a stop token (EOS unless ignore_eos, or
+        stop_token_ids) stops a sequence once it has generated ``min_tokens`` tokens before it
+        (the rows where it may not are ``plan.sample_ban_stop``); then max_tokens and
+        max_model_len (reason ``length``). Returns ``(request id, seq slot, reason, stop
+        token)`` for each sequence that finished; the stop token is the matched
+        stop_token_ids entry, None for EOS and ``length``. Finished sequences' blocks go to
+        the radix cache. Rows of sequences finished or aborted since the plan are ignored.
+        ValueError if the length is not ``plan.num_samples`` or no plan is waiting for an
+        update.
         """
-    def finish(self, slot: int, reason: str = "stop") -> bool:
-        """Finish one sequence now (e.g. a stop string matched); frees its blocks.
+    def finish(self, slot: int) -> bool:
+        """Finish one sequence now (a stop string matched); frees its blocks.
 
         False if the slot holds no live sequence. Finishing the parent of an ``n > 1``
         request before its first token hands the prefill over to a sibling.
@@ -267,6 +275,10 @@ class Scheduler:
         (slots are reused by ``add_request``). ValueError for a slot never handed out."""
     def token_ids(self, slot: int) -> list[int]:
         """Prompt + generated tokens (same validity as ``output_token_ids``)."""
+    def stop_token_ids(self, slot: int) -> list[int]:
+        """Token ids that stop a live sequence: its stop_token_ids, plus the EOS ids unless
+        ignore_eos (sorted). The sampler masks them on the rows of ``plan.sample_ban_stop``.
+        ValueError if the slot holds no live sequence."""
     def request_id(self, slot: int) -> str | None:
         """Request id of a live sequence, else None."""
     def has_unfinished(self) -> bool: ...

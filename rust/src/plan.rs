@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use crate::sequence::Slot;
+use crate::scheduler::Finished;
 
 #[derive(Debug, Default, Clone)]
 pub struct Plan {
@@ -20,12 +20,17 @@ pub struct Plan {
     pub seq_slots: Vec<i64>,
     pub logits_indices: Vec<i64>,
     pub sample_slots: Vec<i64>,
+    /// Tokens each sample row's sequence has generated so far (the sampler's random-stream
+    /// position: independent of batch company, and it survives preemption).
+    pub sample_output_lens: Vec<i64>,
+    /// Sample rows whose stop tokens must not be sampled yet (min_tokens not reached).
+    pub sample_ban_stop: Vec<bool>,
     /// [K * 2], (src, dst) pairs.
     pub cow_pairs: Vec<i64>,
     pub new_request_ids: Vec<Arc<str>>,
     pub preempted_request_ids: Vec<Arc<str>>,
-    /// (request id, slot, reason): timed out while waiting.
-    pub finished: Vec<(Arc<str>, Slot, &'static str)>,
+    /// Sequences of requests that timed out while waiting.
+    pub finished: Vec<Finished>,
     pub num_prefill_tokens: usize,
     pub num_decode_tokens: usize,
     pub num_cached_tokens: usize,
@@ -51,6 +56,8 @@ impl Plan {
         self.seq_slots.clear();
         self.logits_indices.clear();
         self.sample_slots.clear();
+        self.sample_output_lens.clear();
+        self.sample_ban_stop.clear();
         self.cow_pairs.clear();
         self.new_request_ids.clear();
         self.preempted_request_ids.clear();

@@ -14,7 +14,9 @@ use crate::error::{CoreError, CoreResult};
 use crate::plan::Plan;
 use crate::queue::{monotonic, OrdF64, Policy, QueueParams, RequestQueue};
 use crate::radix::RadixCache;
-use crate::sequence::{FinishReason, ReqIdx, Request, RequestParams, Sequence, Slot, Status};
+use crate::sequence::{
+    FinishReason, ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens,
+};
 
 mod step;
 #[cfg(test)]
@@ -131,7 +133,7 @@ pub struct Scheduler {
     scratch_gens: Vec<u32>,
 }
 
-/// A sequence that finished in `update`: (request id, slot, reason).
+/// A sequence the core finished: (request id, slot, reason).
 pub type Finished = (Arc<str>, Slot, FinishReason);
 
 impl Scheduler {
@@ -264,13 +266,7 @@ impl Scheduler {
         } else {
             0
         };
-        let mut stop_ids = params.stop_token_ids.clone();
-        if !params.ignore_eos {
-            stop_ids.extend_from_slice(&params.eos_token_ids);
-        }
-        stop_ids.sort_unstable();
-        stop_ids.dedup();
-        let stop_ids: Arc<[u32]> = stop_ids.into();
+        let stop = Arc::new(StopTokens::new(&params));
         let max_len = (prompt.len() + params.max_tokens).min(c.max_model_len);
         let mut slots = Vec::with_capacity(params.n);
         for k in 0..params.n {
@@ -300,7 +296,7 @@ impl Scheduler {
             s.insert_pending = false;
             s.is_fork_parent = k == 0 && params.n > 1;
             s.tail_shared = false;
-            s.stop_ids = stop_ids.clone();
+            s.stop = stop.clone();
             s.min_len = prompt.len() + params.min_tokens;
             s.max_len = max_len;
             s.victim_key = (prio_key, OrdF64(arrival), add_seq, k as u32);
@@ -356,6 +352,13 @@ impl Scheduler {
     pub fn output_token_ids(&self, slot: Slot) -> Option<&[u32]> {
         let s = self.seqs.get(slot as usize)?;
         (s.status != Status::Free).then_some(&s.tokens[s.prompt_len..])
+    }
+
+    /// Token ids that stop a live sequence: its stop_token_ids, plus the EOS ids unless
+    /// ignore_eos. The sampler masks them while the plan says so (`sample_ban_stop`).
+    pub fn stop_token_ids(&self, slot: Slot) -> Option<&[u32]> {
+        let s = self.seqs.get(slot as usize).filter(|s| s.is_live())?;
+        Some(s.stop.ids())
     }
 
     pub fn is_live(&self, slot: Slot) -> bool {

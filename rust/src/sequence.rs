@@ -13,40 +13,76 @@ use crate::radix::{NodeId, RadixCache};
 pub type Slot = u32;
 pub type ReqIdx = u32;
 
-/// Why a sequence finished.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Why a sequence finished: decided by the core alone (`update` and `schedule`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// EOS or a stop token (or Python's `finish(slot)` default).
-    Stop,
+    /// Sampled a stop token: `Some(id)` for one of the request's `stop_token_ids`, `None` for
+    /// EOS (vLLM reports EOS with no `stop_reason`).
+    Stop(Option<u32>),
     /// max_tokens or max_model_len reached.
     Length,
     /// Still waiting when its timeout passed.
     Timeout,
-    /// Dropped by `abort`.
-    Abort,
-    /// Any other reason given to `finish`.
-    Other(Arc<str>),
 }
 
 impl FinishReason {
-    pub fn as_str(&self) -> &str {
+    pub fn as_str(&self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
+            FinishReason::Stop(_) => "stop",
             FinishReason::Length => "length",
             FinishReason::Timeout => "timeout",
-            FinishReason::Abort => "abort",
-            FinishReason::Other(s) => s,
         }
     }
 
-    pub fn parse(s: &str) -> Self {
-        match s {
-            "stop" => FinishReason::Stop,
-            "length" => FinishReason::Length,
-            "timeout" => FinishReason::Timeout,
-            "abort" => FinishReason::Abort,
-            other => FinishReason::Other(other.into()),
+    /// The `stop_token_ids` entry that stopped the sequence, if one did.
+    pub fn stop_token(&self) -> Option<u32> {
+        match self {
+            FinishReason::Stop(t) => *t,
+            _ => None,
         }
+    }
+}
+
+/// The token ids that stop a request's sequences; its `n` sequences share one.
+#[derive(Debug, Default)]
+pub(crate) struct StopTokens {
+    /// stop_token_ids plus, unless ignore_eos, the EOS ids: sorted, distinct.
+    ids: Box<[u32]>,
+    /// The EOS ids among `ids`.
+    eos: Box<[u32]>,
+}
+
+impl StopTokens {
+    /// The one place `ignore_eos` is applied.
+    pub fn new(params: &RequestParams) -> Self {
+        let sorted = |v: &[u32]| {
+            let mut v = v.to_vec();
+            v.sort_unstable();
+            v.dedup();
+            v.into_boxed_slice()
+        };
+        let eos = if params.ignore_eos {
+            Box::default()
+        } else {
+            sorted(&params.eos_token_ids)
+        };
+        let mut ids = params.stop_token_ids.clone();
+        ids.extend_from_slice(&eos);
+        Self {
+            ids: sorted(&ids),
+            eos,
+        }
+    }
+
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// The finish reason if `token` stops the sequence.
+    pub fn check(&self, token: u32) -> Option<FinishReason> {
+        self.ids.binary_search(&token).ok()?;
+        let is_eos = self.eos.binary_search(&token).is_ok();
+        Some(FinishReason::Stop((!is_eos).then_some(token)))
     }
 }
 
@@ -159,9 +195,8 @@ pub(crate) struct Sequence {
     pub is_fork_parent: bool,
     /// Its partly filled last block may be shared (after a fork, until it next appends).
     pub tail_shared: bool,
-    /// Token ids that stop it: stop_token_ids, plus the EOS ids unless ignore_eos.
-    pub stop_ids: Arc<[u32]>,
-    /// Length (prompt + generated) before which stop ids do not stop it (min_tokens).
+    pub stop: Arc<StopTokens>,
+    /// Length (prompt + min_tokens) it must reach before its next token may be a stop token.
     pub min_len: usize,
     /// Length at which it finishes with `length` (max_tokens or max_model_len).
     pub max_len: usize,
@@ -185,11 +220,33 @@ impl Sequence {
             insert_pending: false,
             is_fork_parent: false,
             tail_shared: false,
-            stop_ids: Arc::from([]),
+            stop: Arc::default(),
             min_len: 0,
             max_len: 0,
             victim_key: (0, OrdF64(0.0), 0, 0),
         }
+    }
+
+    /// Whether the token sampled next may stop it. The min_tokens rule lives here alone: the
+    /// plan tells the sampler to mask the stop tokens where this is false (`sample_ban_stop`),
+    /// and `update` does not stop on them there either.
+    pub fn may_stop(&self) -> bool {
+        self.tokens.len() >= self.min_len
+    }
+
+    /// The stop rules for `token`, just appended; `may_stop` is `may_stop()` from before.
+    pub fn check_stop(&self, token: u32, may_stop: bool) -> Option<FinishReason> {
+        if may_stop {
+            if let Some(reason) = self.stop.check(token) {
+                return Some(reason);
+            }
+        }
+        (self.tokens.len() >= self.max_len).then_some(FinishReason::Length)
+    }
+
+    /// Tokens generated so far.
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
     }
 
     pub fn is_live(&self) -> bool {

@@ -46,7 +46,7 @@ class LLMEngine:
         )
         self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
                                seed=config.seed)
-        self.table = SequenceTable(self.sampler, runner.tokenizer, runner.model_config.eos_token_ids)
+        self.table = SequenceTable(self.sampler, runner.tokenizer)
         self.timer = StepTimer()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -104,17 +104,17 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:  # up to max_model_len; a prompt already that long is the core's to reject
             max_tokens = max(1, self.max_model_len - len(token_ids))
-        eos = [] if params.ignore_eos else list(self.model_config.eos_token_ids)
         arrival = _core.monotonic() if arrival_time is None else arrival_time
         slots = self.scheduler.add_request(
             request_id, token_ids, max_tokens, min_tokens=params.min_tokens, n=params.n,
-            priority=priority, eos_token_ids=eos, stop_token_ids=list(params.stop_token_ids or ()),
+            priority=priority, eos_token_ids=list(self.model_config.eos_token_ids),
+            stop_token_ids=list(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, deadline=deadline,
             timeout=queue_timeout if queue_timeout is not None else self.config.queue_timeout,
             namespace=cache_salt, arrival_time=arrival,
         )
         request = EngineRequest(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival))
-        self.table.add(request, slots)
+        self.table.add(request, slots, self.scheduler.stop_token_ids(slots[0]))
         self.prompt_tokens_total += len(token_ids)
         return request_id
 
@@ -140,8 +140,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         timer.lap("schedule")
         touched: dict[str, EngineRequest] = {}
-        for _, slot, reason in plan.finished:  # timed out while waiting
-            self._finish_seq(slot, reason, touched)
+        for _, slot, reason, _ in plan.finished:  # timed out while waiting
+            self._finish_seq(slot, reason, None, touched)
         if plan.is_empty:
             return self._collect(touched)
         now = _core.monotonic()
@@ -152,12 +152,14 @@ class LLMEngine:
         try:
             logits = self.runner.execute(plan, timer)
             with torch.inference_mode():  # the sampler edits the (inference-mode) logits in place
-                sampled = self.sampler.sample(logits, plan.sample_slots)
+                sampled = self.sampler.sample(logits, plan.sample_slots, plan.sample_output_lens,
+                                              plan.sample_ban_stop)
             timer.lap("sample")
         except Exception as exc:  # a failed step fails its requests, never the engine
             logger.exception("step failed; failing the %d sequences in it", plan.num_seqs)
             return self._fail_step(plan, exc, touched)
-        finished = {slot: reason for _, slot, reason in self.scheduler.update(sampled.token_ids)}
+        # The core's stop decision: slot -> (reason, matched stop_token_ids entry or None).
+        finished = {slot: (reason, tok) for _, slot, reason, tok in self.scheduler.update(sampled.token_ids)}
         timer.lap("update")
         self._postprocess(plan, sampled, finished, touched)
         timer.lap("detokenize")
@@ -166,8 +168,8 @@ class LLMEngine:
         self.num_steps += 1
         return outputs
 
-    def _postprocess(self, plan: _core.SchedulerPlan, sampled: SamplerOutput, finished: dict[int, str],
-                     touched: dict[str, EngineRequest]) -> None:
+    def _postprocess(self, plan: _core.SchedulerPlan, sampled: SamplerOutput,
+                     finished: dict[int, tuple[str, int | None]], touched: dict[str, EngineRequest]) -> None:
         now = _core.monotonic()
         tokens = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist()
@@ -183,19 +185,19 @@ class LLMEngine:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
             top = None if top_ids is None or top_lps is None else (top_ids[row], top_lps[row])
-            stop_token = finished.get(slot) == "stop"
+            stop_token = slot in finished and finished[slot][0] == "stop"  # never reaches the text
             stop = seq.append(tokens[row], logprobs[row], top, self.tokenizer, stop_token)
             touched[request.request_id] = request
-            if stop is not None:
+            if stop is not None:  # a stop string: the detokenizer's to match, the core's to release
                 seq.stop_reason = stop
                 if slot not in finished:
-                    self.scheduler.finish(slot, "stop")
-                    finished[slot] = "stop"
-        for slot, reason in finished.items():
-            self._finish_seq(slot, reason, touched)
+                    self.scheduler.finish(slot)
+                    finished[slot] = ("stop", None)
+        for slot, (reason, tok) in finished.items():
+            self._finish_seq(slot, reason, tok, touched)
 
-    def _finish_seq(self, slot: int, reason: str, touched: dict[str, EngineRequest]) -> None:
-        request = self.table.finish(slot, reason)
+    def _finish_seq(self, slot: int, reason: str, stop_token: int | None, touched: dict[str, EngineRequest]) -> None:
+        request = self.table.finish(slot, reason, stop_token)
         if request is not None:
             touched[request.request_id] = request
 

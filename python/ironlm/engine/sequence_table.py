@@ -92,16 +92,15 @@ class EngineSequence:
         delta = self.detok.add([token])
         return delta.stop_str if delta.stopped else None
 
-    def finish(self, reason: str, eos_token_ids: Sequence[int]) -> None:
+    def finish(self, reason: str, stop_token: int | None = None) -> None:
+        """`stop_token`: the stop_token_ids entry the core matched (None for EOS, which reports none)."""
         if self.finish_reason is not None:
             return
         self.finish_reason = reason
         if self.detok is not None and not self.detok.stopped:
             self.detok.finish()  # flush text held back for a possible stop string or a partial character
-        if reason == "stop" and self.stop_reason is None and self.token_ids:
-            last = self.token_ids[-1]  # EOS reports no stop_reason, a stop_token_ids hit reports the id
-            if last not in eos_token_ids and last in (self.request.params.stop_token_ids or ()):
-                self.stop_reason = last
+        if stop_token is not None:
+            self.stop_reason = stop_token
 
     def output(self) -> CompletionOutput:
         text = self.detok.output_text if self.detok is not None else ""
@@ -116,22 +115,22 @@ class EngineSequence:
 class SequenceTable:
     """Live requests by id and their sequences by slot; the only caller of `Sampler.add` / `Sampler.remove`."""
 
-    def __init__(self, sampler: Sampler, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, sampler: Sampler, tokenizer: PreTrainedTokenizerBase) -> None:
         self.sampler = sampler
         self.tokenizer = tokenizer
-        self.eos_token_ids = list(eos_token_ids)
         self.requests: dict[str, EngineRequest] = {}  # accepted and not yet reported finished
         self._seqs: dict[int, EngineSequence] = {}  # slot -> sequence still running in the core
 
     def __len__(self) -> int:
         return len(self.requests)
 
-    def add(self, request: EngineRequest, slots: Sequence[int]) -> None:
-        """Register a request the core accepted, one sequence per slot it gave (n > 1: several)."""
+    def add(self, request: EngineRequest, slots: Sequence[int], stop_token_ids: Sequence[int]) -> None:
+        """Register a request the core accepted, one sequence per slot it gave (n > 1: several).
+        `stop_token_ids`: the ids the core stops its sequences on (the sampler masks them for min_tokens)."""
         params = request.params
         for index, slot in enumerate(slots):
             seed = None if params.seed is None else params.seed + index
-            self.sampler.add(slot, params, request.prompt_token_ids, self.eos_token_ids, seed)
+            self.sampler.add(slot, params, request.prompt_token_ids, seed, stop_token_ids=stop_token_ids)
             seq = EngineSequence.create(index, slot, request, self.tokenizer)
             request.seqs.append(seq)
             self._seqs[slot] = seq
@@ -149,13 +148,13 @@ class SequenceTable:
                 found.setdefault(seq.request.request_id, seq.request)
         return list(found.values())
 
-    def finish(self, slot: int, reason: str) -> EngineRequest | None:
+    def finish(self, slot: int, reason: str, stop_token: int | None = None) -> EngineRequest | None:
         """The core finished `slot`: drop its sampler state and close its output. Returns its request."""
         seq = self._seqs.pop(slot, None)
         if seq is None:
             return None
         self.sampler.remove(slot)
-        seq.finish(reason, self.eos_token_ids)
+        seq.finish(reason, stop_token)
         return seq.request
 
     def release(self, request: EngineRequest, reason: str) -> None:
@@ -164,7 +163,7 @@ class SequenceTable:
             if self._seqs.pop(seq.slot, None) is not None:
                 self.sampler.remove(seq.slot)
             if seq.finish_reason is None:
-                seq.finish(reason, ())
+                seq.finish(reason)
 
     def pop(self, request_id: str) -> EngineRequest | None:
         """Forget a request (aborted, or finished and reported); its sequences must be finished or released."""

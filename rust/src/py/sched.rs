@@ -6,7 +6,7 @@ use pyo3::types::{PyDict, PyList};
 
 use super::{as_i64_array, count_arg, time_arg, token_ids, value_error};
 use crate::queue::Policy;
-use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::scheduler::{Finished, Scheduler, SchedulerConfig};
 use crate::sequence::{RequestParams, Slot};
 
 /// Steps with at least this many running sequences run with the GIL released. Shorter ones
@@ -37,6 +37,10 @@ pub struct PySchedulerPlan {
     logits_indices: Py<PyAny>,
     #[pyo3(get)]
     sample_slots: Py<PyAny>,
+    #[pyo3(get)]
+    sample_output_lens: Py<PyAny>,
+    #[pyo3(get)]
+    sample_ban_stop: Py<PyAny>,
     #[pyo3(get)]
     cow_pairs: Py<PyAny>,
     #[pyo3(get)]
@@ -100,6 +104,16 @@ fn array_i64(py: Python<'_>, v: &[i64]) -> Py<PyAny> {
     PyArray1::from_slice(py, v).into_any().unbind()
 }
 
+/// `(request id, seq slot, reason, stop token id or None)` per finished sequence.
+fn finished_list<'py>(py: Python<'py>, finished: &[Finished]) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(
+        py,
+        finished
+            .iter()
+            .map(|(id, slot, why)| (id.as_ref(), *slot, why.as_str(), why.stop_token())),
+    )
+}
+
 fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
     let p = s.plan();
     let (b, w) = (p.num_seqs(), p.block_table_width);
@@ -120,12 +134,6 @@ fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
     let ids = |v: &[std::sync::Arc<str>]| -> PyResult<Py<PyList>> {
         Ok(PyList::new(py, v.iter().map(|x| x.as_ref()))?.unbind())
     };
-    let finished = PyList::new(
-        py,
-        p.finished
-            .iter()
-            .map(|(id, slot, why)| (id.as_ref(), *slot, *why)),
-    )?;
     Ok(PySchedulerPlan {
         input_ids: array_i64(py, &p.input_ids),
         positions: array_i64(py, &p.positions),
@@ -137,10 +145,14 @@ fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
         seq_slots: array_i64(py, &p.seq_slots),
         logits_indices: array_i64(py, &p.logits_indices),
         sample_slots: array_i64(py, &p.sample_slots),
+        sample_output_lens: array_i64(py, &p.sample_output_lens),
+        sample_ban_stop: PyArray1::from_slice(py, &p.sample_ban_stop)
+            .into_any()
+            .unbind(),
         cow_pairs: cow_pairs.into_any().unbind(),
         new_request_ids: ids(&p.new_request_ids)?,
         preempted_request_ids: ids(&p.preempted_request_ids)?,
-        finished: finished.unbind(),
+        finished: finished_list(py, &p.finished)?.unbind(),
         num_prefill_tokens: p.num_prefill_tokens,
         num_decode_tokens: p.num_decode_tokens,
         num_cached_tokens: p.num_cached_tokens,
@@ -274,7 +286,7 @@ impl PyScheduler {
     }
 
     /// Append one token per ``plan.sample_slots`` row of the last plan; returns
-    /// ``(request id, seq slot, reason)`` for each sequence that finished.
+    /// ``(request id, seq slot, reason, stop token id or None)`` for each sequence that finished.
     fn update<'py>(
         &mut self,
         py: Python<'py>,
@@ -294,18 +306,11 @@ impl PyScheduler {
                 .map_err(|e| value_error("sampled_token_ids", e))?;
             inner.update(s)?
         };
-        PyList::new(
-            py,
-            finished
-                .iter()
-                .map(|(id, slot, why)| (id.as_ref(), *slot, why.as_str())),
-        )
+        finished_list(py, &finished)
     }
 
-    /// Finish one sequence now (e.g. a stop string matched); frees its blocks.
-    #[pyo3(signature = (slot, reason = "stop"))]
-    fn finish(&mut self, slot: i64, reason: &str) -> PyResult<bool> {
-        let _ = reason; // the engine reports the reason itself
+    /// Finish one sequence now (a stop string matched); frees its blocks.
+    fn finish(&mut self, slot: i64) -> PyResult<bool> {
         if slot < 0 {
             return Err(value_error("slot", format!("must be >= 0, got {slot}")));
         }
@@ -331,6 +336,15 @@ impl PyScheduler {
             .token_ids(slot_arg(slot)?)
             .map(<[u32]>::to_vec)
             .ok_or_else(|| value_error("slot", format!("no sequence has slot {slot}")))
+    }
+
+    /// Token ids that stop a live sequence (its stop_token_ids, plus EOS unless ignore_eos);
+    /// the sampler masks them on the rows of ``plan.sample_ban_stop``.
+    fn stop_token_ids(&self, slot: i64) -> PyResult<Vec<u32>> {
+        self.inner
+            .stop_token_ids(slot_arg(slot)?)
+            .map(<[u32]>::to_vec)
+            .ok_or_else(|| value_error("slot", format!("no live sequence has slot {slot}")))
     }
 
     /// Request id of a live sequence, else None.

@@ -89,8 +89,9 @@ impl Scheduler {
     }
 
     /// Apply the tokens sampled for the last plan: one per `plan.sample_slots` row. Appends
-    /// them, forks `n > 1` requests, caches completed prefills and applies the stop rules.
-    /// Returns the sequences that finished.
+    /// them, forks `n > 1` requests, caches completed prefills and applies the stop rules
+    /// (stop tokens once min_tokens is reached, then max_tokens / max_model_len). Returns the
+    /// sequences that finished, with the stop token that matched.
     pub fn update(&mut self, sampled: &[i64]) -> CoreResult<Vec<Finished>> {
         let mut out = Vec::new();
         self.update_into(sampled, &mut out)?;
@@ -138,8 +139,10 @@ impl Scheduler {
                 self.fork(slot);
             }
             let token = token as u32;
-            self.seqs[slot as usize].tokens.push(token);
-            if let Some(reason) = self.check_stop(slot, token) {
+            let s = &mut self.seqs[slot as usize];
+            let may_stop = s.may_stop();
+            s.tokens.push(token);
+            if let Some(reason) = s.check_stop(token, may_stop) {
                 let id = self.req(slot).id.clone();
                 self.finish_seq(slot);
                 self.num_finished += 1;
@@ -235,7 +238,9 @@ impl Scheduler {
             let id = r.id.clone();
             for &sl in r.slots.iter() {
                 if self.seqs[sl as usize].is_live() {
-                    self.plan.finished.push((id.clone(), sl, "timeout"));
+                    self.plan
+                        .finished
+                        .push((id.clone(), sl, FinishReason::Timeout));
                 }
             }
             self.drop_request(idx);
@@ -390,8 +395,11 @@ impl Scheduler {
         }
         let row = p.input_ids.len() as i64 - 1;
         p.logits_indices.push(row);
+        let (out_len, ban_stop) = (s.num_generated() as i64, !s.may_stop());
         p.sample_slots.push(slot as i64);
         p.sample_gens.push(s.gen);
+        p.sample_output_lens.push(out_len);
+        p.sample_ban_stop.push(ban_stop);
         // The first token of an n > 1 request: one row per sequence, forked in `update`.
         if s.is_fork_parent {
             let r = self.reqs[s.req as usize].as_ref().expect("live request");
@@ -399,6 +407,8 @@ impl Scheduler {
                 p.logits_indices.push(row);
                 p.sample_slots.push(c as i64);
                 p.sample_gens.push(self.seqs[c as usize].gen);
+                p.sample_output_lens.push(out_len);
+                p.sample_ban_stop.push(ban_stop);
             }
         }
     }
@@ -566,17 +576,5 @@ impl Scheduler {
             self.running.push(c);
             self.num_running += 1; // already counted in num_reserved
         }
-    }
-
-    fn check_stop(&self, slot: Slot, token: u32) -> Option<FinishReason> {
-        let s = &self.seqs[slot as usize];
-        let n = s.tokens.len();
-        if n >= s.min_len && !s.stop_ids.is_empty() && s.stop_ids.contains(&token) {
-            return Some(FinishReason::Stop);
-        }
-        if n >= s.max_len {
-            return Some(FinishReason::Length);
-        }
-        None
     }
 }

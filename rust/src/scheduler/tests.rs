@@ -275,19 +275,123 @@ fn stop_rules() {
         },
     )
     .unwrap();
-    s.schedule(Some(0.0));
+    let plan = s.schedule(Some(0.0));
+    assert_eq!(plan.sample_output_lens, [0, 0, 0]);
+    assert_eq!(plan.sample_ban_stop, [false, false, true]);
     let fin = s.update(&[2, 2, 2]).unwrap();
-    assert_eq!(fin, [(Arc::from("eos"), 0, FinishReason::Stop)]);
+    // EOS reports no stop token.
+    assert_eq!(fin, [(Arc::from("eos"), 0, FinishReason::Stop(None))]);
+    let plan = s.schedule(Some(0.0));
+    assert_eq!(plan.sample_output_lens, [1, 1]);
+    assert_eq!(plan.sample_ban_stop, [false, true]);
+    // ignore_eos still honours stop_token_ids (and reports the id); "min" has generated
+    // 1 < min_tokens tokens before this one, so its stop tokens do not count yet.
+    let fin = s.update(&[7, 7]).unwrap();
+    assert_eq!(fin, [(Arc::from("ign"), 1, FinishReason::Stop(Some(7)))]);
+    let plan = s.schedule(Some(0.0));
+    assert_eq!(plan.sample_ban_stop, [false]);
+    let fin = s.update(&[7]).unwrap();
+    assert_eq!(fin, [(Arc::from("min"), 2, FinishReason::Stop(Some(7)))]);
+    assert_eq!(s.output_token_ids(2).unwrap(), [2, 7, 7]);
+}
+
+#[test]
+fn stop_token_reported_unless_it_is_an_active_eos() {
+    let mut s = Scheduler::new(cfg(32, 4)).unwrap();
+    let base = RequestParams {
+        eos_token_ids: vec![2, 3],
+        stop_token_ids: vec![3, 9, 9],
+        ..params(10)
+    };
+    let ign = RequestParams {
+        ignore_eos: true,
+        ..base.clone()
+    };
+    s.add_request("a", &[1], base.clone()).unwrap();
+    s.add_request("b", &[1], base).unwrap();
+    s.add_request("c", &[1], ign.clone()).unwrap();
+    s.add_request("d", &[1], ign).unwrap();
+    assert_eq!(s.stop_token_ids(0).unwrap(), [2, 3, 9]);
+    assert_eq!(s.stop_token_ids(2).unwrap(), [3, 9]);
     s.schedule(Some(0.0));
-    // ignore_eos still honours stop_token_ids; min_tokens reached at 2 outputs.
-    let fin = s.update(&[7, 2]).unwrap();
+    // 3 is both an EOS and a stop token id: an EOS while EOS counts, a stop token id under
+    // ignore_eos (as vLLM reports it).
+    let fin = s.update(&[3, 9, 3, 2]).unwrap();
     assert_eq!(
         fin,
         [
-            (Arc::from("ign"), 1, FinishReason::Stop),
-            (Arc::from("min"), 2, FinishReason::Stop)
+            (Arc::from("a"), 0, FinishReason::Stop(None)),
+            (Arc::from("b"), 1, FinishReason::Stop(Some(9))),
+            (Arc::from("c"), 2, FinishReason::Stop(Some(3))),
         ]
     );
+    assert!(s.stop_token_ids(0).is_none(), "finished");
+    assert_eq!(s.stop_token_ids(3).unwrap(), [3, 9]);
+}
+
+#[test]
+fn min_tokens_bans_stop_tokens_for_exactly_min_tokens_rows_and_forks_inherit_it() {
+    let mut s = Scheduler::new(cfg(32, 4)).unwrap();
+    let p = RequestParams {
+        eos_token_ids: vec![2],
+        min_tokens: 2,
+        n: 2,
+        ..params(6)
+    };
+    s.add_request("a", &[5, 6, 7], p).unwrap();
+    let (plan, fin) = step(&mut s, 2);
+    // The fork parent's first token: one row per sequence, both banned.
+    assert_eq!(plan.sample_slots, [0, 1]);
+    assert_eq!(plan.sample_output_lens, [0, 0]);
+    assert_eq!(plan.sample_ban_stop, [true, true]);
+    assert!(
+        fin.is_empty(),
+        "a banned row that sampled EOS anyway does not stop"
+    );
+    let (plan, fin) = step(&mut s, 2);
+    assert_eq!(plan.sample_output_lens, [1, 1]);
+    assert_eq!(plan.sample_ban_stop, [true, true]);
+    assert!(fin.is_empty());
+    let (plan, fin) = step(&mut s, 2);
+    assert_eq!(plan.sample_output_lens, [2, 2]);
+    assert_eq!(plan.sample_ban_stop, [false, false]);
+    assert_eq!(
+        fin,
+        [
+            (Arc::from("a"), 0, FinishReason::Stop(None)),
+            (Arc::from("a"), 1, FinishReason::Stop(None))
+        ]
+    );
+}
+
+#[test]
+fn length_and_stop_on_the_same_token_is_a_stop() {
+    let mut s = Scheduler::new(cfg(32, 4)).unwrap();
+    let p = RequestParams {
+        eos_token_ids: vec![2],
+        ..params(1)
+    };
+    s.add_request("a", &[1], p).unwrap();
+    let (_, fin) = step(&mut s, 2);
+    assert_eq!(fin, [(Arc::from("a"), 0, FinishReason::Stop(None))]);
+}
+
+#[test]
+fn sample_output_lens_survive_preemption() {
+    // The sampler's random stream continues where it was after a recompute.
+    let mut s = Scheduler::new(cfg(32, 4)).unwrap();
+    s.add_request("a", &[1, 2, 3], params(8)).unwrap();
+    for n in 0..3 {
+        let (plan, _) = step(&mut s, 10 + n);
+        assert_eq!(plan.sample_output_lens, [n]);
+    }
+    // A plan never updated: the sequence is preempted and recomputed.
+    s.schedule(Some(0.0));
+    let plan = s.schedule(Some(0.0)).clone();
+    assert_eq!(plan.preempted_request_ids, [Arc::from("a")]);
+    assert_eq!(plan.sample_output_lens, [3]);
+    s.update(&[20]).unwrap();
+    assert_eq!(s.output_token_ids(0).unwrap(), [10, 11, 12, 20]);
 }
 
 #[test]
@@ -410,8 +514,8 @@ fn timeouts_only_hit_waiting_requests() {
     assert_eq!(
         plan.finished,
         [
-            (Arc::from("wait"), 1, "timeout"),
-            (Arc::from("wait"), 2, "timeout")
+            (Arc::from("wait"), 1, FinishReason::Timeout),
+            (Arc::from("wait"), 2, FinishReason::Timeout)
         ]
     );
     assert_eq!(plan.seq_slots, [0]);
@@ -565,6 +669,7 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
         .collect();
     let namespaces = [None, Some("a"), Some("b")];
     let mut ns_of: HashMap<String, u64> = HashMap::new();
+    let mut min_tokens_of: HashMap<String, usize> = HashMap::new();
     let mut live: Vec<String> = Vec::new();
     let mut next_id = 0u64;
     let mut now = 0.0;
@@ -594,9 +699,11 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
                     namespace: namespaces[nsi].map(String::from),
                     arrival_time: Some(now),
                 };
+                let min_tokens = p.min_tokens;
                 match s.add_request(&id, &prompt, p) {
                     Ok(_) => {
                         ns_of.insert(id.clone(), 7 + nsi as u64);
+                        min_tokens_of.insert(id.clone(), min_tokens);
                         live.push(id);
                     }
                     Err(CoreError::RequestTooLarge(_)) | Err(CoreError::QueueFull { .. }) => {}
@@ -700,6 +807,15 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
                         seen.chunked += 1;
                     }
                 }
+                // What the sampler gets: each row's output length and whether min_tokens
+                // still bans its stop tokens.
+                for (r, &slot) in plan.sample_slots.iter().enumerate() {
+                    let slot = slot as Slot;
+                    let out = s.output_token_ids(slot).unwrap().len();
+                    let min = min_tokens_of[s.request_id(slot).unwrap().as_ref()];
+                    assert_eq!(plan.sample_output_lens[r], out as i64);
+                    assert_eq!(plan.sample_ban_stop[r], out < min);
+                }
                 let sampled: Vec<i64> = (0..plan.num_samples())
                     .map(|_| rng.below(40) as i64)
                     .collect();
@@ -707,7 +823,19 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
                 if rng.chance(3) {
                     seen.rollbacks += 1;
                 } else {
-                    s.update(&sampled).unwrap();
+                    for (id, slot, why) in s.update(&sampled).unwrap() {
+                        let out = s.output_token_ids(slot).unwrap();
+                        let last = *out.last().unwrap();
+                        match why {
+                            // eos_token_ids [0], stop_token_ids [1] or none.
+                            FinishReason::Stop(tok) => {
+                                assert_eq!(tok, (last == 1).then_some(1), "{id}: {out:?}");
+                                assert!(last <= 1 && out.len() > min_tokens_of[id.as_ref()]);
+                            }
+                            FinishReason::Length => {}
+                            FinishReason::Timeout => panic!("{id}: a timeout from update"),
+                        }
+                    }
                 }
                 live.retain(|id| s.contains_request(id));
             }
