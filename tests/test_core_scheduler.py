@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+import torch
 
 from ironlm import _core
+from ironlm.sampler import Sampler
+from ironlm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -391,3 +394,46 @@ def test_step_accepts_other_int_dtypes_and_ignores_stale_rows() -> None:
     assert s.abort("a")  # between schedule and update: its row is ignored
     assert s.update(np.array([1, 2], dtype=np.int32)) == []
     assert s.output_token_ids(1) == [2]
+
+
+def test_core_and_sampler_stop_once_with_min_tokens_ignore_eos_and_stop_tokens() -> None:
+    """The engine's loop without a model: the core decides every stop and tells the sampler which rows must not
+    sample their stop tokens yet; the sampler masks exactly the ids the core stops on."""
+    eos, V = 2, 16
+    logits_row = torch.full((V,), -5.0)
+    logits_row[eos], logits_row[7], logits_row[11] = 10.0, 9.0, 8.0  # greedy: EOS, else 7, else 11
+    cases = {
+        "eos": SamplingParams(temperature=0, max_tokens=8),
+        "min3": SamplingParams(temperature=0, max_tokens=8, min_tokens=3),
+        "min2-stop7": SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=[7]),
+        "ignore": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        "ignore-stop-eos": SamplingParams(temperature=0, max_tokens=8, min_tokens=1, ignore_eos=True,
+                                          stop_token_ids=[eos]),
+        "stop7": SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[7], logit_bias={eos: -100.0}),
+        "n2-min2": SamplingParams(temperature=0, max_tokens=8, min_tokens=2, n=2),
+    }
+    sched = _core.Scheduler(64, block_size=4)
+    sampler = Sampler(V, "cpu")
+    prompt = [1, 3, 4]
+    for rid, p in cases.items():
+        slots = sched.add_request(rid, prompt, p.max_tokens, min_tokens=p.min_tokens, n=p.n, eos_token_ids=[eos],
+                                  stop_token_ids=list(p.stop_token_ids or ()), ignore_eos=p.ignore_eos)
+        for slot in slots:
+            sampler.add(slot, p, prompt, 0, stop_token_ids=sched.stop_token_ids(slot))
+    done: dict[str, list[tuple[str, int | None, list[int]]]] = {}
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        logits = logits_row.expand(plan.num_samples, -1).contiguous()
+        out = sampler.sample(logits, plan.sample_slots, plan.sample_output_lens, plan.sample_ban_stop)
+        for rid, slot, reason, stop_token in sched.update(out.token_ids):
+            done.setdefault(rid, []).append((reason, stop_token, sched.output_token_ids(slot)))
+            sampler.remove(slot)
+    assert done == {
+        "eos": [("stop", None, [eos])],  # EOS reports no stop token
+        "min3": [("stop", None, [7, 7, 7, eos])],  # EOS masked for exactly min_tokens tokens
+        "min2-stop7": [("stop", None, [11, 11, eos])],  # both stop ids masked
+        "ignore": [("length", None, [eos] * 4)],  # EOS neither stops nor is masked
+        "ignore-stop-eos": [("stop", eos, [7, eos])],  # asked for as a stop token id: reported as one
+        "stop7": [("stop", 7, [7])],
+        "n2-min2": [("stop", None, [7, 7, eos])] * 2,
+    }
