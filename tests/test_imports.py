@@ -10,6 +10,8 @@ itself, as that is always initialised first and cannot close a loop on its own.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "python"
@@ -131,3 +133,15 @@ def test_checker_sees_lazy_and_relative_cycles(tmp_path: Path) -> None:
     assert find_cycles(graph) == [["ironlm.a", "ironlm.c", "ironlm.sub.b"]]
     (pkg / "c.py").write_text("import os\n")
     assert find_cycles(import_graph(tmp_path, PACKAGE)) == []
+
+
+def test_importing_the_package_and_engine_stays_light() -> None:
+    """`import ironlm` and `ironlm.engine` do not load torch or transformers: LLMEngine and ModelRunner (the model
+    side) load them on first use, so the light parts (configs, outputs, the engine protocols) stay cheap to import."""
+    code = ("import sys, ironlm, ironlm.engine, ironlm.engine.protocol; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    code = "import sys; from ironlm.engine import LLMEngine; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"  # the lazy name really resolves
