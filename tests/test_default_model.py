@@ -19,7 +19,8 @@ MAX_NEW = 16
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory="256MiB", max_model_len=2048)
+    # float32 like the transformers reference, on whichever device "auto" picks.
+    return LLM(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32")
 
 
 def test_default_model_greedy_matches_transformers(llm: LLM):
@@ -37,8 +38,13 @@ def test_default_model_greedy_matches_transformers(llm: LLM):
 
 
 def test_default_model_chat_speaks_english(llm: LLM):
+    before = llm.get_metrics()
     out = llm.chat(PROMPTS[0], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
-    assert "Paris" in out.outputs[0].text
-    assert out.outputs[0].finish_reason in ("stop", "length")
+    completion = out.outputs[0]
+    assert "Paris" in completion.text
+    assert completion.finish_reason == "stop" or len(completion.token_ids) == 32
     metrics = llm.get_metrics()
-    assert metrics["output_tokens"] > 0 and metrics["output_tokens_per_s"] > 0
+    assert metrics["num_requests"] == before["num_requests"] + 1
+    assert metrics["output_tokens"] == before["output_tokens"] + len(completion.token_ids)
+    assert metrics["elapsed_s"] > before["elapsed_s"]
+    assert metrics["output_tokens_per_s"] == pytest.approx(metrics["output_tokens"] / metrics["elapsed_s"])
