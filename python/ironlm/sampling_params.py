@@ -114,10 +114,6 @@ class SamplingParams:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
     # -- validation ----------------------------------------------------------------------------------
 
     @staticmethod

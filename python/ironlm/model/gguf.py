@@ -383,19 +383,6 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig) -> None:
         model.mark_loaded(target_name)
 
 
-def iter_gguf_weights(gf: GGUFFile, config: ModelConfig, dtype: torch.dtype = torch.float32):
-    """(hf_name, tensor) with tensors dequantized, Q/K un-permuted for llama archs, cast to dtype (tests/tools)."""
-    permute = gf.get("general.architecture") in _PERMUTED_QK
-    for name, info in gf.tensors.items():
-        target = hf_name(name)
-        if target is None:
-            continue
-        w = dequantize(gf.raw(info), info.ggml_type, info.shape)
-        if permute and (".attn_q." in name or ".attn_k." in name):
-            w = unpermute_qk(w, config.num_heads if ".attn_q." in name else config.num_kv_heads)
-        yield target, w if w.dtype == dtype else w.to(dtype)
-
-
 # ---- tokenizer ----------------------------------------------------------------------------------------------
 def _cache_root() -> Path:
     root = os.environ.get("IRONLM_CACHE_DIR")
