@@ -118,8 +118,13 @@ def test_bench_is_wired():
 
 
 def test_generate_streams_to_stdout(tiny: str, capsys):
+    from ironlm import LLM, SamplingParams
+
     assert main(["generate", tiny, "hello there", "--max-tokens", "6", "--temperature", "0", *ENGINE_FLAGS]) == 0
-    assert capsys.readouterr().out.strip()
+    streamed = capsys.readouterr().out
+    llm = LLM(tiny, num_kv_blocks=128, block_size=4, max_model_len=256, device="cpu")
+    expected = llm.generate("hello there", SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    assert streamed == expected.outputs[0].text + "\n"  # the greedy completion, streamed piece by piece
 
 
 def test_chat_session_from_stdin(tiny: str, capsys, monkeypatch):
