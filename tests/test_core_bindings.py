@@ -10,6 +10,11 @@ import pytest
 
 from ironlm import _core
 
+# BlockAllocator, RadixCache and RequestQueue exist only for these tests (cargo feature test-bindings).
+needs_test_bindings = pytest.mark.skipif(
+    not hasattr(_core, "BlockAllocator"),
+    reason="built without the cargo feature test-bindings (`make install` / `make develop` build it)")
+
 
 def run_step(s: _core.Scheduler, token: int = 5, now: float | None = None) -> _core.SchedulerPlan:
     plan = s.schedule(now=now)
@@ -219,6 +224,7 @@ def test_large_batch_runs_with_gil_released() -> None:
     assert len(done) == 300 and {(r, t) for _, _, r, t in done} == {("length", None)}
 
 
+@needs_test_bindings
 def test_request_queue() -> None:
     q = _core.RequestQueue("priority", max_len=3)
     assert q.policy == "priority" and q.max_len == 3
@@ -250,6 +256,7 @@ def test_request_queue() -> None:
     assert [f.pop(), f.pop()] == ["x", "y"]
 
 
+@needs_test_bindings
 def test_block_allocator() -> None:
     a = _core.BlockAllocator(3, block_size=2)
     assert (a.num_blocks, a.block_size, a.num_free) == (3, 2, 3)
@@ -281,6 +288,7 @@ def test_block_allocator() -> None:
     assert "BlockAllocator(" in repr(a)
 
 
+@needs_test_bindings
 def test_radix_cache() -> None:
     a = _core.BlockAllocator(8, block_size=2)
     r = _core.RadixCache(a)

@@ -63,7 +63,9 @@ def parallel_runtime() -> str:
     among the loaded libraries) or ``"threads"`` (their own scoped threads)."""
 
 class BlockAllocator:
-    """Fixed pool of KV blocks with reference counts, fork and copy-on-write."""
+    """Test-only: present when built with the cargo feature ``test-bindings`` (``make develop``).
+
+    Fixed pool of KV blocks with reference counts, fork and copy-on-write."""
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None: ...
     @property
@@ -96,7 +98,9 @@ class BlockAllocator:
         """
 
 class RadixCache:
-    """Block-granular radix tree over token ids with LRU eviction of unlocked leaves."""
+    """Test-only: present when built with the cargo feature ``test-bindings`` (``make develop``).
+
+    Block-granular radix tree over token ids with LRU eviction of unlocked leaves."""
 
     def __init__(self, allocator: BlockAllocator) -> None: ...
     @property
@@ -127,7 +131,9 @@ class RadixCache:
         """Prompt tokens found cached so far."""
 
 class RequestQueue:
-    """Waiting requests under one policy: ``fcfs``, ``priority`` or ``deadline``.
+    """Test-only: present when built with the cargo feature ``test-bindings`` (``make develop``).
+
+    Waiting requests under one policy: ``fcfs``, ``priority`` or ``deadline``.
 
     ``fcfs``: by arrival. ``priority``: lower value first, then arrival. ``deadline``: requests
     with a deadline first, earliest (arrival + deadline) first; the rest by arrival.

@@ -14,8 +14,12 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 use crate::error::CoreError as RsCoreError;
 
 mod attn;
+// Classes only the Python tests use: built with the `test-bindings` feature (`make install` /
+// `make develop`), left out of the wheel.
+#[cfg(feature = "test-bindings")]
 mod kv;
 mod ops;
+#[cfg(feature = "test-bindings")]
 mod queue;
 mod sched;
 
@@ -194,22 +198,6 @@ pub(crate) fn token_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>
     v.into_iter().map(|t| check(name, t)).collect()
 }
 
-/// Block ids (any int sequence), each checked against `num_blocks`.
-pub(crate) fn block_ids(
-    obj: &Bound<'_, PyAny>,
-    name: &str,
-    num_blocks: usize,
-) -> PyResult<Vec<u32>> {
-    let v = token_ids(obj, name)?;
-    if let Some(&b) = v.iter().find(|&&b| b as usize >= num_blocks) {
-        return Err(value_error(
-            name,
-            format!("block {b} out of range (num_blocks = {num_blocks})"),
-        ));
-    }
-    Ok(v)
-}
-
 /// An int64 numpy view of `obj` (a 1-D int64 array is used as is).
 pub(crate) fn as_i64_array<'py>(
     obj: &Bound<'py, PyAny>,
@@ -253,9 +241,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::rope_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(ops::silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(ops::cpu_features, m)?)?;
-    m.add_class::<kv::PyBlockAllocator>()?;
-    m.add_class::<kv::PyRadixCache>()?;
-    m.add_class::<queue::PyRequestQueue>()?;
+    #[cfg(feature = "test-bindings")]
+    {
+        m.add_class::<kv::PyBlockAllocator>()?;
+        m.add_class::<kv::PyRadixCache>()?;
+        m.add_class::<queue::PyRequestQueue>()?;
+    }
     m.add_class::<sched::PyScheduler>()?;
     m.add_class::<sched::PySchedulerPlan>()?;
     Ok(())

@@ -1,10 +1,23 @@
-//! `BlockAllocator` and `RadixCache` for Python (tests, tools; the engine uses `Scheduler`).
+//! `BlockAllocator` and `RadixCache` for Python's tests (feature `test-bindings`; the engine
+//! uses `Scheduler`).
 
 use pyo3::prelude::*;
 
-use super::{block_ids, count_arg, token_ids, value_error, CoreError};
+use super::{count_arg, token_ids, value_error, CoreError};
 use crate::block::BlockAllocator;
 use crate::radix::RadixCache;
+
+/// Block ids (any int sequence), each checked against `num_blocks`.
+fn block_ids(obj: &Bound<'_, PyAny>, name: &str, num_blocks: usize) -> PyResult<Vec<u32>> {
+    let v = token_ids(obj, name)?;
+    if let Some(&b) = v.iter().find(|&&b| b as usize >= num_blocks) {
+        return Err(value_error(
+            name,
+            format!("block {b} out of range (num_blocks = {num_blocks})"),
+        ));
+    }
+    Ok(v)
+}
 
 /// `append_slot`'s answer: the updated block list and the copy-on-write pair, if any.
 type AppendSlot = (Vec<u32>, Option<(u32, u32)>);

@@ -1,4 +1,4 @@
-//! `RequestQueue` for Python, keyed by request id.
+//! `RequestQueue` for Python's tests (feature `test-bindings`), keyed by request id.
 
 use pyo3::prelude::*;
 
