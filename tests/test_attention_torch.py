@@ -4,6 +4,7 @@ cache."""
 from __future__ import annotations
 
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -108,7 +109,8 @@ def test_backend_matches_dense_reference(
 ) -> None:
     ctx, ql = CASES[name]
     bs = 16 if d == 128 else 8
-    case = make_case(ctx, ql, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype, seed=hash((name, hq, d)) % 1000)
+    seed = zlib.crc32(f"{name}/{hq}/{d}".encode()) % 1000  # not hash(): str hashes change per process
+    case = make_case(ctx, ql, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype, seed=seed)
     out = run_backend(case, backend)
     assert out.shape == case["q"].shape and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -2,7 +2,7 @@
 
 The test keeps its own copy of every sequence's tokens (from ``add_request`` and the tokens it
 "samples"), and a simulated KV cache: each plan's copy-on-write pairs are applied, then every
-token row writes ``hash(namespace, tokens[: pos + 1])`` at its slot. Every row's whole context
+token row writes a hash of ``(namespace, tokens[: pos + 1])`` at its slot. Every row's whole context
 must then read back exactly its own prefix hashes through ``block_tables``: a wrong prefix hit,
 a missing copy-on-write, a block freed too early or a bad slot mapping all show up as a stale
 hash. Positions, input ids, sample rows and budgets are recomputed from the test's own state.
@@ -11,6 +11,7 @@ hash. Positions, input ids, sample rows and budgets are recomputed from the test
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +38,7 @@ class Seq:
 
 
 def prefix_hashes(ns: str | None, tokens: list[int], n: int) -> list[int]:
-    h = hash(ns) & 0xFFFFFFFF
+    h = zlib.crc32(repr(ns).encode())  # not hash(): str hashes change per process, the data must not
     out = []
     for t in tokens[:n]:
         h = (h * 1_000_003 + t + 1) & 0xFFFFFFFFFFFF
