@@ -20,6 +20,7 @@ use crate::sequence::{
 
 mod step;
 #[cfg(test)]
+#[path = "scheduler_tests.rs"]
 mod tests;
 
 #[derive(Debug, Clone, PartialEq)]

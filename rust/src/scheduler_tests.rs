@@ -1,3 +1,6 @@
+//! Tests of the scheduler: plans, stop rules, forks, preemption, and a randomized run that
+//! checks every plan against a simulated KV cache.
+
 use std::collections::{HashMap, HashSet};
 
 use super::*;
