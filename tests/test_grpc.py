@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib.resources
-import threading
 from pathlib import Path
 
 import grpc
@@ -13,30 +11,9 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from ironlm.grpc import ironlm_pb2 as pb
-from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
-from ironlm.server.grpc_service import start_grpc_server
-from server_utils import LiveServer, shared_server
+from server_utils import GrpcServer, LiveServer, shared_server
 
 KEY = "grpc-secret"
-
-
-class GrpcServer:
-    """grpc.aio needs an event loop: give it its own, in a thread."""
-
-    def __init__(self, engine, api_key: str | None = None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        start = start_grpc_server(engine, "127.0.0.1", 0, ["tiny"], api_key)
-        self.server, port = asyncio.run_coroutine_threadsafe(start, self.loop).result(20)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = pb_grpc.GenerationStub(self.channel)
-
-    def stop(self) -> None:
-        self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +38,8 @@ def test_unary_matches_http(rpc: GrpcServer, http_server: LiveServer):
     assert resp.finished and len(resp.completions) == 1
     c = resp.completions[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 6
-    assert resp.usage.completion_tokens == 6 and resp.usage.prompt_tokens > 0
+    prompt_ids = http_server.engine.tokenizer.encode("hello grpc")
+    assert resp.usage.completion_tokens == 6 and resp.usage.prompt_tokens == len(prompt_ids)
     body = {"model": "tiny", "prompt": "hello grpc", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     assert httpx.post(f"{http_server.base_url}/completions", json=body).json()["choices"][0]["text"] == c.text
 

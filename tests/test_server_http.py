@@ -10,7 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_utils import LiveServer, shared_server
+import ironlm
+from server_utils import TINY_ENGINE_KW, LiveServer, shared_server
 
 
 @pytest.fixture(scope="module")
@@ -139,18 +140,21 @@ def test_unknown_model_route_and_method(http: httpx.Client):
     assert resp.status_code == 405 and "error" in resp.json()
 
 
-def test_health_version_tokenize(http: httpx.Client):
+def test_health_version_tokenize(http: httpx.Client, server: LiveServer):
     health = http.get("/health")
     assert health.status_code == 200
     body = health.json()
     assert body["status"] == "ok" and body["model"] == "tiny"
-    assert body["device_memory"]["free_bytes"] > 0 and body["kv_cache"]["blocks_total"] > 0
-    assert http.get("/version").json()["version"]
+    assert body["device_memory"]["free_bytes"] > 0
+    assert body["kv_cache"]["blocks_total"] == TINY_ENGINE_KW["num_kv_blocks"]
+    assert http.get("/version").json()["version"] == ironlm.__version__
     tok = http.post("/tokenize", json={"prompt": "hello world"}).json()
-    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    assert tok["tokens"] == server.engine.tokenizer.encode("hello world") and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == TINY_ENGINE_KW["max_model_len"]
     assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"].endswith("hello world")
-    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hello"}]}).json()
-    assert chat["count"] > 0
+    messages = [{"role": "user", "content": "hello"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == server.engine.apply_chat_template(messages) and chat["count"] == len(chat["tokens"])
 
 
 def metric_values(http: httpx.Client) -> dict[str, float]:
