@@ -42,10 +42,17 @@ def fresh(tmp_path_factory):
         s.stop()
 
 
+# OpenAI's error type for each status these failures answer with.
+ERROR_TYPES = {500: "server_error", 503: "service_unavailable_error"}
+
+
 def error_of(resp: httpx.Response, status: int) -> dict:
+    """The OpenAI error body of a server-side failure: typed by its status, naming no request parameter."""
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and err["type"] == ERROR_TYPES[status] and err["param"] is None, err
+    assert err["code"] is not None, err
     return err
 
 
