@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from ironlm.config import EngineConfig
 from ironlm.engine import LLMEngine
 from ironlm.engine.outputs import RequestOutput
+from ironlm.exceptions import InvalidArgumentError
 from ironlm.sampling_params import SamplingParams
 from ironlm.stats import latency_summary
 
@@ -53,7 +54,7 @@ class LLM:
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
-            raise ValueError("priority must have one entry per prompt")
+            raise InvalidArgumentError("priority must have one entry per prompt", param="priority")
         ids = []
         engine = self.engine
         try:
@@ -85,7 +86,8 @@ class LLM:
             return [sampling_params] * n
         params = list(sampling_params)
         if len(params) != n:
-            raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+            raise InvalidArgumentError(f"sampling_params has {len(params)} entries for {n} prompts",
+                                       param="sampling_params")
         return params
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
