@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import threading
 
+import grpc
 import httpx
 import pytest
 
+from ironlm.grpc import ironlm_pb2 as pb
 from server_utils import AsyncLLMEngine, RealServer, wait_for
 
 COMPLETION = {"prompt": "abc", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
@@ -23,7 +25,7 @@ LONG = {**COMPLETION, "max_tokens": 200, "stream": True}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """Shared by the tests that leave the engine usable; each one restores what it changed."""
-    server = RealServer(tmp_path_factory, max_num_seqs=8)
+    server = RealServer(tmp_path_factory, grpc_server=True, max_num_seqs=8)
     yield server
     server.stop()
 
@@ -60,6 +62,11 @@ def sse(resp_text: str) -> list[str]:
     return [e[len("data: "):] for e in resp_text.split("\n\n") if e]
 
 
+def rpc_request(max_tokens: int = 5) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="abc", sampling=pb.SamplingParameters(max_tokens=max_tokens, temperature=0,
+                                                                         ignore_eos=True))
+
+
 def test_forward_error_fails_that_request_and_frees_its_blocks(server: RealServer):
     server.faults.fail_next = 1
     err = error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30), 500)
@@ -93,12 +100,35 @@ def test_forward_error_mid_stream_ends_the_stream_with_an_error(server: RealServ
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_forward_error_over_grpc_is_internal_and_frees_its_blocks(server: RealServer):
+    stub = server.rpc.stub
+    server.faults.fail_next = 1
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.Generate(rpc_request(), timeout=30)
+    assert exc.value.code() == grpc.StatusCode.INTERNAL and "injected forward failure" in exc.value.details()
+    assert wait_for(server.idle), server.kv_blocks()
+
+    server.faults.delay = 0.01
+    received = 0
+    try:
+        with pytest.raises(grpc.RpcError) as exc:
+            for msg in stub.StreamGenerate(rpc_request(max_tokens=200), timeout=30):
+                received += sum(len(c.token_ids) for c in msg.completions)
+                server.faults.fail_next = 1  # from the first message on: the next forward fails
+    finally:
+        server.faults.delay = 0.0
+    assert exc.value.code() == grpc.StatusCode.INTERNAL and "injected forward failure" in exc.value.details()
+    assert 0 < received < 200
+    assert wait_for(server.idle), server.kv_blocks()
+    assert stub.Generate(rpc_request(), timeout=30).usage.completion_tokens == 5
+
+
 class Fatal(BaseException):
     """Escapes the engine's per-step error handling (only `Exception` is a request's problem)."""
 
 
 def test_dead_engine_turns_health_503_and_fails_fast(fresh):
-    server = fresh()
+    server = fresh(grpc_server=True)
     server.faults.delay = 0.02
     with httpx.Client(base_url=server.url, timeout=30) as http, \
             http.stream("POST", "/v1/completions", json=LONG) as resp:
@@ -113,6 +143,9 @@ def test_dead_engine_turns_health_503_and_fails_fast(fresh):
     assert health.status_code == 503 and health.json()["status"] == "engine_dead"
     err = error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION), 503)
     assert err["code"] == "engine_unavailable"
+    with pytest.raises(grpc.RpcError) as exc:
+        server.rpc.stub.Generate(rpc_request(), timeout=30)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_internal_fault_is_500_and_server_survives(server: RealServer, monkeypatch):
