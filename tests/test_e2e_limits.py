@@ -43,10 +43,12 @@ def stats(server: RealServer) -> dict:
 
 
 @contextlib.contextmanager
-def holding_the_batch(server: RealServer, delay: float = 0.03) -> Iterator[None]:
-    """A long streaming request occupies the one running slot until the block exits (then it is aborted)."""
+def holding_the_batch(server: RealServer, delay: float = 0.05) -> Iterator[None]:
+    """A long streaming request occupies the one running slot until the block exits (then it is aborted).
+
+    230 tokens at >= `delay` s each: the block has over 10 s before the request could end on its own."""
     server.faults.delay = delay
-    body = {"prompt": "hold the batch", "max_tokens": 200, "ignore_eos": True, "stream": True,
+    body = {"prompt": "hold the batch", "max_tokens": 230, "ignore_eos": True, "stream": True,
             "priority": -10}
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http, \
@@ -123,7 +125,7 @@ def test_timeout_while_queued_is_unavailable_and_leaves_the_queue(fcfs: RealServ
 def test_timeout_mid_generation_returns_the_partial_output(fcfs: RealServer, transport: str):
     fcfs.faults.delay = 0.02
     try:
-        status, result = call(fcfs, transport, max_tokens=200, timeout=0.5)
+        status, result = call(fcfs, transport, max_tokens=200, timeout=1.0)  # ~50 tokens at 20 ms
     finally:
         fcfs.faults.delay = 0.0
     assert status == 200 and result["finish_reason"] == "timeout", result
@@ -163,7 +165,7 @@ def test_policy_orders_the_waiting_requests(servers, policy: str, transport: str
         rid = f"{tag}-{policy}-{transport}"
         return lambda: results.__setitem__(tag, call(server, transport, request_id=rid, **tags[tag]))
 
-    with holding_the_batch(server, delay=0.02):
+    with holding_the_batch(server):
         threads = []
         for n, tag in enumerate("BC", start=1):  # B is queued strictly before C
             threads.append(threading.Thread(target=send(tag)))
