@@ -14,7 +14,7 @@ contains characters that a later stop would retract.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ def make_decode_fn(tokenizer: Any, skip_special_tokens: bool,
         # Rust tokenizers have no spaces_between_special_tokens option (vLLM ignores it for them too).
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     kwargs: dict[str, Any] = {"skip_special_tokens": skip_special_tokens}
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(tokenizer.decode).parameters
     except (TypeError, ValueError):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 
@@ -52,7 +53,7 @@ class AttentionMetadata:
         dev = torch.device(device)
         pin = dev.type == "cuda"
 
-        def to_dev(a: np.ndarray, dtype: np.dtype) -> torch.Tensor:
+        def to_dev(a: np.ndarray, dtype: npt.DTypeLike) -> torch.Tensor:
             t = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
             if pin:
                 # Pinned source makes the H2D copy truly async: no sync on the step's critical path.

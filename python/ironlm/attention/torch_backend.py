@@ -168,6 +168,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
     skip = _shared_blocks(bt_host, dec_idx, seq_lens, block_size)
     shared = None
     if skip:
+        assert bt_host is not None  # _shared_blocks finds no shared prefix without the host block table
         shared = _SharedPrefix(rows=torch.from_numpy(qsl[dec_idx]).to(device),
                                blocks=torch.from_numpy(bt_host[dec_idx[0], :skip].astype(np.int64)).to(device))
     i = 0

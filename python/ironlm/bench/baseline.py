@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,11 +27,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def load_hf_model(model_path: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+# A transformers causal LM (PreTrainedModel + GenerationMixin). Not spelled out: transformers' own annotations
+# do not type-check under mypy (`.to` is a functools.wraps object that mypy cannot bind to the instance).
+HFModel = Any
+
+
+def load_hf_model(model_path: str | Path, dtype: torch.dtype, device: torch.device) -> HFModel:
     """`from_pretrained` for a HF folder or a .gguf file (dequantized to `dtype`, like ironlm does)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(model_path)
+    model: HFModel
     if path.suffix != ".gguf":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
@@ -46,7 +53,7 @@ def load_hf_model(model_path: str | Path, dtype: torch.dtype, device: torch.devi
     return model.to(device).eval()
 
 
-def _load_gguf_without_accelerate(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+def _load_gguf_without_accelerate(path: Path, dtype: torch.dtype) -> HFModel:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

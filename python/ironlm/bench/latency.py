@@ -120,6 +120,8 @@ def run(config: LatencyConfig) -> dict[str, Any]:
         if bench_binary is not None:
             from ironlm.bench.llama_cpp import run_bench
 
+            assert model_gguf is not None  # located together with the binary
+
             got = run_bench(model_gguf, prompt_len=config.prompt_len, gen_len=config.gen_len, threads=threads,
                             binary=bench_binary)
             for key, samples in theirs.items():
@@ -139,6 +141,7 @@ def run(config: LatencyConfig) -> dict[str, Any]:
     if bench_binary is not None:
         from ironlm.bench.llama_cpp import bench_command
 
+        assert model_gguf is not None
         results.append(_result("llama.cpp", theirs))
         report["llama_bench"] = {"binary": str(bench_binary), "model": str(model_gguf),
                                  "command": bench_command(bench_binary, model_gguf, prompt_len=config.prompt_len,

@@ -106,6 +106,7 @@ class LlamaServer(ServerProcess):
         self.ctx_per_slot = ctx_per_slot
 
     def command(self) -> list[str]:
+        assert self.model is not None  # always given: llama-server has no default model
         return server_command(self.binary, self.model, host=self.host, port=self.port, threads=self.threads,
                               parallel=self.parallel, ctx_per_slot=self.ctx_per_slot)
 

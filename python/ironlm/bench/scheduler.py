@@ -175,6 +175,18 @@ class PyPlan:
         "seqs",
         "slot_mapping",
     )
+    seqs: list[PySequence]
+    is_prefill: bool
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    context_lens: np.ndarray
+    seq_slots: np.ndarray
+    logits_indices: np.ndarray
+    sample_slots: np.ndarray
 
 
 class PyScheduler:
@@ -229,7 +241,10 @@ class PyScheduler:
         self.waiting.appendleft(seq)
 
     def _prepare_prefill(self, seqs: list[PySequence]) -> PyPlan:
-        input_ids, positions, slot_mapping, cu, seq_lens, ctx = [], [], [], [0], [], []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu, seq_lens, ctx = [0], [], []
         for seq in seqs:
             start = seq.num_cached_tokens
             input_ids.extend(seq.token_ids[start:])

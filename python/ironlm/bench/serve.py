@@ -195,7 +195,8 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
 def busy_fraction(results: list[RequestResult], duration: float) -> float:
     """Share of the run during which at least one request was in flight (union of request intervals)."""
     spans = sorted((r.start, r.end) for r in results if r.end > r.start)
-    busy, cur_s, cur_e = 0.0, None, None
+    busy, cur_s = 0.0, 0.0
+    cur_e: float | None = None  # end of the interval being merged; None before the first
     for s, e in spans:
         if cur_e is None or s > cur_e:
             if cur_e is not None:
@@ -287,7 +288,9 @@ def run(config: ServeConfig) -> dict[str, Any]:
         env = {} if config.threads is None else {"OMP_NUM_THREADS": str(threads)}
         server = ServerProcess(config.model, config.server_args, env=env)
         server.start(config.startup_timeout_s)
-    base_url = config.url or server.url
+        base_url = server.url
+    else:
+        base_url = config.url
     try:
         results, duration = drive(config, base_url, ds, warm, "ironlm" if server else "server")
     finally:

@@ -264,6 +264,7 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
         from ironlm.bench.llama_cpp import LlamaServer, slot_context
 
         reqs = ds.requests + (warm.requests if warm else [])
+        assert llama_model is not None  # located with the binary, before the ironlm runs
         server = LlamaServer(llama_model, threads=torch.get_num_threads(), parallel=len(ds.requests),
                              ctx_per_slot=slot_context(reqs), binary=llama_binary)
         server.start()
@@ -279,6 +280,7 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
         results.append(_ironlm_result(label, caching, ironlm_runs[caching], ds))
     reference = ironlm_runs[settings[0]][-1]["first_tokens"]
     for runs in base_runs.values():
+        assert config.baseline is not None  # baseline runs exist only when one was asked for
         results.append(_baseline_result(runs, reference, config.baseline))
 
     report: dict[str, Any] = {
