@@ -106,6 +106,17 @@ def test_proto_ships_and_generated_code_is_current(tmp_path: Path):
     assert fresh == committed, "regenerate: see the command in ironlm.proto"
 
 
+def test_message_type_stub_is_current(tmp_path: Path):
+    """ironlm_pb2.pyi (what mypy checks the service against) is what protoc --pyi_out makes of the .proto."""
+    from grpc_tools import protoc
+
+    proto = importlib.resources.files("ironlm.grpc") / "ironlm.proto"
+    root = Path(str(proto)).parents[2]
+    assert protoc.main(["protoc", f"-I{root}", f"--pyi_out={tmp_path}", "ironlm/grpc/ironlm.proto"]) == 0
+    fresh = (tmp_path / "ironlm" / "grpc" / "ironlm_pb2.pyi").read_text()
+    assert fresh == (root / "ironlm" / "grpc" / "ironlm_pb2.pyi").read_text(), "regenerate: see ironlm.proto"
+
+
 def _strip_json_names(messages) -> None:
     for m in messages:
         for f in m.field:
