@@ -456,3 +456,12 @@ def test_bf16_logits_and_empty_batch() -> None:
     logits = torch.randn(1, 64).to(torch.bfloat16)
     assert s.step(logits, np.array([0])).token_ids[0] == int(logits.float().argmax())
     assert s.step(torch.zeros(0, 64), np.zeros(0, np.int64)).token_ids.shape == (0,)
+
+
+def test_sample_checks_its_per_row_arrays() -> None:
+    s = make(8, [SP(temperature=0)])
+    x = torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="output_lens"):
+        s.sample(x, np.array([0]), np.array([0, 1]))
+    with pytest.raises(ValueError, match="ban_stop"):
+        s.sample(x, np.array([0]), np.array([0]), np.array([True, False]))

@@ -89,7 +89,10 @@ class Sampler:
         if ban_stop is None:
             flags = flags & ~F_MIN_TOKENS
         else:
-            flags = np.where(np.asarray(ban_stop, dtype=bool), flags, flags & ~F_MIN_TOKENS)
+            ban = np.asarray(ban_stop, dtype=bool)
+            if ban.shape != (S,):
+                raise ValueError(f"ban_stop has shape {ban.shape}, expected ({S},)")
+            flags = np.where(ban, flags, flags & ~F_MIN_TOKENS)
         batch = int(np.bitwise_or.reduce(flags))
         dev = self.device
 
