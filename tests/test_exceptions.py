@@ -161,6 +161,17 @@ def test_every_core_argument_error_carries_param(call: Callable[[], Any], param:
     assert type(info.value) is _core.InvalidArgumentError
 
 
+def test_the_bindings_raise_value_errors_only_as_invalid_argument() -> None:
+    """A bare PyValueError would reach Python without `.param`: bindings go through py.rs's value_error."""
+    rust = PACKAGE.parent.parent / "rust" / "src"
+    sources = sorted(rust.rglob("*.rs"))
+    assert sources
+    bare = [f"{p.relative_to(rust)}:{i}" for p in sources
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if "PyValueError::new_err" in line]
+    assert not bare, f"raise InvalidArgumentError via value_error(name, reason) instead: {bare}"
+
+
 SAMPLING_BAD_VALUES: list[dict[str, Any]] = [
     {"n": 0}, {"n": True}, {"temperature": -1}, {"temperature": float("nan")}, {"top_p": 0}, {"top_p": "x"},
     {"top_k": -2}, {"min_p": 2}, {"repetition_penalty": 0}, {"presence_penalty": 3}, {"frequency_penalty": -3},
