@@ -5,6 +5,7 @@ clock (``ironlm._core.monotonic()``), so Python and Rust agree on time.
 """
 
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -166,7 +167,7 @@ class RequestQueue:
     def __contains__(self, request_id: str) -> bool: ...
 
 # (request id, seq slot, reason "stop" | "length" | "timeout", matched stop_token_ids entry or None)
-_FinishedSeq = tuple[str, int, str, int | None]
+_FinishedSeq: TypeAlias = tuple[str, int, str, int | None]
 
 class SchedulerPlan:
     """Everything the model runner needs for one step. Arrays are freshly built numpy arrays.
