@@ -141,3 +141,23 @@ def test_forked_sequences_fail_together(model):
     engine.add_request("again", PROMPTS[1], params)
     assert [c.token_ids for c in run_to_end(engine)["again"].outputs] == expected
     assert_all_blocks_back(engine, initial)
+
+
+def test_sampler_failure_fails_the_step_the_same_way(model, reference, monkeypatch):
+    engine = make_engine(model)
+    initial = engine.stats()
+    add_all(engine, "a")
+    engine.step()
+    real_sample = engine.sampler.sample
+
+    def failing_sample(*args, **kwargs):
+        monkeypatch.setattr(engine.sampler, "sample", real_sample)  # once
+        raise RuntimeError("injected sampler failure")
+
+    monkeypatch.setattr(engine.sampler, "sample", failing_sample)
+    outputs = engine.step()
+    assert sorted(o.request_id for o in outputs) == [f"a-{i}" for i in range(len(PROMPTS))]
+    assert all(o.finished and o.error == "RuntimeError: injected sampler failure" for o in outputs)
+    assert_all_blocks_back(engine, initial)
+    add_all(engine, "b")
+    assert tokens(run_to_end(engine), "b") == reference

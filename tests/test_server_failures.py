@@ -123,6 +123,44 @@ def test_forward_error_over_grpc_is_internal_and_frees_its_blocks(server: RealSe
     assert stub.Generate(rpc_request(), timeout=30).usage.completion_tokens == 5
 
 
+class FailingUpdate:
+    """Stands in for the engine's core scheduler and fails `update` on demand: the engine's own bookkeeping
+    raising after a good forward, which LLMEngine does not catch (AsyncLLMEngine's loop does)."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler, self.fail_next = scheduler, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.scheduler, name)
+
+    def update(self, *args, **kwargs):
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise RuntimeError("injected bookkeeping failure")
+        return self.scheduler.update(*args, **kwargs)
+
+
+def test_failing_step_bookkeeping_fails_requests_then_kills_the_engine_when_it_repeats(fresh):
+    server = fresh()
+    core = FailingUpdate(server.engine.engine.scheduler)
+    server.engine.engine.scheduler = core
+    expected = httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30).json()["choices"][0]["text"]
+    core.fail_next = 1
+    err = error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30), 500)
+    assert "injected bookkeeping failure" in err["message"]
+    assert wait_for(server.idle), server.kv_blocks()  # aborted in the core: blocks and slots came back
+    again = httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected
+    # Three failed steps in a row mean the engine itself is broken: it dies rather than fail forever.
+    core.fail_next = 3
+    for _ in range(2):
+        error_of(httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30), 500)
+    last = httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30)
+    assert error_of(last, 503)["code"] == "engine_unavailable"  # the third: failed by the engine's death
+    assert httpx.get(f"{server.url}/health").status_code == 503
+    assert httpx.get(f"{server.url}/health").json()["status"] == "engine_dead"
+
+
 class Fatal(BaseException):
     """Escapes the engine's per-step error handling (only `Exception` is a request's problem)."""
 
