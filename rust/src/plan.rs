@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use crate::scheduler::Finished;
+use crate::sequence::Finished;
 
 #[derive(Debug, Default, Clone)]
 pub struct Plan {

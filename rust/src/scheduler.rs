@@ -14,9 +14,8 @@ use crate::error::{CoreError, CoreResult};
 use crate::plan::Plan;
 use crate::queue::{monotonic, OrdF64, Policy, QueueParams, RequestQueue};
 use crate::radix::RadixCache;
-use crate::sequence::{
-    FinishReason, ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens,
-};
+pub use crate::sequence::Finished;
+use crate::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
 
 mod step;
 #[cfg(test)]
@@ -133,9 +132,6 @@ pub struct Scheduler {
     scratch_slots: Vec<Slot>,
     scratch_gens: Vec<u32>,
 }
-
-/// A sequence the core finished: (request id, slot, reason).
-pub type Finished = (Arc<str>, Slot, FinishReason);
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> CoreResult<Self> {

@@ -43,6 +43,9 @@ impl FinishReason {
     }
 }
 
+/// A sequence the core finished: (request id, slot, reason).
+pub type Finished = (Arc<str>, Slot, FinishReason);
+
 /// The token ids that stop a request's sequences; its `n` sequences share one.
 #[derive(Debug, Default)]
 pub(crate) struct StopTokens {
