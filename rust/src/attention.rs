@@ -107,13 +107,14 @@ impl<T: Elem> DecodeArgs<'_, T> {
     }
 }
 
-/// This step's new K/V rows, `[n, Hkv, D]` each, rows `stride` elements apart (views into a
-/// fused q|k|v projection), and the cache slot of each (`block * block_size + offset`; a negative
-/// slot marks a padding row, not written).
+/// This step's new K/V rows, `[n, Hkv, D]` each, rows `k_stride` / `v_stride` elements apart
+/// (views into a fused q|k|v projection), and the cache slot of each (`block * block_size +
+/// offset`; a negative slot marks a padding row, not written).
 pub struct NewRows<'a, T: Elem> {
     pub k: &'a [T],
     pub v: &'a [T],
-    pub stride: usize,
+    pub k_stride: usize,
+    pub v_stride: usize,
     pub slots: &'a [i64],
 }
 
@@ -129,16 +130,15 @@ pub fn write_rows<T: Elem>(
     if width == 0 || k_cache.len() != v_cache.len() || !k_cache.len().is_multiple_of(width) {
         return Err(CoreError::invalid("v_cache", "does not match k_cache"));
     }
-    if n > 1 && rows.stride < width {
-        let r = format!("row stride {} overlaps its rows", rows.stride);
-        return Err(CoreError::invalid("k", r));
-    }
-    let need = if n == 0 {
-        0
-    } else {
-        (n - 1) * rows.stride + width
-    };
-    for (name, got) in [("k", rows.k.len()), ("v", rows.v.len())] {
+    for (name, got, stride) in [
+        ("k", rows.k.len(), rows.k_stride),
+        ("v", rows.v.len(), rows.v_stride),
+    ] {
+        if n > 1 && stride < width {
+            let r = format!("row stride {stride} overlaps its rows");
+            return Err(CoreError::invalid(name, r));
+        }
+        let need = if n == 0 { 0 } else { (n - 1) * stride + width };
         if got < need {
             let r = format!("has {got} elements, {n} rows need {need}");
             return Err(CoreError::invalid(name, r));
@@ -153,9 +153,10 @@ pub fn write_rows<T: Elem>(
         if slot < 0 {
             continue;
         }
-        let (src, dst) = (i * rows.stride, slot as usize * width);
-        k_cache[dst..dst + width].copy_from_slice(&rows.k[src..src + width]);
-        v_cache[dst..dst + width].copy_from_slice(&rows.v[src..src + width]);
+        let dst = slot as usize * width;
+        let (ks, vs) = (i * rows.k_stride, i * rows.v_stride);
+        k_cache[dst..dst + width].copy_from_slice(&rows.k[ks..ks + width]);
+        v_cache[dst..dst + width].copy_from_slice(&rows.v[vs..vs + width]);
     }
     Ok(())
 }

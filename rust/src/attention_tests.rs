@@ -222,7 +222,8 @@ fn write_rows_fills_slots_and_skips_padding() {
     let rows = NewRows {
         k: &k[..2 * stride + width],
         v: &v[..2 * stride + width],
-        stride,
+        k_stride: stride,
+        v_stride: stride,
         slots: &[4, -1, 0],
     };
     write_rows(&mut kc, &mut vc, &rows, width).unwrap();

@@ -3,10 +3,12 @@
 At decode each sequence contributes one query row per head, so attention is all memory traffic. The torch
 path gathers every sequence's pages into a padded buffer before SDPA (the cache is read, written and read
 again); ``ironlm._core.paged_decode_attention`` reads each page once, in place, with the GIL released and
-the sequences split across torch's thread count. Prefill chunks are matmul-shaped and stay on SDPA.
-Half-precision caches (numpy has no bfloat16) fall back to the torch path whole, and so do steps where every
-decode sequence starts with the same cached blocks (a shared system prompt, n > 1 forks): there the torch path's
-cascade attention reads the shared blocks once for all sequences, where the kernel would read them once each.
+the sequences split across torch's thread count. It reads f32, bf16 and fp16 caches (accumulating in f32); when
+every row of the step is a decode row it also writes the step's K/V into the cache in the same call, so a decode
+step's attention is one call per layer. Prefill chunks are matmul-shaped and stay on SDPA. Steps where every
+decode sequence starts with the same cached blocks (a shared system prompt, n > 1 forks) go to the torch path
+whole: its cascade attention reads the shared blocks once for all sequences, where the kernel would read them
+once each.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from ironlm.attention.torch_backend import (
     plan_prefill,
     write_kv_cache,
 )
+from ironlm.model.layers import CORE_DTYPES, as_numpy
 
 
 @dataclass
 class _CpuPlan:
     rows: torch.Tensor | None  # [n] decode rows of q, None when every row of q is a decode row, in order
+    slots: np.ndarray | None  # [n] int64 cache slots of q's rows when every row is a decode row (else None)
     block_tables: np.ndarray  # [n, max_blocks] int32
     seq_lens: np.ndarray  # [n] int32
     prefill: list[_PrefillSeq]
@@ -52,22 +56,29 @@ class CpuAttention(TorchAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        dtype = CORE_DTYPES.get(k_cache.dtype)
+        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         if "cpu" not in meta.plan_cache:
             meta.plan_cache["cpu"] = _make_plan(meta, k_cache.shape[1], q.shape[0])
         plan = meta.plan_cache["cpu"]
         if plan is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
-
-        out = torch.zeros_like(q) if plan.num_tokens < q.shape[0] else torch.empty_like(q)
-        if len(plan.seq_lens):
-            qd = q.contiguous() if plan.rows is None else q.index_select(0, plan.rows)
-            od = out if plan.rows is None else torch.empty_like(qd)
+        threads = torch.get_num_threads()
+        kc, vc = as_numpy(k_cache), as_numpy(v_cache)
+        if plan.slots is not None:  # all decode: write this step's K/V and attend in one call
+            out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
-                qd.numpy(), k_cache.numpy(), v_cache.numpy(), plan.block_tables, plan.seq_lens, scale,
-                od.numpy(), torch.get_num_threads())
+                as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads,
+                dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots)
+            return out
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
+        out = torch.zeros(q.shape, dtype=q.dtype) if plan.num_tokens < q.shape[0] else torch.empty(q.shape, dtype=q.dtype)
+        if len(plan.seq_lens):
+            qd = q if plan.rows is None else q.index_select(0, plan.rows)
+            od = out if plan.rows is None else torch.empty(qd.shape, dtype=q.dtype)
+            _core.paged_decode_attention(
+                as_numpy(qd), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(od), threads, dtype=dtype)
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:
@@ -87,4 +98,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuP
     width = int(-(-seq_lens.max(initial=0) // block_size))
     tables = np.ascontiguousarray(block_tables[dec, :width], dtype=np.int32)
     prefill = plan_prefill(meta, block_size, torch.device("cpu"))
-    return _CpuPlan(rows, tables, seq_lens, prefill, int(qsl[-1]), has_padding_slots(meta))
+    slots = None
+    if rows is None and len(dec) and meta.slot_mapping.shape[0] == num_rows:
+        slots = np.ascontiguousarray(meta.slot_mapping.numpy(), dtype=np.int64)
+    return _CpuPlan(rows, slots, tables, seq_lens, prefill, int(qsl[-1]), has_padding_slots(meta))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ironlm.model.config import ModelConfig
-from ironlm.model.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from ironlm.model.layers import CoreRope, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 
 if TYPE_CHECKING:
     from ironlm.attention import AttentionBackend, AttentionMetadata
@@ -62,13 +62,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: CoreRope | tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
         select: torch.Tensor | None,
     ) -> torch.Tensor:
+        """`rope` is the core's in-place RoPE (CPU) or the step's (cos, sin) for the torch path."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = rms_norm(h, self.input_norm, self.eps)
@@ -76,12 +76,17 @@ class DecoderLayer(nn.Module):
             qkv = torch.addmm(self.qkv_bias, x, self.qkv_weight)
         else:
             qkv = torch.mm(x, self.qkv_weight)
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
-        if self.qk_norm_weight is not None:
-            qk = rms_norm(qk, None, self.eps).mul_(self.qk_norm_weight)
-        qk = apply_rotary(qk, cos, sin)  # q and k rotated together: one set of kernels
-        q, k = qk[:, :hq], qk[:, hq:]
+        if isinstance(rope, CoreRope):
+            # q and k rotated in place inside the projection's output; q, k, v stay views of it.
+            rope.apply_(qkv, hq + hkv, d)
+            q, k, v = qkv.view(t, hq + 2 * hkv, d).split((hq, hkv, hkv), dim=1)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
+            if self.qk_norm_weight is not None:
+                qk = rms_norm(qk, None, self.eps).mul_(self.qk_norm_weight)
+            qk = apply_rotary(qk, *rope)  # q and k rotated together: one set of kernels
+            q, k = qk[:, :hq], qk[:, hq:]
         k_cache, v_cache = kv_cache
         attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, self.q_size)
         if select is not None:  # last layer: only the rows whose logits are wanted go on
@@ -226,11 +231,14 @@ class DecoderLM(nn.Module):
         backend = self.attn_backend
         if backend is None:
             raise RuntimeError("no attention backend: call model.set_attention_backend(...) first")
-        cos, sin = self.rotary.cos_sin(positions, int(meta.max_seq_len))
+        max_len = int(meta.max_seq_len)
+        rope = None if self.config.qk_norm else self.rotary.fused(positions, max_len)
+        if rope is None:
+            rope = self.rotary.cos_sin(positions, max_len)
         h = F.embedding(input_ids, self.embed)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta, backend, logits_indices if i == last else None)
+            h = layer(h, rope, kv_caches[i], meta, backend, logits_indices if i == last else None)
         if last < 0:
             h = h.index_select(0, logits_indices)
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)

@@ -5,7 +5,7 @@
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::ops::{dtype_arg, ro, rw, with_elem};
+use super::ops::{dtype_arg, ro, rw, with_elem, Ro, Rw};
 use super::value_error;
 use crate::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
 
@@ -36,8 +36,12 @@ pub(crate) fn paged_decode_attention(
 ) -> PyResult<()> {
     let dt = dtype_arg(dtype)?;
     let q = ro(q, "q", dt)?;
-    let (mut kc, mut vc) = (rw(k_cache, "k_cache", dt)?, rw(v_cache, "v_cache", dt)?);
     let mut out = rw(out, "out", dt)?;
+    // Writable only when this call writes new rows: a read-only call may pass one array twice.
+    let mut caches = match k {
+        Some(_) => Caches::Rw(rw(k_cache, "k_cache", dt)?, rw(v_cache, "v_cache", dt)?),
+        None => Caches::Ro(ro(k_cache, "k_cache", dt)?, ro(v_cache, "v_cache", dt)?),
+    };
     let new = match (k, v, &slot_mapping) {
         (Some(k), Some(v), Some(_)) => Some((ro(k, "k", dt)?, ro(v, "v", dt)?)),
         (None, None, None) => None,
@@ -60,8 +64,18 @@ pub(crate) fn paged_decode_attention(
     let bt = block_tables.shape();
     with_elem!(dt, T => {
         let qr = q.rows::<T>("q")?;
-        let (kcs, cs) = kc.slice::<T>("k_cache")?;
-        let (vcs, vs) = vc.slice::<T>("v_cache")?;
+        let (kcs, cs, vcs, vs) = match &mut caches {
+            Caches::Rw(kc, vc) => {
+                let ((kcs, cs), (vcs, vs)) = (kc.slice::<T>("k_cache")?, vc.slice::<T>("v_cache")?);
+                (Cache::Rw(kcs), cs, Cache::Rw(vcs), vs)
+            }
+            Caches::Ro(kc, vc) => {
+                let (kr, vr) = (kc.rows::<T>("k_cache")?, vc.rows::<T>("v_cache")?);
+                kc.slice::<T>("k_cache")?;
+                vc.slice::<T>("v_cache")?;
+                (Cache::Ro(kr.data), kr.shape, Cache::Ro(vr.data), vr.shape)
+            }
+        };
         let (os, oshape) = out.slice::<T>("out")?;
         let qs = &qr.shape;
         if qs.len() != 3 || cs.len() != 4 {
@@ -84,11 +98,17 @@ pub(crate) fn paged_decode_attention(
             Some((k, v)) => {
                 let (kr, vr) = (k.rows::<T>("k")?, v.rows::<T>("v")?);
                 let want = [slots.len(), cs[2], cs[3]];
-                if kr.shape != want || vr.shape != want || kr.stride != vr.stride {
+                if kr.shape != want || vr.shape != want {
                     let r = format!("k {:?} and v {:?} must both be {want:?}", kr.shape, vr.shape);
                     return Err(value_error("k", r));
                 }
-                Some(NewRows { k: kr.data, v: vr.data, stride: kr.stride, slots })
+                Some(NewRows {
+                    k: kr.data,
+                    v: vr.data,
+                    k_stride: kr.stride,
+                    v_stride: vr.stride,
+                    slots,
+                })
             }
             None => None,
         };
@@ -104,9 +124,13 @@ pub(crate) fn paged_decode_attention(
         let q_stride = qr.stride;
         let qdata = qr.data;
         py.detach(|| {
-            if let Some(rows) = &rows {
-                write_rows(kcs, vcs, rows, cs[2] * cs[3])?;
-            }
+            let (kcs, vcs) = match (kcs, vcs, &rows) {
+                (Cache::Rw(kcs), Cache::Rw(vcs), Some(rows)) => {
+                    write_rows(kcs, vcs, rows, cs[2] * cs[3])?;
+                    (&*kcs, &*vcs)
+                }
+                (kcs, vcs, _) => (kcs.get(), vcs.get()),
+            };
             let args = DecodeArgs {
                 shape: args_shape,
                 q: qdata,
@@ -121,6 +145,25 @@ pub(crate) fn paged_decode_attention(
         })?;
     });
     Ok(())
+}
+
+enum Caches<'py> {
+    Ro(Ro<'py>, Ro<'py>),
+    Rw(Rw<'py>, Rw<'py>),
+}
+
+enum Cache<'a, T> {
+    Ro(&'a [T]),
+    Rw(&'a mut [T]),
+}
+
+impl<'a, T> Cache<'a, T> {
+    fn get(self) -> &'a [T] {
+        match self {
+            Cache::Ro(s) => s,
+            Cache::Rw(s) => s,
+        }
+    }
 }
 
 /// Where the CPU kernels run their threads: `"openmp"` (torch's pool) or `"threads"`.

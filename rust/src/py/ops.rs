@@ -87,9 +87,10 @@ pub(crate) fn rw<'py>(obj: &Bound<'py, PyAny>, name: &str, dt: DType) -> PyResul
         DType::F32 => obj.extract::<PyReadwriteArrayDyn<f32>>().map(Rw::F32),
         _ => obj.extract::<PyReadwriteArrayDyn<i16>>().map(Rw::Half),
     };
-    got.map_err(|_| match obj.extract::<PyReadonlyArrayDyn<u8>>() {
-        Err(_) => wrong_type(name, dt),
-        Ok(_) => value_error(name, "is not writable"),
+    // Right type but not writable: read-only, or already borrowed (the same array passed twice).
+    got.map_err(|_| match ro(obj, name, dt) {
+        Err(e) => e,
+        Ok(_) => value_error(name, "must be writable and not alias another argument"),
     })
 }
 
@@ -134,6 +135,19 @@ fn layout<E: numpy::Element>(a: &Bound<'_, PyArrayDyn<E>>, name: &str) -> PyResu
     let (shape, strides) = (a.shape().to_vec(), a.strides());
     let size = std::mem::size_of::<E>();
     let bad = || value_error(name, "must be C-contiguous after its first axis");
+    if shape.contains(&0) {
+        // No elements: torch gives empty tensors arbitrary strides.
+        let (ptr, inner) = (a.data().cast(), shape.iter().skip(1).product());
+        let (rows, stride) = (0, inner);
+        return Ok(Layout {
+            ptr,
+            size,
+            shape,
+            rows,
+            stride,
+            inner,
+        });
+    }
     let mut expect = size as isize;
     for i in (1..shape.len()).rev() {
         if shape[i] > 1 && strides[i] != expect {
@@ -182,7 +196,10 @@ impl Ro<'_> {
         // `span` runs from the first to the last of them (strides checked non-negative, inner
         // axes contiguous); `T` has the element's size and every bit pattern is a valid `T`.
         // The read-only borrow keeps Rust writers away for the slice's lifetime.
-        let data = unsafe { std::slice::from_raw_parts(l.ptr as *const T, l.span()) };
+        let data = match l.span() {
+            0 => &[], // an empty tensor's data pointer may be null
+            n => unsafe { std::slice::from_raw_parts(l.ptr as *const T, n) },
+        };
         Ok(Rows {
             data,
             shape: l.shape,
@@ -208,7 +225,10 @@ impl Rw<'_> {
         l.contiguous(name)?;
         // SAFETY: as in `Ro::rows`; the array is C-contiguous, so `span` elements from `ptr` are
         // exactly its elements, and the read-write borrow makes this the only reference.
-        let data = unsafe { std::slice::from_raw_parts_mut(l.ptr as *mut T, l.span()) };
+        let data = match l.span() {
+            0 => &mut [],
+            n => unsafe { std::slice::from_raw_parts_mut(l.ptr as *mut T, n) },
+        };
         Ok((data, l.shape))
     }
 }
