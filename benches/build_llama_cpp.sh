@@ -18,7 +18,44 @@ DEST="${LLAMA_CPP_DIR:-$ROOT/.llama.cpp}"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 JOBS="${JOBS:-$(nproc)}"
 BIN="$DEST/build/bin"
-STAMP="$DEST/build/.built-from-llama-cpp-python-$VERSION"
+
+# -march=native turns on AMX wherever /proc/cpuinfo lists it, but some VMs list AMX without letting a
+# process use it (the tile instructions fault), and then every llama.cpp matmul crashes. Run a tiny AMX
+# program first and build without AMX unless it works.
+amx_usable() {
+    grep -qw amx_tile /proc/cpuinfo || return 1
+    local dir ok=1
+    dir="$(mktemp -d)"
+    cat > "$dir/probe.c" <<'EOF'
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, as ggml asks for it */
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 2;
+    struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+        __attribute__((aligned(64))) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.colsb[0] = 64;
+    cfg.rows[0] = 16;
+    _tile_loadconfig(&cfg);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+EOF
+    if "${CC:-cc}" -O2 -mamx-tile "$dir/probe.c" -o "$dir/probe" 2>/dev/null && "$dir/probe" 2>/dev/null; then
+        ok=0
+    fi
+    rm -rf "$dir"
+    return $ok
+}
+if amx_usable; then AMX=on; NO_AMX_FLAGS=""; else AMX=off; NO_AMX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
+# The stamp names everything that changes the binaries: another pin or AMX verdict rebuilds.
+STAMP="$DEST/build/.built-from-llama-cpp-python-$VERSION-amx-$AMX"
 
 print_paths() {
     echo "llama-server: $BIN/llama-server"
@@ -66,10 +103,14 @@ fi
 
 # A changed version or an earlier failed configure must not leave stale objects behind.
 rm -rf "$DEST/build"
-# GGML_NATIVE: -march=native, as a llama.cpp user building on this machine gets. Static
-# libraries, so the two binaries run from anywhere without LD_LIBRARY_PATH.
+# GGML_NATIVE: -march=native, as a llama.cpp user building on this machine gets (GCC lets an explicit
+# -mno-amx-* win over what -march=native implies). Static libraries, so the two binaries run from
+# anywhere without LD_LIBRARY_PATH.
+echo "AMX usable: $AMX"
 "$CMAKE" -S "$SRC" -B "$DEST/build" \
     -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_C_FLAGS="$NO_AMX_FLAGS" \
+    -DCMAKE_CXX_FLAGS="$NO_AMX_FLAGS" \
     -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=ON \
     -DGGML_CUDA=OFF \
