@@ -172,9 +172,10 @@ impl DecodeBench {
             max_num_seqs: n,
             max_num_batched_tokens: 8192.max(n),
             max_model_len: Self::PROMPT + Self::ROUND + 128,
-            ..ironlm_core::SchedulerConfig::new(
-                n * (Self::PROMPT + Self::ROUND + 128) / BLOCK_SIZE + 64,
-            )
+            num_blocks: n * (Self::PROMPT + Self::ROUND + 128) / BLOCK_SIZE + 64,
+            policy: ironlm_core::Policy::Fcfs,
+            enable_prefix_caching: true,
+            max_queue_len: None,
         };
         let mut rng = Rng(n as u64);
         let tokens = (0..n).map(|_| (rng.next() % 32000) as i64).collect();

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+from core_utils import make_scheduler
 from ironlm import _core
 
 # BlockAllocator, RadixCache and RequestQueue exist only for these tests (cargo feature test-bindings).
@@ -47,7 +48,7 @@ def test_exception_hierarchy() -> None:
 
 
 def test_scheduler_errors_map_to_specific_exceptions() -> None:
-    s = _core.Scheduler(8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=40,
+    s = make_scheduler(8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=40,
                         max_queue_len=2)
     with pytest.raises(_core.RequestTooLargeError, match="max_model_len"):
         s.add_request("big", [1] * 30, 11)
@@ -77,13 +78,13 @@ def test_scheduler_errors_map_to_specific_exceptions() -> None:
         ({"prompt_token_ids": [1, -2]}, "prompt_token_ids"),
         ({"prompt_token_ids": [2**32]}, "prompt_token_ids"),
         ({"eos_token_ids": [-1]}, "eos_token_ids"),
-        ({"timeout": -1.0}, "timeout"),
+        ({"queue_timeout": -1.0}, "queue_timeout"),
         ({"deadline": float("inf")}, "deadline"),
         ({"arrival_time": float("nan")}, "arrival_time"),
     ],
 )
 def test_add_request_bad_values_raise_invalid_argument(kwargs: dict, arg: str) -> None:
-    s = _core.Scheduler(64, block_size=4)
+    s = make_scheduler(64, block_size=4)
     args = {"request_id": "r", "prompt_token_ids": [1, 2, 3], "max_tokens": 4} | kwargs
     with invalid_argument(arg):
         s.add_request(**args)
@@ -91,7 +92,7 @@ def test_add_request_bad_values_raise_invalid_argument(kwargs: dict, arg: str) -
 
 
 def test_bad_types_raise_type_error() -> None:
-    s = _core.Scheduler(64, block_size=4)
+    s = make_scheduler(64, block_size=4)
     with pytest.raises(TypeError, match="prompt_token_ids"):
         s.add_request("r", "hello", 4)
     with pytest.raises(TypeError):
@@ -114,11 +115,11 @@ def test_bad_types_raise_type_error() -> None:
 def test_scheduler_bad_config(kwargs: dict, arg: str) -> None:
     args = {"num_blocks": 16} | kwargs
     with invalid_argument(arg):
-        _core.Scheduler(**args)
+        make_scheduler(**args)
 
 
 def test_update_and_slot_errors() -> None:
-    s = _core.Scheduler(64, block_size=4)
+    s = make_scheduler(64, block_size=4)
     assert s.update(np.zeros(0, dtype=np.int64)) == []  # nothing pending: a no-op
     with invalid_argument("sampled_token_ids"):
         s.update(np.array([1]))
@@ -144,14 +145,14 @@ def test_update_and_slot_errors() -> None:
 
 
 def test_stats_counters_move() -> None:
-    s = _core.Scheduler(6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    s = make_scheduler(6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
     st = s.stats()
     assert st == dict(st, num_waiting=0, num_running=0, num_preemptions=0, num_timeouts=0, prefix_queries=0,
                       prefix_hits=0, blocks_total=6, blocks_free=6, blocks_used=0, blocks_cached=0,
                       num_aborted=0, num_finished=0, num_steps=0, num_requests=0)
     s.add_request("a", list(range(9)), 8, arrival_time=0.0)
     s.add_request("b", list(range(100, 109)), 8, arrival_time=0.0)
-    s.add_request("t", [1], 1, timeout=0.5, arrival_time=0.0)
+    s.add_request("t", [1], 1, queue_timeout=0.5, arrival_time=0.0)
     assert s.stats()["num_waiting"] == 3 and s.num_waiting == 3
     for now in range(1, 7):
         run_step(s, now=float(now))
@@ -175,7 +176,7 @@ def test_stats_counters_move() -> None:
 
 
 def test_prefix_hit_counters_and_namespaces() -> None:
-    s = _core.Scheduler(64, block_size=4)
+    s = make_scheduler(64, block_size=4)
     s.add_request("a", list(range(13)), 2)
     run_step(s)
     s.add_request("b", list(range(13)), 2)
@@ -189,7 +190,7 @@ def test_prefix_hit_counters_and_namespaces() -> None:
 
 
 def test_config_properties_and_repr() -> None:
-    s = _core.Scheduler(10, block_size=8, max_num_seqs=3, max_num_batched_tokens=30, max_model_len=50,
+    s = make_scheduler(10, block_size=8, max_num_seqs=3, max_num_batched_tokens=30, max_model_len=50,
                         policy="priority", enable_prefix_caching=False)
     assert (s.num_blocks, s.block_size, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (
         10, 8, 3, 30, 50)
@@ -202,7 +203,7 @@ def test_config_properties_and_repr() -> None:
 
 
 def test_empty_plan_shapes() -> None:
-    s = _core.Scheduler(4, block_size=4)
+    s = make_scheduler(4, block_size=4)
     plan = s.schedule()
     assert plan.is_empty and plan.num_tokens == 0 and plan.num_seqs == 0
     assert plan.block_tables.shape == (0, 0) and plan.cow_pairs.shape == (0, 2)
@@ -211,7 +212,7 @@ def test_empty_plan_shapes() -> None:
 
 
 def test_large_batch_runs_with_gil_released() -> None:
-    s = _core.Scheduler(4096, block_size=16, max_num_seqs=512, max_num_batched_tokens=8192)
+    s = make_scheduler(4096, block_size=16, max_num_seqs=512, max_num_batched_tokens=8192)
     for i in range(300):
         s.add_request(f"r{i}", [i % 50, 1, 2, 3], 3)
     plan = run_step(s)
@@ -230,7 +231,7 @@ def test_request_queue() -> None:
     assert q.policy == "priority" and q.max_len == 3
     q.push("a", priority=1, arrival_time=0.0)
     q.push("b", priority=0, arrival_time=1.0)
-    q.push("c", priority=1, arrival_time=-1.0, timeout=2.0)
+    q.push("c", priority=1, arrival_time=-1.0, queue_timeout=2.0)
     with pytest.raises(_core.QueueFullError):
         q.push("d")
     with pytest.raises(_core.DuplicateRequestError):
@@ -243,8 +244,8 @@ def test_request_queue() -> None:
     assert q.pop() is None and len(q) == 0
     with invalid_argument("policy"):
         _core.RequestQueue("random")
-    with invalid_argument("timeout"):
-        q.push("x", timeout=-1.0)
+    with invalid_argument("queue_timeout"):
+        q.push("x", queue_timeout=-1.0)
     d = _core.RequestQueue("deadline")
     d.push("none", arrival_time=0.0)
     d.push("late", deadline=5.0, arrival_time=0.0)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from core_utils import make_scheduler
 from ironlm import _core
 from ironlm.sampler import Sampler
 from ironlm.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ class Harness:
     def __init__(self, rng: random.Random, **cfg):
         self.rng = rng
         self.cfg = cfg
-        self.sched = _core.Scheduler(**cfg)
+        self.sched = make_scheduler(**cfg)
         self.bs = cfg["block_size"]
         self.kv = np.full(cfg["num_blocks"] * self.bs, -1, dtype=np.int64)
         self.seqs: dict[int, Seq] = {}
@@ -255,7 +256,7 @@ def test_simulated_generation_loop(policy: str, caching: bool) -> None:
                   "stop_token_ids": rng.choice([[], [1]]), "ignore_eos": rng.random() < 0.2,
                   "namespace": rng.choice([None, None, "tenant-b"])}
             if rng.random() < 0.2:
-                kw["timeout"] = float(rng.randrange(0, 6))
+                kw["queue_timeout"] = float(rng.randrange(0, 6))
             if rng.random() < 0.5:
                 kw["deadline"] = float(rng.randrange(0, 10))
             max_tokens = rng.randrange(1, 24)
@@ -300,7 +301,7 @@ def test_simulated_generation_loop(policy: str, caching: bool) -> None:
 
 
 def test_priority_request_preempts_lower_priority() -> None:
-    s = _core.Scheduler(8, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, policy="priority")
+    s = make_scheduler(8, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, policy="priority")
     s.add_request("low", list(range(20)), 8, priority=5)
     s.update(np.zeros(s.schedule().num_samples, dtype=np.int64))
     s.add_request("high", list(range(100, 112)), 8, priority=0)
@@ -311,11 +312,11 @@ def test_priority_request_preempts_lower_priority() -> None:
 
 
 def test_deadline_order_and_timeout() -> None:
-    s = _core.Scheduler(64, block_size=4, max_num_seqs=1, max_num_batched_tokens=8, policy="deadline")
+    s = make_scheduler(64, block_size=4, max_num_seqs=1, max_num_batched_tokens=8, policy="deadline")
     s.add_request("none", [1, 2], 1, arrival_time=0.0)
     s.add_request("late", [1, 2], 1, deadline=9.0, arrival_time=0.0)
     s.add_request("soon", [1, 2], 1, deadline=1.0, arrival_time=0.0)
-    s.add_request("expires", [1, 2], 1, timeout=1.5, arrival_time=0.0)
+    s.add_request("expires", [1, 2], 1, queue_timeout=1.5, arrival_time=0.0)
     order, finished = [], []
     now = 0.0
     while s.has_unfinished():
@@ -330,7 +331,7 @@ def test_deadline_order_and_timeout() -> None:
 
 
 def test_n_greater_than_one_and_chunked_prefill_arrays() -> None:
-    s = _core.Scheduler(64, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+    s = make_scheduler(64, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
     slots = s.add_request("r", list(range(10)), 3, n=3)
     assert slots == [0, 1, 2]
     p1 = s.schedule()
@@ -356,7 +357,7 @@ def test_n_greater_than_one_and_chunked_prefill_arrays() -> None:
 
 
 def test_preempted_sequence_recomputes_without_resampling() -> None:
-    s = _core.Scheduler(6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=False)
+    s = make_scheduler(6, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, enable_prefix_caching=False)
     s.add_request("a", list(range(9)), 8)
     s.add_request("b", list(range(100, 109)), 8)
     preempted = []
@@ -375,7 +376,7 @@ def test_preempted_sequence_recomputes_without_resampling() -> None:
 
 
 def test_schedule_without_update_preempts_the_lost_step() -> None:
-    s = _core.Scheduler(64, block_size=4)
+    s = make_scheduler(64, block_size=4)
     s.add_request("a", list(range(10)), 5)
     s.update(np.full(s.schedule().num_samples, 1))
     s.schedule()  # never run
@@ -387,7 +388,7 @@ def test_schedule_without_update_preempts_the_lost_step() -> None:
 
 
 def test_step_accepts_other_int_dtypes_and_ignores_stale_rows() -> None:
-    s = _core.Scheduler(64, block_size=4)
+    s = make_scheduler(64, block_size=4)
     s.add_request("a", np.arange(5, dtype=np.int32), 3)
     s.add_request("b", np.arange(5, dtype=np.int64), 3)
     plan = s.schedule()
@@ -413,8 +414,8 @@ def test_core_and_sampler_stop_once_with_min_tokens_ignore_eos_and_stop_tokens()
         "stop7": SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[7], logit_bias={eos: -100.0}),
         "n2-min2": SamplingParams(temperature=0, max_tokens=8, min_tokens=2, n=2),
     }
-    sched = _core.Scheduler(64, block_size=4)
-    sampler = Sampler(V, "cpu")
+    sched = make_scheduler(64, block_size=4)
+    sampler = Sampler(V, "cpu", max_slots=8, seed=0)
     prompt = [1, 3, 4]
     for rid, p in cases.items():
         slots = sched.add_request(rid, prompt, p.max_tokens, min_tokens=p.min_tokens, n=p.n, eos_token_ids=[eos],

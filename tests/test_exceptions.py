@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel, ValidationError, model_validator
 
 import ironlm
+from core_utils import make_scheduler
 from ironlm import _core, exceptions
 from ironlm.sampling_params import SamplingParams
 from ironlm.server.errors import APIError, validation_error
@@ -79,7 +80,7 @@ def test_invalid_argument_error_shape() -> None:
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is ironlm.InvalidArgumentError and back.param == "top_p" and str(back) == str(e)
     try:
-        _core.Scheduler(0)
+        make_scheduler(0)
     except ironlm.InvalidArgumentError as raised:
         back = pickle.loads(pickle.dumps(raised))
         assert back.param == "num_blocks" and str(back) == str(raised)
@@ -96,7 +97,7 @@ def _attention_call(**override: Any) -> Callable[[], Any]:
 
 
 def _pending_scheduler() -> _core.Scheduler:
-    s = _core.Scheduler(64, block_size=4)
+    s = make_scheduler(64, block_size=4)
     s.add_request("a", [1, 2, 3], 4)
     s.schedule()
     return s
@@ -110,33 +111,33 @@ def _allocator_holding_one() -> _core.BlockAllocator:
 
 # (call, the parameter its InvalidArgumentError must name): every way the bindings reject a value.
 CORE_BAD_VALUES: list[tuple[Callable[[], Any], str]] = [
-    (lambda: _core.Scheduler(0), "num_blocks"),
-    (lambda: _core.Scheduler(16, block_size=0), "block_size"),
-    (lambda: _core.Scheduler(16, max_num_seqs=0), "max_num_seqs"),
-    (lambda: _core.Scheduler(16, max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens"),
-    (lambda: _core.Scheduler(16, max_model_len=1), "max_model_len"),
-    (lambda: _core.Scheduler(16, policy="lifo"), "policy"),
-    (lambda: _core.Scheduler(16, max_queue_len=-1), "max_queue_len"),
-    (lambda: _core.Scheduler(64).add_request("r", [], 4), "prompt_token_ids"),
-    (lambda: _core.Scheduler(64).add_request("r", [1, -2], 4), "prompt_token_ids"),
-    (lambda: _core.Scheduler(64).add_request("r", [2**70], 4), "prompt_token_ids"),
-    (lambda: _core.Scheduler(64).add_request("r", [1], 0), "max_tokens"),
-    (lambda: _core.Scheduler(64).add_request("r", [1], 4, n=0), "n"),
-    (lambda: _core.Scheduler(64).add_request("r", [1], 4, min_tokens=9), "min_tokens"),
-    (lambda: _core.Scheduler(64).add_request("r", [1], 4, eos_token_ids=[-1]), "eos_token_ids"),
-    (lambda: _core.Scheduler(64).add_request("r", [1], 4, stop_token_ids=[2**70]), "stop_token_ids"),
-    (lambda: _core.Scheduler(64).add_request("r", [1], 4, timeout=-1.0), "timeout"),
-    (lambda: _core.Scheduler(64).add_request("r", [1], 4, deadline=float("inf")), "deadline"),
-    (lambda: _core.Scheduler(64).add_request("r", [1], 4, arrival_time=float("nan")), "arrival_time"),
-    (lambda: _core.Scheduler(64).schedule(now=float("nan")), "now"),
-    (lambda: _core.Scheduler(64).update(np.array([1])), "sampled_token_ids"),
+    (lambda: make_scheduler(0), "num_blocks"),
+    (lambda: make_scheduler(16, block_size=0), "block_size"),
+    (lambda: make_scheduler(16, max_num_seqs=0), "max_num_seqs"),
+    (lambda: make_scheduler(16, max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens"),
+    (lambda: make_scheduler(16, max_model_len=1), "max_model_len"),
+    (lambda: make_scheduler(16, policy="lifo"), "policy"),
+    (lambda: make_scheduler(16, max_queue_len=-1), "max_queue_len"),
+    (lambda: make_scheduler(64).add_request("r", [], 4), "prompt_token_ids"),
+    (lambda: make_scheduler(64).add_request("r", [1, -2], 4), "prompt_token_ids"),
+    (lambda: make_scheduler(64).add_request("r", [2**70], 4), "prompt_token_ids"),
+    (lambda: make_scheduler(64).add_request("r", [1], 0), "max_tokens"),
+    (lambda: make_scheduler(64).add_request("r", [1], 4, n=0), "n"),
+    (lambda: make_scheduler(64).add_request("r", [1], 4, min_tokens=9), "min_tokens"),
+    (lambda: make_scheduler(64).add_request("r", [1], 4, eos_token_ids=[-1]), "eos_token_ids"),
+    (lambda: make_scheduler(64).add_request("r", [1], 4, stop_token_ids=[2**70]), "stop_token_ids"),
+    (lambda: make_scheduler(64).add_request("r", [1], 4, queue_timeout=-1.0), "queue_timeout"),
+    (lambda: make_scheduler(64).add_request("r", [1], 4, deadline=float("inf")), "deadline"),
+    (lambda: make_scheduler(64).add_request("r", [1], 4, arrival_time=float("nan")), "arrival_time"),
+    (lambda: make_scheduler(64).schedule(now=float("nan")), "now"),
+    (lambda: make_scheduler(64).update(np.array([1])), "sampled_token_ids"),
     (lambda: _pending_scheduler().update(np.array([1, 2])), "sampled_token_ids"),
     (lambda: _pending_scheduler().update(np.zeros((1, 1), np.int64)), "sampled_token_ids"),
-    (lambda: _core.Scheduler(64).output_token_ids(99), "slot"),
-    (lambda: _core.Scheduler(64).finish(-1), "slot"),
+    (lambda: make_scheduler(64).output_token_ids(99), "slot"),
+    (lambda: make_scheduler(64).finish(-1), "slot"),
     (lambda: _core.RequestQueue("random"), "policy"),
     (lambda: _core.RequestQueue(max_len=-1), "max_len"),
-    (lambda: _core.RequestQueue().push("x", timeout=-1.0), "timeout"),
+    (lambda: _core.RequestQueue().push("x", queue_timeout=-1.0), "queue_timeout"),
     (lambda: _core.BlockAllocator(3).incref(7), "block"),
     (lambda: _core.BlockAllocator(3).decref(0), "block"),
     (lambda: _core.BlockAllocator(3).free_all([0]), "blocks"),

@@ -64,7 +64,8 @@ def test_copy_blocks_copies_each_pair_in_every_layer() -> None:
 def test_execute_turns_a_scheduler_plan_into_the_reference_logits(tiny: Path) -> None:
     r = runner(tiny, num_kv_blocks=32)
     sched = _core.Scheduler(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                            max_model_len=r.max_model_len)
+                            max_model_len=r.max_model_len, policy="fcfs", enable_prefix_caching=True,
+                            max_queue_len=None)
     prompts = [[5, 9, 13, 2, 7, 11], [3, 8, 1]]
     slots = [sched.add_request(f"r{i}", ids, 4)[0] for i, ids in enumerate(prompts)]
     ref = load_hf_reference(tiny)

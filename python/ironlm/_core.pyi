@@ -151,16 +151,16 @@ class RequestQueue:
         request_id: str,
         priority: int = 0,
         deadline: float | None = None,
-        timeout: float | None = None,
+        queue_timeout: float | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. ``deadline`` and ``timeout`` are seconds after ``arrival_time``
+        """Queue a request. ``deadline`` and ``queue_timeout`` are seconds after ``arrival_time``
         (default: now). Raises QueueFullError, DuplicateRequestError or ValueError."""
     def pop(self) -> str | None: ...
     def peek(self) -> str | None: ...
     def remove(self, request_id: str) -> bool: ...
     def expire(self, now: float | None = None) -> list[str]:
-        """Remove and return the requests whose timeout has passed (``now > arrival + timeout``)."""
+        """Remove and return the requests whose timeout has passed (``now > arrival + queue_timeout``)."""
     def to_list(self) -> list[str]:
         """Queued ids in policy order."""
     def __len__(self) -> int: ...
@@ -189,11 +189,13 @@ class SchedulerPlan:
     sample_ban_stop: npt.NDArray[np.bool_]  # [S] stop token ids must not be sampled yet (min_tokens)
     cow_pairs: npt.NDArray[np.int64]  # [K, 2] (src, dst) block copies to run before the forward
     new_request_ids: list[str]  # admitted for the first time this step
+    # [len(new_request_ids)] prompt tokens each one's first admission found in the prefix cache (full blocks)
+    new_request_cached_tokens: npt.NDArray[np.int64]
     preempted_request_ids: list[str]  # sent back to the queue this step (recompute)
     finished: list[_FinishedSeq]  # sequences of requests that timed out while waiting
     num_prefill_tokens: int
     num_decode_tokens: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache for requests admitted this step
+    num_cached_tokens: int  # prefix-cache hits of every admission this step, re-admissions after preemption too
     max_query_len: int
     max_seq_len: int
     @property
@@ -220,15 +222,17 @@ class Scheduler:
 
     def __init__(
         self,
+        *,
         num_blocks: int,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int = 4096,
-        policy: str = "fcfs",
-        enable_prefix_caching: bool = True,
-        max_queue_len: int | None = None,
-    ) -> None: ...
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str,
+        enable_prefix_caching: bool,
+        max_queue_len: int | None,
+    ) -> None:
+        """Every argument is required: their defaults live in ``EngineConfig`` alone."""
     def add_request(
         self,
         request_id: str,
@@ -242,16 +246,17 @@ class Scheduler:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         deadline: float | None = None,
-        timeout: float | None = None,
+        queue_timeout: float | None = None,
         namespace: str | None = None,
         arrival_time: float | None = None,
     ) -> list[int]:
         """Queue a request; returns its ``n`` sequence slots (stable handles until finished).
 
         ``deadline``: TTFT deadline, seconds after arrival (policy ``deadline``).
-        ``timeout``: seconds after arrival after which a still-waiting request finishes
-        with reason ``timeout``. Raises QueueFullError, RequestTooLargeError (prompt +
-        max_tokens beyond ``max_model_len`` or the whole cache, or ``n > max_num_seqs``),
+        ``queue_timeout``: seconds after arrival after which a still-waiting request
+        finishes with reason ``timeout`` (waiting only: a running request never times out
+        here). Raises QueueFullError, RequestTooLargeError (prompt + max_tokens beyond
+        ``max_model_len`` or the whole cache, or ``n > max_num_seqs``),
         DuplicateRequestError or ValueError.
         """
     def schedule(self, now: float | None = None) -> SchedulerPlan:

@@ -28,6 +28,9 @@ pub struct Plan {
     /// [K * 2], (src, dst) pairs.
     pub cow_pairs: Vec<i64>,
     pub new_request_ids: Vec<Arc<str>>,
+    /// Per `new_request_ids` entry: prompt tokens its first admission found in the prefix
+    /// cache (full blocks only). Later re-admissions after preemption do not count, as in vLLM.
+    pub new_request_cached_tokens: Vec<i64>,
     pub preempted_request_ids: Vec<Arc<str>>,
     /// Sequences of requests that timed out while waiting.
     pub finished: Vec<Finished>,
@@ -60,6 +63,7 @@ impl Plan {
         self.sample_ban_stop.clear();
         self.cow_pairs.clear();
         self.new_request_ids.clear();
+        self.new_request_cached_tokens.clear();
         self.preempted_request_ids.clear();
         self.finished.clear();
         self.num_prefill_tokens = 0;

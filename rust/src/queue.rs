@@ -79,18 +79,19 @@ impl Ord for OrdF64 {
     }
 }
 
-/// What the queue needs to know about a request. Times in seconds; `deadline` and `timeout`
-/// are relative to `arrival`.
+/// What the queue needs to know about a request. Times in seconds; `deadline` and
+/// `queue_timeout` are relative to `arrival`.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct QueueParams {
     pub priority: i64,
     pub arrival: f64,
     pub deadline: Option<f64>,
-    pub timeout: Option<f64>,
+    /// How long it may wait in the queue: the queue's to enforce, so it bounds waiting only.
+    pub queue_timeout: Option<f64>,
 }
 
 impl QueueParams {
-    /// Checks that every time is finite and the timeout is not negative.
+    /// Checks that every time is finite and the queue timeout is not negative.
     pub fn validate(&self) -> Result<(), CoreError> {
         if !self.arrival.is_finite() {
             return Err(CoreError::invalid(
@@ -103,10 +104,10 @@ impl QueueParams {
                 return Err(CoreError::invalid("deadline", "must be a finite number"));
             }
         }
-        if let Some(t) = self.timeout {
+        if let Some(t) = self.queue_timeout {
             if !t.is_finite() || t < 0.0 {
                 return Err(CoreError::invalid(
-                    "timeout",
+                    "queue_timeout",
                     format!("must be >= 0, got {t}"),
                 ));
             }
@@ -209,7 +210,10 @@ impl<K: Hash + Eq + Clone> RequestQueue<K> {
     /// `max_len` and any timeout: it already started. Replaces an existing entry for `id`.
     pub fn push_front(&mut self, id: K, p: QueueParams) {
         self.remove(&id);
-        let p = QueueParams { timeout: None, ..p };
+        let p = QueueParams {
+            queue_timeout: None,
+            ..p
+        };
         self.insert(id, p, true);
     }
 
@@ -243,7 +247,7 @@ impl<K: Hash + Eq + Clone> RequestQueue<K> {
             time: OrdF64(time),
             seq,
         };
-        let expires = p.timeout.map(|t| (OrdF64(p.arrival + t), seq));
+        let expires = p.queue_timeout.map(|t| (OrdF64(p.arrival + t), seq));
         self.order.insert(key, id.clone());
         if let Some(e) = expires {
             self.expiry.insert(e, id.clone());
@@ -289,7 +293,7 @@ impl<K: Hash + Eq + Clone> RequestQueue<K> {
         self.expiry.first_key_value().map(|((t, _), _)| t.0)
     }
 
-    /// Remove the requests whose timeout has passed (`now > arrival + timeout`), appending
+    /// Remove the requests whose timeout has passed (`now > arrival + queue_timeout`), appending
     /// them to `out` in expiry order. O(expired · log n).
     pub fn expire_into(&mut self, now: f64, out: &mut Vec<K>) {
         while let Some(((t, _), _)) = self.expiry.first_key_value() {

@@ -92,13 +92,13 @@ fn remove_and_contains_and_errors() {
     assert_eq!(drain(&mut q), ["p", "b"]);
     assert!(q.is_empty());
     let bad = QueueParams {
-        timeout: Some(-1.0),
+        queue_timeout: Some(-1.0),
         ..Default::default()
     };
     assert!(matches!(
         q.push("z", bad),
         Err(CoreError::InvalidArgument {
-            name: "timeout",
+            name: "queue_timeout",
             ..
         })
     ));
@@ -112,9 +112,9 @@ fn remove_and_contains_and_errors() {
 #[test]
 fn expire_only_touches_expired() {
     let mut q = RequestQueue::new(Policy::Fcfs, None);
-    let t = |arrival, timeout| QueueParams {
+    let t = |arrival, queue_timeout| QueueParams {
         arrival,
-        timeout,
+        queue_timeout,
         ..Default::default()
     };
     q.push("a", t(0.0, Some(1.0))).unwrap();
@@ -163,7 +163,7 @@ fn randomized_against_sorted_vec_model() {
                         priority: (next() % 4) as i64,
                         arrival: now + (next() % 3) as f64,
                         deadline: (next() % 2 == 0).then(|| (next() % 10) as f64),
-                        timeout: (next() % 3 == 0).then(|| (next() % 20) as f64),
+                        queue_timeout: (next() % 3 == 0).then(|| (next() % 20) as f64),
                     };
                     q.push(id, params).unwrap();
                     model.push((id, params, seq));
@@ -199,10 +199,10 @@ fn randomized_against_sorted_vec_model() {
                     let mut got = q.expire(now);
                     let mut want: Vec<u32> = model
                         .iter()
-                        .filter(|(_, p, _)| p.timeout.is_some_and(|t| now > p.arrival + t))
+                        .filter(|(_, p, _)| p.queue_timeout.is_some_and(|t| now > p.arrival + t))
                         .map(|e| e.0)
                         .collect();
-                    model.retain(|(_, p, _)| !p.timeout.is_some_and(|t| now > p.arrival + t));
+                    model.retain(|(_, p, _)| !p.queue_timeout.is_some_and(|t| now > p.arrival + t));
                     got.sort_unstable();
                     want.sort_unstable();
                     assert_eq!(got, want);

@@ -22,6 +22,7 @@ mod step;
 #[path = "scheduler_tests.rs"]
 mod tests;
 
+/// Every field is the caller's to choose: the defaults live in the Python `EngineConfig` alone.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
     pub num_blocks: usize,
@@ -35,19 +36,6 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    pub fn new(num_blocks: usize) -> Self {
-        Self {
-            num_blocks,
-            block_size: 16,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 2048,
-            max_model_len: 4096,
-            policy: Policy::Fcfs,
-            enable_prefix_caching: true,
-            max_queue_len: None,
-        }
-    }
-
     pub fn validate(&self) -> CoreResult<()> {
         let positive = [
             ("num_blocks", self.num_blocks),
@@ -212,7 +200,7 @@ impl Scheduler {
             priority: params.priority,
             arrival,
             deadline: params.deadline,
-            timeout: params.timeout,
+            queue_timeout: params.queue_timeout,
         };
         qp.validate()?;
         if self.req_ids.contains_key(request_id) {

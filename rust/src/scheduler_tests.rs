@@ -8,11 +8,14 @@ use crate::sequence::FinishReason;
 
 fn cfg(num_blocks: usize, block_size: usize) -> SchedulerConfig {
     SchedulerConfig {
+        num_blocks,
         block_size,
         max_num_seqs: 8,
         max_num_batched_tokens: 64,
         max_model_len: 256,
-        ..SchedulerConfig::new(num_blocks)
+        policy: Policy::Fcfs,
+        enable_prefix_caching: true,
+        max_queue_len: None,
     }
 }
 
@@ -52,6 +55,7 @@ fn single_request_prefill_then_decode_to_length() {
     assert_eq!(plan.logits_indices, [9]);
     assert_eq!(plan.sample_slots, [0]);
     assert_eq!(plan.new_request_ids, [Arc::from("a")]);
+    assert_eq!(plan.new_request_cached_tokens, [0]);
     assert_eq!(plan.num_prefill_tokens, 10);
     assert_eq!(plan.block_table_width, 3);
     let bt = s.block_tables();
@@ -109,6 +113,7 @@ fn prefix_hit_shares_blocks_and_counts() {
     s.add_request("b", &p2, params(4)).unwrap();
     let (plan, _) = step(&mut s, 51);
     assert_eq!(plan.new_request_ids, [Arc::from("b")]);
+    assert_eq!(plan.new_request_cached_tokens, [12]);
     assert_eq!(plan.num_cached_tokens, 12);
     // a decodes position 14 (token 50 at 13); b computes positions 12..14.
     assert_eq!(plan.seq_slots, [0, 1]);
@@ -202,6 +207,8 @@ fn preempted_blocks_stay_cached_for_a_cheap_recompute() {
     let (plan, _) = step(&mut s, 7);
     assert_eq!(plan.seq_slots, [1]);
     assert_eq!(plan.num_cached_tokens, 8);
+    // A re-admission is no new request: its hit is in the step total only.
+    assert!(plan.new_request_ids.is_empty() && plan.new_request_cached_tokens.is_empty());
     assert_eq!(plan.num_tokens(), 13 - 8);
 }
 
@@ -425,10 +432,10 @@ fn max_model_len_and_size_checks() {
         ),
         (
             RequestParams {
-                timeout: Some(f64::NAN),
+                queue_timeout: Some(f64::NAN),
                 ..params(1)
             },
-            "timeout",
+            "queue_timeout",
         ),
     ] {
         match s.add_request("x", &[1], p) {
@@ -506,7 +513,7 @@ fn timeouts_only_hit_waiting_requests() {
     c.max_num_seqs = 2;
     let mut s = Scheduler::new(c).unwrap();
     let t = |timeout| RequestParams {
-        timeout: Some(timeout),
+        queue_timeout: Some(timeout),
         ..params(5)
     };
     s.add_request("run", &[1, 2], t(1.0)).unwrap();
@@ -617,6 +624,7 @@ fn namespaces_never_share_blocks() {
     s.add_request("c", &toks(0..9), ns("x")).unwrap();
     let (plan, _) = step(&mut s, 1);
     assert_eq!(plan.num_cached_tokens, 8);
+    assert_eq!(plan.new_request_cached_tokens, [0, 8]);
     assert_eq!(plan.seq_slots[1..], [1, 2]);
     assert_eq!(plan.context_lens[1..], [0, 8]);
 }
@@ -699,7 +707,7 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
                     stop_token_ids: if rng.chance(30) { vec![1] } else { vec![] },
                     ignore_eos: rng.chance(20),
                     deadline: rng.chance(50).then(|| rng.below(10) as f64),
-                    timeout: rng.chance(20).then(|| rng.below(20) as f64),
+                    queue_timeout: rng.chance(20).then(|| rng.below(20) as f64),
                     namespace: namespaces[nsi].map(String::from),
                     arrival_time: Some(now),
                 };
@@ -810,6 +818,22 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
                     if plan.seq_lens[b] < n_tok && plan.context_lens[b] > 0 {
                         seen.chunked += 1;
                     }
+                }
+                // A new request's cached-token count is where its first chunk starts.
+                assert_eq!(
+                    plan.new_request_cached_tokens.len(),
+                    plan.new_request_ids.len()
+                );
+                for (id, &cached) in plan
+                    .new_request_ids
+                    .iter()
+                    .zip(&plan.new_request_cached_tokens)
+                {
+                    assert_eq!(cached as usize % c.block_size, 0);
+                    let row = (0..plan.num_seqs())
+                        .find(|&b| s.request_id(plan.seq_slots[b] as Slot) == Some(id))
+                        .expect("a new request has a row");
+                    assert_eq!(plan.context_lens[row], cached);
                 }
                 // What the sampler gets: each row's output length and whether min_tokens
                 // still bans its stop tokens.

@@ -101,8 +101,9 @@ pub struct RequestParams {
     pub ignore_eos: bool,
     /// Time-to-first-token deadline, seconds after arrival (policy `deadline`).
     pub deadline: Option<f64>,
-    /// Seconds after arrival after which a still-waiting request finishes with `timeout`.
-    pub timeout: Option<f64>,
+    /// Seconds after arrival after which a still-waiting request finishes with reason
+    /// `timeout`; a running request is never timed out by the core.
+    pub queue_timeout: Option<f64>,
     pub namespace: Option<String>,
     /// Defaults to the core's clock at `add_request`.
     pub arrival_time: Option<f64>,
@@ -119,7 +120,7 @@ impl Default for RequestParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             deadline: None,
-            timeout: None,
+            queue_timeout: None,
             namespace: None,
             arrival_time: None,
         }

@@ -340,8 +340,9 @@ def bench_rust(num_seqs: int, prompt_len: int, steps: int, seed: int = 0) -> dic
     from ironlm import _core
 
     num_blocks, budget, max_tokens = _sizes(num_seqs, prompt_len, 2 * steps)
-    s = _core.Scheduler(num_blocks, block_size=BLOCK_SIZE, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
-                        max_model_len=prompt_len + max_tokens)
+    s = _core.Scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=num_seqs,
+                        max_num_batched_tokens=budget, max_model_len=prompt_len + max_tokens, policy="fcfs",
+                        enable_prefix_caching=True, max_queue_len=None)
     for i, p in enumerate(_prompts(num_seqs, prompt_len, seed)):
         s.add_request(f"req-{i}", p, max_tokens, ignore_eos=True)
     rng = np.random.default_rng(seed + 1)
@@ -386,8 +387,9 @@ def check_same_plan(num_seqs: int = 8, prompt_len: int = 40, steps: int = 20) ->
     from ironlm import _core
 
     num_blocks, budget, max_tokens = _sizes(num_seqs, prompt_len, steps)
-    rs = _core.Scheduler(num_blocks, block_size=BLOCK_SIZE, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
-                         max_model_len=prompt_len + max_tokens, enable_prefix_caching=False)
+    rs = _core.Scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=num_seqs,
+                         max_num_batched_tokens=budget, max_model_len=prompt_len + max_tokens, policy="fcfs",
+                         enable_prefix_caching=False, max_queue_len=None)
     ps = PyScheduler(num_blocks, max_num_seqs=num_seqs, max_num_batched_tokens=budget)
     for i, p in enumerate(_prompts(num_seqs, prompt_len, 7)):
         rs.add_request(f"req-{i}", p, max_tokens, ignore_eos=True)

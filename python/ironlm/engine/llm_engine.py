@@ -110,7 +110,7 @@ class LLMEngine:
             priority=priority, eos_token_ids=list(self.model_config.eos_token_ids),
             stop_token_ids=list(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, deadline=deadline,
-            timeout=queue_timeout if queue_timeout is not None else self.config.queue_timeout,
+            queue_timeout=queue_timeout if queue_timeout is not None else self.config.queue_timeout,
             namespace=cache_salt, arrival_time=arrival,
         )
         request = EngineRequest(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival))
@@ -145,10 +145,11 @@ class LLMEngine:
         if plan.is_empty:
             return self._collect(touched)
         now = _core.monotonic()
-        for rid in plan.new_request_ids:
+        for rid, cached in zip(plan.new_request_ids, plan.new_request_cached_tokens.tolist()):
             request = self.table.requests.get(rid)
             if request is not None and request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+                request.num_cached_tokens = cached
         try:
             logits = self.runner.execute(plan, timer)
             with torch.inference_mode():  # the sampler edits the (inference-mode) logits in place

@@ -32,13 +32,13 @@ impl PyRequestQueue {
         self.inner.max_len()
     }
 
-    #[pyo3(signature = (request_id, priority = 0, deadline = None, timeout = None, arrival_time = None))]
+    #[pyo3(signature = (request_id, priority = 0, deadline = None, queue_timeout = None, arrival_time = None))]
     fn push(
         &mut self,
         request_id: String,
         priority: i64,
         deadline: Option<f64>,
-        timeout: Option<f64>,
+        queue_timeout: Option<f64>,
         arrival_time: Option<f64>,
     ) -> PyResult<()> {
         let arrival = time_arg("arrival_time", arrival_time)?.unwrap_or_else(monotonic);
@@ -49,7 +49,7 @@ impl PyRequestQueue {
             priority,
             arrival,
             deadline: time_arg("deadline", deadline)?,
-            timeout: time_arg("timeout", timeout)?,
+            queue_timeout: time_arg("queue_timeout", queue_timeout)?,
         };
         self.inner.push(request_id, p)?;
         Ok(())

@@ -46,6 +46,8 @@ pub struct PySchedulerPlan {
     #[pyo3(get)]
     new_request_ids: Py<PyList>,
     #[pyo3(get)]
+    new_request_cached_tokens: Py<PyAny>,
+    #[pyo3(get)]
     preempted_request_ids: Py<PyList>,
     #[pyo3(get)]
     finished: Py<PyList>,
@@ -151,6 +153,7 @@ fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
             .unbind(),
         cow_pairs: cow_pairs.into_any().unbind(),
         new_request_ids: ids(&p.new_request_ids)?,
+        new_request_cached_tokens: array_i64(py, &p.new_request_cached_tokens),
         preempted_request_ids: ids(&p.preempted_request_ids)?,
         finished: finished_list(py, &p.finished)?.unbind(),
         num_prefill_tokens: p.num_prefill_tokens,
@@ -177,15 +180,18 @@ pub struct PyScheduler {
 #[pymethods]
 impl PyScheduler {
     #[new]
+    /// Every argument is required: the engine passes EngineConfig's values, the one home of
+    /// their defaults.
     #[pyo3(signature = (
+        *,
         num_blocks,
-        block_size = 16,
-        max_num_seqs = 256,
-        max_num_batched_tokens = 2048,
-        max_model_len = 4096,
-        policy = "fcfs",
-        enable_prefix_caching = true,
-        max_queue_len = None,
+        block_size,
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len,
+        policy,
+        enable_prefix_caching,
+        max_queue_len,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -228,7 +234,7 @@ impl PyScheduler {
         stop_token_ids = None,
         ignore_eos = false,
         deadline = None,
-        timeout = None,
+        queue_timeout = None,
         namespace = None,
         arrival_time = None,
     ))]
@@ -245,7 +251,7 @@ impl PyScheduler {
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         ignore_eos: bool,
         deadline: Option<f64>,
-        timeout: Option<f64>,
+        queue_timeout: Option<f64>,
         namespace: Option<String>,
         arrival_time: Option<f64>,
     ) -> PyResult<Vec<Slot>> {
@@ -263,7 +269,7 @@ impl PyScheduler {
             stop_token_ids: ids(stop_token_ids, "stop_token_ids")?,
             ignore_eos,
             deadline: time_arg("deadline", deadline)?,
-            timeout: time_arg("timeout", timeout)?,
+            queue_timeout: time_arg("queue_timeout", queue_timeout)?,
             namespace,
             arrival_time: time_arg("arrival_time", arrival_time)?,
         };

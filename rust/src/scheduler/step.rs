@@ -474,6 +474,7 @@ impl Scheduler {
         if !r.admitted {
             r.admitted = true;
             self.plan.new_request_ids.push(r.id.clone());
+            self.plan.new_request_cached_tokens.push(cached as i64);
         }
         self.plan.num_cached_tokens += cached;
         self.emit(slot, num_new);
