@@ -107,10 +107,8 @@ def shared_server(tmp_path_factory: Any) -> LiveServer:
 class RealServer:
     """A private tiny-model engine behind HTTP (and gRPC on demand), with its forward open to fault injection."""
 
-    def __init__(self, tmp_path_factory: Any, *, grpc_server: bool = False, stall_timeout_s: float = 300.0,
-                 **engine_kw: Any) -> None:
+    def __init__(self, tmp_path_factory: Any, *, grpc_server: bool = False, **engine_kw: Any) -> None:
         self.engine = tiny_engine(tmp_path_factory, **engine_kw)
-        self.engine.stall_timeout_s = stall_timeout_s
         self.faults = ForwardFaults(self.engine.engine)
         self.http = LiveServer(build_app(self.engine, served_model_name="tiny"), self.engine)
         self.url, self.base_url = self.http.url, self.http.base_url

@@ -308,7 +308,7 @@ def test_logit_bias_forces_and_bans_tokens_per_row() -> None:
 def test_logit_bias_rows_added_later_with_wider_tables_keep_earlier_rows_intact() -> None:
     logits = torch.zeros(2, 50)
     logits[:, 0] = 5.0
-    s = CountingSampler(50, "cpu", max_slots=2)
+    s = CountingSampler(50, "cpu", max_slots=2, seed=0)
     s.add(0, SP(temperature=0, logit_bias={3: 10.0}), [])
     s.add(1, SP(temperature=0, logit_bias={i: -1.0 for i in range(10, 30)} | {0: -20.0}), [])
     assert s.step(logits, np.array([0, 1])).token_ids.tolist() == [3, 1]
@@ -324,7 +324,7 @@ def test_banned_rows_mask_exactly_their_stop_token_ids() -> None:
     logits[:, EOS] = 10.0
     logits[:, 7] = 9.0
     logits[:, 11] = 8.0
-    s = CountingSampler(V, "cpu")
+    s = CountingSampler(V, "cpu", max_slots=8, seed=0)
     s.add(0, SP(temperature=0, min_tokens=3, stop_token_ids=[7]), [], stop_token_ids=[EOS, 7])
     s.add(1, SP(temperature=0), [], stop_token_ids=[EOS])
     s.add(2, SP(temperature=0, min_tokens=2, ignore_eos=True), [], stop_token_ids=[])
@@ -402,7 +402,7 @@ def test_n_sequences_share_prompt_stats_but_draw_independently() -> None:
     outs = [s.step(x.expand(4, -1), np.arange(4)).token_ids.tolist() for x in logits]
     assert len({tuple(col) for col in zip(*outs)}) == 4  # four different streams
     # A sequence's stream is its seed's, wherever its slot.
-    t = CountingSampler(V, "cpu", max_slots=4)
+    t = CountingSampler(V, "cpu", max_slots=4, seed=0)
     t.add(2, params, [3], 103)
     assert [t.step(x[None], np.array([2])).token_ids[0] for x in logits] == [row[2] for row in outs]
 
@@ -410,7 +410,7 @@ def test_n_sequences_share_prompt_stats_but_draw_independently() -> None:
 def test_removed_slot_is_reset_before_reuse() -> None:
     V = 10
     logits = torch.tensor([[1.0, 0.9] + [0.0] * 8])
-    s = CountingSampler(V, "cpu", max_slots=2)
+    s = CountingSampler(V, "cpu", max_slots=2, seed=0)
     s.add(0, SP(temperature=0, presence_penalty=2.0), [])
     assert s.step(logits, np.array([0])).token_ids[0] == 0
     assert s.step(logits, np.array([0])).token_ids[0] == 1
@@ -428,11 +428,11 @@ def test_the_random_stream_is_keyed_by_the_output_position() -> None:
     gen = torch.Generator().manual_seed(9)
     logits = [torch.randn(1, V, generator=gen) for _ in range(8)]
     params = SP(temperature=1.0, top_p=0.9)
-    a = Sampler(V, "cpu")
+    a = Sampler(V, "cpu", max_slots=8, seed=0)
     a.add(0, params, [1], 77)
     straight = [int(a.sample(x, np.array([0]), np.array([k])).token_ids[0]) for k, x in enumerate(logits)]
     assert len(set(straight)) > 3
-    b = Sampler(V, "cpu")
+    b = Sampler(V, "cpu", max_slots=8, seed=0)
     b.add(5, params, [1], 77)
     backwards = [int(b.sample(logits[k], np.array([5]), np.array([k])).token_ids[0]) for k in reversed(range(8))]
     assert backwards[::-1] == straight

@@ -221,7 +221,7 @@ def test_draining_refuses_new_work(fresh):
 
 def test_a_step_stuck_past_the_limit_turns_health_503(server: RealServer):
     """A hung step (a wedged kernel, a deadlock) leaves the engine thread alive: /health must still notice."""
-    server.engine.stall_timeout_s = 0.3
+    limit, server.engine.stall_timeout_s = server.engine.stall_timeout_s, 0.3
     try:
         assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
         server.faults.delay = 1.5
@@ -236,7 +236,7 @@ def test_a_step_stuck_past_the_limit_turns_health_503(server: RealServer):
         assert wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, timeout=5)
     finally:
         server.faults.delay = 0.0
-        server.engine.stall_timeout_s = 300.0
+        server.engine.stall_timeout_s = limit
     assert wait_for(server.idle), server.kv_blocks()
 
 

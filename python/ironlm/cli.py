@@ -58,6 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     from ironlm import __version__
+    from ironlm.engine.async_engine import STALL_TIMEOUT_S
 
     parser = argparse.ArgumentParser(prog="ironlm", description="ironlm: LLM inference and serving engine")
     parser.add_argument("--version", action="version", version=f"ironlm {__version__}")
@@ -73,7 +74,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, default=None, help="also serve gRPC on this port")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
-    serve.add_argument("--health-stall-timeout", type=float, default=300.0, metavar="S",
+    serve.add_argument("--health-stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
                        help="/health answers 503 once one engine step has run this many seconds")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

@@ -39,6 +39,10 @@ logger = logging.getLogger("ironlm.async_engine")
 # A step that raises (the engine already turns forward errors into per-request errors, so this means
 # its own bookkeeping failed) fails the requests in flight; this many in a row and the engine is dead.
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
+# A step running longer than this (a hung kernel, a deadlock) makes /health answer 503 "engine_stalled", so an
+# orchestrator restarts the process. Far above any real step: a full prefill budget on a laptop CPU takes
+# seconds. The one home of the default: `ironlm serve --health-stall-timeout` reads it from here.
+STALL_TIMEOUT_S = 300.0
 # The keyword arguments of StepEngine.add_request a caller may pass through `add_request(**kwargs)`.
 # add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) also
 # bounds its wait in the queue.
@@ -50,14 +54,11 @@ Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[st
 
 class AsyncLLMEngine:
     def __init__(self, engine: StepEngine, *, observer: OutputObserver | None = None, start: bool = True,
-                 stall_timeout_s: float = 300.0) -> None:
+                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         if not stall_timeout_s > 0:
             raise InvalidArgumentError(f"stall_timeout_s must be > 0, got {stall_timeout_s}",
                                        param="stall_timeout_s")
         self.engine = engine
-        # A step running longer than this (a hung kernel, a deadlock) makes /health answer 503 "engine_stalled",
-        # so an orchestrator restarts the process. Far above any real step: a full prefill budget on a laptop
-        # CPU takes seconds.
         self.stall_timeout_s = stall_timeout_s
         self.step_started_at: float | None = None  # set by the engine thread while a step runs
         self.last_step_time: float | None = None

@@ -30,7 +30,8 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str, *, max_slots: int = 256, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, *, max_slots: int, seed: int) -> None:
+        """`max_slots` (initial slot capacity, it grows) and `seed` come from EngineConfig, their one home."""
         if vocab_size <= 0:
             raise InvalidArgumentError(f"vocab_size must be > 0, got {vocab_size}", param="vocab_size")
         self.vocab_size = vocab_size
