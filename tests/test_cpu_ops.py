@@ -142,3 +142,39 @@ def test_auto_dtype_follows_the_cpu() -> None:
     expected = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == expected
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", torch.float32), ("qwen2", torch.float32),
+                                             ("llama", torch.bfloat16)])
+def test_lean_decode_step_matches_the_layer_by_layer_path(tmp_path, monkeypatch, arch: str,
+                                                          dtype: torch.dtype) -> None:
+    """Small CPU decode batches run through preallocated buffers and one core call per fused op; the logits
+    equal the general path's (f32: same kernels and matmuls, only the attention's summation grouping differs)."""
+    from ironlm.attention import AttentionMetadata
+    from ironlm.model import llama, load_model
+    from tiny_models import make_tiny_model
+
+    model = load_model(make_tiny_model(tmp_path, arch=arch), dtype=dtype, device="cpu").model
+    cfg, bs = model.config, 4
+    shape = (16, bs, cfg.num_kv_heads, cfg.head_dim)
+    ctx = np.array([5, 9, 2])
+    table = np.arange(15, dtype=np.int32).reshape(3, 5)
+
+    def run(lean: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(llama, "LEAN_MAX_TOKENS", 8 if lean else 0)
+        gen = torch.Generator().manual_seed(0)
+        caches = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+                  for _ in range(cfg.num_layers)]
+        meta = AttentionMetadata.from_lengths(context_lens=ctx, query_lens=np.ones(3, np.int64), block_tables=table,
+                                              block_size=bs)
+        ids, pos = torch.tensor([3, 17, 42]), torch.from_numpy(ctx)
+        return model(ids, pos, caches, meta, torch.tensor([2, 0])), [k for k, _ in caches]
+
+    model._lean.clear()
+    got, got_k = run(lean=True)
+    assert 3 in model._lean, "the lean path was not taken"
+    want, want_k = run(lean=False)
+    atol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    for a, b in zip(got_k, want_k):  # the new K rows are written (rotated) at the same slots
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=atol)

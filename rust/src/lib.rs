@@ -4,6 +4,7 @@ pub mod attention;
 pub mod block;
 pub mod ops;
 pub mod ops_cpu;
+pub mod ops_decode;
 pub mod ops_elem;
 pub mod radix;
 

@@ -237,6 +237,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(monotonic, m)?)?;
     m.add_function(wrap_pyfunction!(attn::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(attn::parallel_runtime, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::decode_attention_qkv, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rope_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(ops::silu_and_mul, m)?)?;

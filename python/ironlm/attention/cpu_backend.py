@@ -59,9 +59,7 @@ class CpuAttention(TorchAttention):
         dtype = CORE_DTYPES.get(k_cache.dtype)
         if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        if "cpu" not in meta.plan_cache:
-            meta.plan_cache["cpu"] = _make_plan(meta, k_cache.shape[1], q.shape[0])
-        plan = meta.plan_cache["cpu"]
+        plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0])
         if plan is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         threads = torch.get_num_threads()
@@ -84,6 +82,13 @@ class CpuAttention(TorchAttention):
         for s in plan.prefill:
             out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale)
         return out
+
+
+    def decode_plan(self, meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan | None:
+        """The step's plan (built by the first layer, memoised in the metadata); None = the torch path serves it."""
+        if "cpu" not in meta.plan_cache:
+            meta.plan_cache["cpu"] = _make_plan(meta, block_size, num_rows)
+        return meta.plan_cache["cpu"]
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan | None:

@@ -13,19 +13,62 @@ copy of the model. Tied embeddings share one tensor ([vocab, hidden], also the l
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ironlm import _core
 from ironlm.model.config import ModelConfig
-from ironlm.model.layers import CoreRope, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from ironlm.model.layers import (
+    CORE_DTYPES,
+    CoreRope,
+    RotaryEmbedding,
+    apply_rotary,
+    as_numpy,
+    rms_norm,
+    silu_and_mul,
+)
 
 if TYPE_CHECKING:
     from ironlm.attention import AttentionBackend, AttentionMetadata
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Decode batches of up to this many tokens take the lean CPU step: there per-op dispatch, not the matmuls' work,
+# is what a step spends outside the weight streaming.
+LEAN_MAX_TOKENS = 8
+
+
+class _LeanBuffers:
+    """The lean decode step's activations for T tokens and their numpy views, reused by every layer and step: no
+    allocation and no tensor-to-numpy conversion inside the layer loop."""
+
+    def __init__(self, cfg: ModelConfig, t: int, dtype: torch.dtype) -> None:
+        def buf(n: int) -> tuple[torch.Tensor, np.ndarray]:
+            tensor = torch.empty(t, n, dtype=dtype)
+            return tensor, as_numpy(tensor)
+
+        self.h, self.h_np = buf(cfg.hidden_size)  # the residual stream
+        self.x, self.x_np = buf(cfg.hidden_size)  # normed input of the next matmul
+        self.qkv, self.qkv_np = buf(cfg.q_size + 2 * cfg.kv_size)
+        self.attn, self.attn_np = buf(cfg.q_size)
+        self.gate_up, self.gate_up_np = buf(2 * cfg.intermediate_size)
+        self.act, self.act_np = buf(cfg.intermediate_size)
+
+
+@dataclass
+class _LeanStep:
+    """What every layer's attention call shares in one lean decode step (host arrays from the step's plan)."""
+
+    dtype: str
+    threads: int
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    slots: np.ndarray
+    rope: CoreRope
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -49,6 +92,7 @@ class DecoderLayer(nn.Module):
         self.q_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
         self.k_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
         self.qk_norm_weight: torch.Tensor | None = None  # [Hq + Hkv, D], built by finish_loading
+        self._norms_np: tuple[np.ndarray, np.ndarray] | None = None  # numpy views for the lean CPU step
         self.post_norm = _param((h,), dtype, device)
         self.gate_up_weight = _param((h, 2 * inter), dtype, device)
         self.down_weight = _param((inter, h), dtype, device)
@@ -100,6 +144,28 @@ class DecoderLayer(nn.Module):
         return torch.addmm(h, x, self.down_weight)
 
 
+    def lean_forward(self, ws: _LeanBuffers, k_cache: np.ndarray, v_cache: np.ndarray, step: _LeanStep) -> None:
+        """`forward` for a CPU decode batch, in place on `ws.h`: four matmuls and three core calls (norm,
+        RoPE + cache write + attention, norm; then SiLU-mul), every operand a preallocated buffer."""
+        if self._norms_np is None:
+            self._norms_np = (as_numpy(self.input_norm.data), as_numpy(self.post_norm.data))
+        _core.rms_norm(ws.h_np, self._norms_np[0], self.eps, ws.x_np, step.dtype, step.threads)
+        if self.qkv_bias is not None:
+            torch.addmm(self.qkv_bias, ws.x, self.qkv_weight, out=ws.qkv)
+        else:
+            torch.mm(ws.x, self.qkv_weight, out=ws.qkv)
+        _core.decode_attention_qkv(
+            ws.qkv_np, k_cache, v_cache, step.block_tables, step.seq_lens, step.slots, step.rope.positions,
+            step.rope.table, self.scale, ws.attn_np, self.num_heads, step.dtype, step.threads)
+        ws.h.addmm_(ws.attn, self.o_weight)
+        if self.o_bias is not None:
+            ws.h += self.o_bias
+        _core.rms_norm(ws.h_np, self._norms_np[1], self.eps, ws.x_np, step.dtype, step.threads)
+        torch.mm(ws.x, self.gate_up_weight, out=ws.gate_up)
+        _core.silu_and_mul(ws.gate_up_np, ws.act_np, step.dtype, step.threads)
+        ws.h.addmm_(ws.act, self.down_weight)
+
+
 class DecoderLM(nn.Module):
     """Causal LM over a paged KV cache. See the module docstring for the calling convention."""
 
@@ -128,6 +194,8 @@ class DecoderLM(nn.Module):
             attn_backend = _default_backend(device)
         self.attn_backend = attn_backend
         self._loaded: set[str] = set()
+        self._lean: dict[int, _LeanBuffers] = {}
+        self._kv_np: tuple[list, list[tuple[np.ndarray, np.ndarray]]] | None = None
         self.eval()
 
     # ---- attention backend ---------------------------------------------------------------------------------
@@ -231,6 +299,9 @@ class DecoderLM(nn.Module):
         backend = self.attn_backend
         if backend is None:
             raise RuntimeError("no attention backend: call model.set_attention_backend(...) first")
+        logits = self._lean_forward(input_ids, positions, kv_caches, meta, logits_indices)
+        if logits is not None:
+            return logits
         max_len = int(meta.max_seq_len)
         rope = None if self.config.qk_norm else self.rotary.fused(positions, max_len)
         if rope is None:
@@ -242,6 +313,39 @@ class DecoderLM(nn.Module):
         if last < 0:
             h = h.index_select(0, logits_indices)
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+
+    def _lean_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """A small CPU decode batch through `DecoderLayer.lean_forward`; None where it does not apply (GPU, prefill
+        rows, qk-norm models, other backends, steps the CPU backend sends to cascade attention)."""
+        t = input_ids.shape[0]
+        backend = self.attn_backend
+        if (t > LEAN_MAX_TOKENS or self.config.qk_norm or self.dtype not in CORE_DTYPES
+                or getattr(backend, "name", None) != "cpu" or not meta.decode_only or not kv_caches):
+            return None
+        plan = backend.decode_plan(meta, kv_caches[0][0].shape[1], t)  # type: ignore[union-attr]
+        rope = None if plan is None or plan.slots is None else self.rotary.fused(positions, int(meta.max_seq_len))
+        if rope is None:
+            return None
+        ws = self._lean.get(t)
+        if ws is None:
+            ws = self._lean[t] = _LeanBuffers(self.config, t, self.dtype)
+        if self._kv_np is None or self._kv_np[0] is not kv_caches or len(self._kv_np[1]) != len(kv_caches):
+            self._kv_np = (kv_caches, [(as_numpy(k), as_numpy(v)) for k, v in kv_caches])
+        step = _LeanStep(CORE_DTYPES[self.dtype], torch.get_num_threads(), plan.block_tables, plan.seq_lens,
+                         plan.slots, rope)
+        torch.index_select(self.embed, 0, input_ids, out=ws.h)
+        for layer, (k_np, v_np) in zip(self.layers, self._kv_np[1]):
+            layer.lean_forward(ws, k_np, v_np, step)  # type: ignore[operator]
+        h = rms_norm(ws.h.index_select(0, logits_indices), self.norm, self.config.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
 

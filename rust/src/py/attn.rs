@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use super::ops::{dtype_arg, ro, rw, with_elem, Ro, Rw};
 use super::value_error;
 use crate::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
+use crate::ops_decode::{decode_from_qkv, QkvStep};
 
 /// `out[i, h] = softmax(q[i, h] · K_i^T * scale) V_i` over the first `seq_lens[i]` positions of
 /// sequence `i`'s pages. Shapes: q/out `[n, Hq, D]` (q's rows may be strided, as a view into a
@@ -143,6 +144,82 @@ pub(crate) fn paged_decode_attention(
             };
             paged_decode(&args, os, threads)
         })?;
+    });
+    Ok(())
+}
+
+/// One layer's decode attention from its fused projection output `qkv` (`[n, (Hq + 2 Hkv) * D]`,
+/// C-contiguous): RoPE on q and k (cos|sin rows of `rope_table` at `positions`), k and v written
+/// at `slot_mapping` (-1 = skip), then `out` (`[n, Hq * D]`) = paged attention of q over each
+/// sequence's cache. The caches, block_tables and seq_lens are as for `paged_decode_attention`.
+#[pyfunction]
+#[pyo3(signature = (qkv, k_cache, v_cache, block_tables, seq_lens, slot_mapping, positions, rope_table,
+                    scale, out, num_q_heads, dtype = "float32", threads = 1))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode_attention_qkv(
+    py: Python<'_>,
+    qkv: &Bound<'_, PyAny>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    seq_lens: PyReadonlyArray1<'_, i32>,
+    slot_mapping: PyReadonlyArray1<'_, i64>,
+    positions: PyReadonlyArray1<'_, i64>,
+    rope_table: &Bound<'_, PyAny>,
+    scale: f32,
+    out: &Bound<'_, PyAny>,
+    num_q_heads: usize,
+    dtype: &str,
+    threads: usize,
+) -> PyResult<()> {
+    let dt = dtype_arg(dtype)?;
+    let (qkv, table) = (ro(qkv, "qkv", dt)?, ro(rope_table, "rope_table", dt)?);
+    let (mut kc, mut vc) = (rw(k_cache, "k_cache", dt)?, rw(v_cache, "v_cache", dt)?);
+    let mut out = rw(out, "out", dt)?;
+    let contiguous = |name: &str| value_error(name, "must be C-contiguous");
+    let tables = block_tables
+        .as_slice()
+        .map_err(|_| contiguous("block_tables"))?;
+    let lens = seq_lens.as_slice().map_err(|_| contiguous("seq_lens"))?;
+    let slots = slot_mapping
+        .as_slice()
+        .map_err(|_| contiguous("slot_mapping"))?;
+    let pos = positions.as_slice().map_err(|_| contiguous("positions"))?;
+    let bt = block_tables.shape();
+    with_elem!(dt, T => {
+        let qkv_data = qkv.slice::<T>("qkv")?;
+        let rows = qkv.rows::<T>("qkv")?.shape.first().copied().unwrap_or(0);
+        let table_data = table.slice::<T>("rope_table")?;
+        let (kcs, cs) = kc.slice::<T>("k_cache")?;
+        let (vcs, vs) = vc.slice::<T>("v_cache")?;
+        let (os, _) = out.slice::<T>("out")?;
+        if cs.len() != 4 || vs != cs {
+            let r = format!("k_cache {cs:?} and v_cache {vs:?} must be one 4-D shape");
+            return Err(value_error("v_cache", r));
+        }
+        if bt[0] != rows {
+            let r = format!("has {} rows for {rows} sequences", bt[0]);
+            return Err(value_error("block_tables", r));
+        }
+        let shape = DecodeShape {
+            num_seqs: rows,
+            num_q_heads,
+            num_kv_heads: cs[2],
+            head_dim: cs[3],
+            num_blocks: cs[0],
+            block_size: cs[1],
+            max_blocks: bt[1],
+        };
+        let step = QkvStep {
+            qkv: qkv_data,
+            positions: pos,
+            rope_table: table_data,
+            slots,
+            block_tables: tables,
+            seq_lens: lens,
+            scale,
+        };
+        py.detach(|| decode_from_qkv(&step, shape, kcs, vcs, os, threads))?;
     });
     Ok(())
 }
