@@ -41,23 +41,72 @@ class InvalidArgumentError(ValueError):
 def monotonic() -> float:
     """The core's clock, in seconds."""
 
+# Float arrays of the CPU kernels: float32 values, or the int16 bits of a bfloat16 / float16 tensor
+# (``t.view(torch.int16).numpy()``: numpy has no bfloat16), read as ``dtype`` says.
+_Floats = npt.NDArray[np.float32] | npt.NDArray[np.int16]
+
 def paged_decode_attention(
-    q: npt.NDArray[np.float32],
-    k_cache: npt.NDArray[np.float32],
-    v_cache: npt.NDArray[np.float32],
+    q: _Floats,
+    k_cache: _Floats,
+    v_cache: _Floats,
     block_tables: npt.NDArray[np.int32],
     seq_lens: npt.NDArray[np.int32],
     scale: float,
-    out: npt.NDArray[np.float32],
+    out: _Floats,
     threads: int = 1,
+    *,
+    dtype: str = "float32",
+    k: _Floats | None = None,
+    v: _Floats | None = None,
+    slot_mapping: npt.NDArray[np.int64] | None = None,
 ) -> None:
     """Decode attention on the CPU, reading the paged cache in place (the ``cpu`` attention backend).
 
     ``out[i, h] = softmax(q[i, h] . K_i^T * scale) V_i`` over the first ``seq_lens[i]`` positions of sequence
-    ``i``, whose pages are ``block_tables[i]``. q/out ``[n, Hq, D]``; caches ``[num_blocks, block_size, Hkv,
-    D]``; query head ``h`` reads KV head ``h // (Hq // Hkv)``. All C-contiguous. Runs with the GIL released on
-    up to ``threads`` threads (torch's OpenMP pool when torch is loaded). Raises ``ValueError`` naming the
-    argument for any shape, dtype, block id or length it cannot follow."""
+    ``i``, whose pages are ``block_tables[i]``. q/out ``[n, Hq, D]`` (q's rows may be strided, as views into a
+    fused q|k|v row); caches ``[num_blocks, block_size, Hkv, D]``; query head ``h`` reads KV head
+    ``h // (Hq // Hkv)``. ``dtype`` is float32, bfloat16 or float16 for every float array; the math is f32.
+    With ``k``/``v`` (``[n, Hkv, D]``, rows may be strided) and ``slot_mapping`` (-1 = skip) those rows are first
+    written into the caches. Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
+    torch is loaded). Raises ``ValueError`` naming the argument for any shape, dtype, block id or length it
+    cannot follow."""
+
+def decode_attention_qkv(
+    qkv: _Floats,
+    k_cache: _Floats,
+    v_cache: _Floats,
+    block_tables: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    slot_mapping: npt.NDArray[np.int64],
+    positions: npt.NDArray[np.int64],
+    rope_table: _Floats,
+    scale: float,
+    out: _Floats,
+    num_q_heads: int,
+    dtype: str = "float32",
+    threads: int = 1,
+) -> None:
+    """One layer's decode attention from its fused projection output ``qkv`` ``[n, (Hq + 2 Hkv) * D]``: RoPE on
+    q and k (neox style, cos|sin rows of ``rope_table`` ``[P, D]`` at ``positions``), k and v written at
+    ``slot_mapping`` (-1 = skip), then ``out`` ``[n, Hq * D]`` = paged attention as in ``paged_decode_attention``.
+    Nothing is written when an argument is bad (``ValueError`` naming it)."""
+
+def rms_norm(x: _Floats, weight: _Floats | None, eps: float, out: _Floats, dtype: str = "float32",
+             threads: int = 1) -> None:
+    """``out = x / sqrt(mean(x^2, -1) + eps) * weight`` over the last axis (``weight`` None = ones), statistics
+    in f32. ``x``/``out`` C-contiguous, same shape."""
+
+def rope_inplace(x: _Floats, positions: npt.NDArray[np.int64], table: _Floats, heads: int, head_dim: int,
+                 dtype: str = "float32", threads: int = 1) -> None:
+    """Rotate (neox rotate-half) the first ``heads`` heads of ``head_dim`` of every row of ``x`` ``[rows, width]``
+    in place, by the cos|sin row of ``table`` ``[P, head_dim]`` at that row's position."""
+
+def silu_and_mul(gate_up: _Floats, out: _Floats, dtype: str = "float32", threads: int = 1) -> None:
+    """``out = silu(gate) * up`` for ``gate_up = [gate | up]`` along the last axis (``out`` has half its width)."""
+
+def cpu_features() -> list[str]:
+    """SIMD features of this CPU that the OS enables, in ``/proc/cpuinfo`` spelling (e.g. ``avx512_bf16``,
+    ``amx_bf16``); the kernels dispatch on them and ``dtype="auto"`` reads them."""
 
 def parallel_runtime() -> str:
     """Where the CPU kernels run their threads: ``"openmp"`` (the pool of the OpenMP runtime torch links, found
