@@ -43,7 +43,7 @@ def monotonic() -> float:
 
 # Float arrays of the CPU kernels: float32 values, or the int16 bits of a bfloat16 / float16 tensor
 # (``t.view(torch.int16).numpy()``: numpy has no bfloat16), read as ``dtype`` says.
-_Floats = npt.NDArray[np.float32] | npt.NDArray[np.int16]
+_Floats: TypeAlias = npt.NDArray[np.float32] | npt.NDArray[np.int16]
 
 def paged_decode_attention(
     q: _Floats,
