@@ -58,8 +58,8 @@ def http_cached(server: LiveServer, prompt: list[int], salt: str, stream: bool =
 
 
 def grpc_cached(rpc: GrpcServer, prompt: list[int], salt: str, stream: bool = False) -> int:
-    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), cache_salt=salt, sampling=pb.SamplingParameters(
-        max_tokens=3, temperature=0, ignore_eos=True))
+    sampling = pb.SamplingParameters(max_tokens=3, temperature=0, ignore_eos=True)
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), cache_salt=salt, sampling=sampling)
     if stream:
         msgs = list(rpc.stub.StreamGenerate(req, timeout=60))
         assert msgs[-1].finished

@@ -111,6 +111,45 @@ def test_every_engine_config_field_is_a_flag_of_every_engine_command(capsys):
         assert getattr(config_from_args(args, model_from_args(args)), f.name) == value, f.name
 
 
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_bench_engine_flags_are_engine_config_fields(command, monkeypatch, capsys):
+    """`ironlm bench` generates its engine flags from EngineConfig too: each reaches LLM(**engine_args)."""
+    import importlib
+
+    from ironlm.bench.cli import main as bench_main
+
+    bench = importlib.import_module(f"ironlm.bench.{command}")
+
+    class Captured(Exception):
+        pass
+
+    def capture(config):
+        raise Captured(config)
+
+    monkeypatch.setattr(bench, "run", capture)
+    with pytest.raises(SystemExit):
+        bench_main([command, "--help"])
+    help_text = capsys.readouterr().out
+    # MODEL is positional; --seed and --warmup are the workload's own; an offline run has no served name.
+    not_flags = {"model", "served_model_name", "seed", "warmup"}
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        words, value = _non_default(f, hints[f.name])
+        if f.name in not_flags:
+            words = ["--seed", "5"] if f.name == "seed" else []
+        else:
+            assert flag_name(f.name) in help_text, (command, f.name)
+        with pytest.raises(Captured) as got:
+            bench_main([command, *words])
+        config = got.value.args[0]
+        if f.name in not_flags:
+            assert f.name not in config.engine_args, f.name
+        elif command == "throughput" and f.name == "enable_prefix_caching":  # its config runs on and/or off
+            assert config.enable_prefix_caching is value and f.name not in config.engine_args
+        else:
+            assert config.engine_args[f.name] == value, f.name
+
+
 def test_bench_is_wired():
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--help"])

@@ -244,7 +244,7 @@ class SchedulerPlan:
     finished: list[_FinishedSeq]  # sequences of requests that timed out while waiting
     num_prefill_tokens: int
     num_decode_tokens: int
-    num_cached_tokens: int  # prefix-cache hits of every admission this step, re-admissions after preemption too
+    num_cached_tokens: int  # prefix-cache hits of all admissions this step (re-admissions too)
     max_query_len: int
     max_seq_len: int
     @property

@@ -11,6 +11,7 @@ import argparse
 import sys
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import Field, fields
 from typing import Any
 
@@ -62,20 +63,34 @@ class _DeprecatedFlag(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True,
+                    skip: Collection[str] = ()) -> None:
+    """One flag per EngineConfig field. `skip`: fields a command does not take as flags, e.g. `ironlm bench`,
+    whose own `--seed` and `--warmup` mean the workload's, and whose MODEL is positional only."""
+    names = {f.name for f in fields(EngineConfig)}
+    if not names.issuperset(skip):
+        raise TypeError(f"not EngineConfig fields: {sorted(set(skip) - names)}")
     if positional_model:
         parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                             help=EngineConfig.__dataclass_fields__["model"].metadata["help"])
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
+        if f.name in skip:
+            continue
         opts = _argparse_options(f, hints[f.name])
         if f.name == "served_model_name":  # serve answers to several names; the engine reports the first
             opts["nargs"] = "+"
         group.add_argument(flag_name(f.name), dest=f.name, **opts)
     for old, name in _DEPRECATED_FLAGS.items():
-        group.add_argument(old, dest=name, type=_value_type(hints[name]), default=argparse.SUPPRESS,
-                           action=_DeprecatedFlag, help=argparse.SUPPRESS)
+        if name not in skip:
+            group.add_argument(old, dest=name, type=_value_type(hints[name]), default=argparse.SUPPRESS,
+                               action=_DeprecatedFlag, help=argparse.SUPPRESS)
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the parsed flags set: each one `add_engine_args` added, defaults included."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
@@ -84,7 +99,7 @@ def model_from_args(args: argparse.Namespace) -> str | None:
 
 
 def config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    values = engine_kwargs_from_args(args)
     names = values.get("served_model_name")
     values["served_model_name"] = names[0] if names else None
     values["model"] = model

@@ -11,7 +11,8 @@ import math
 import sys
 from typing import Any
 
-from ironlm.config import ATTENTION_BACKENDS
+from ironlm.cli_args import HelpFormatter, add_engine_args, engine_kwargs_from_args
+from ironlm.config import EngineConfig
 
 W_HELP = ("with no options: workload W = 64 requests, prompt lengths uniform in [32, 512], output lengths "
           "uniform in [16, 256], random token ids, EOS ignored, seed 0, the built-in default model")
@@ -69,18 +70,14 @@ def _dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+# EngineConfig fields that are no bench flag: MODEL is positional, --seed and --warmup are the workload's, and
+# an offline run answers to no served name. The engine keeps EngineConfig's defaults for them.
+_NOT_ENGINE_FLAGS = ("model", "served_model_name", "seed", "warmup")
+_MODEL_HELP = EngineConfig.__dataclass_fields__["model"].metadata["help"]
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int)
-    g.add_argument("--kv-cache-memory", help="bytes or e.g. 2GiB")
-    g.add_argument("--num-kv-blocks", type=int)
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    add_engine_args(p, positional_model=False, skip=_NOT_ENGINE_FLAGS)
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -89,8 +86,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub.required = True
 
     tp = sub.add_parser("throughput", help="offline throughput via LLM.generate (optionally vs transformers)",
-                        description=f"Offline throughput through LLM.generate; {W_HELP}.")
-    tp.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: built-in model)")
+                        description=f"Offline throughput through LLM.generate; {W_HELP}.",
+                        formatter_class=HelpFormatter)
+    tp.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
     _dataset_args(tp)
     _engine_args(tp)
     g = tp.add_argument_group("baseline")
@@ -130,8 +128,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     lt = sub.add_parser("latency", help="single-stream prefill and decode tokens/s (optionally vs llama-bench)",
                         description="One request at a time: prefill of a --prompt-len prompt and --gen-len decode "
                                     "steps, greedy, EOS ignored; --baseline llama.cpp runs llama-bench on the "
-                                    "same GGUF with the same threads, alternating with ironlm.")
-    lt.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: built-in model)")
+                                    "same GGUF with the same threads, alternating with ironlm.",
+                        formatter_class=HelpFormatter)
+    lt.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
     lt.add_argument("--prompt-len", type=int, default=512)
     lt.add_argument("--gen-len", type=int, default=128)
     lt.add_argument("--repeats", type=int, default=3, help="rounds alternating the engines; medians reported")
@@ -174,10 +173,10 @@ def _finish(report: dict[str, Any], args: argparse.Namespace, text: str, plot) -
     return 0
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                                          "kv_cache_memory", "num_kv_blocks", "max_model_len", "attention_backend")
-            if getattr(args, k) is not None}
+def _engine_kwargs(args: argparse.Namespace, *omit: str) -> dict[str, Any]:
+    """The engine flags' values for LLM(**kwargs); `omit`: fields the benchmark's config sets itself."""
+    leave_out = (*_NOT_ENGINE_FLAGS, *omit)
+    return {k: v for k, v in engine_kwargs_from_args(args).items() if k not in leave_out}
 
 
 def _missing_baseline_is_an_error(cmd):
@@ -200,7 +199,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     base = tp.quick(tp.ThroughputConfig())
     random, prefix = _specs(args, base.random, base.prefix)
-    engine_args = _engine_kwargs(args)
+    engine_args = _engine_kwargs(args, "enable_prefix_caching")  # ThroughputConfig runs it on and/or off
     default_sizes = base.baseline_batch_sizes if args.quick else tp.ThroughputConfig().baseline_batch_sizes
     config = tp.ThroughputConfig(
         model=args.model, dataset=args.dataset, random=random, prefix=prefix,
