@@ -183,6 +183,9 @@ def test_prefix_hit_counters_and_namespaces() -> None:
     s.add_request("c", list(range(13)), 2, namespace="other")
     plan = s.schedule()
     assert plan.new_request_ids == ["b", "c"]
+    # Per new request, in new_request_ids order: b reuses a's 3 full blocks, c (another namespace) nothing.
+    assert plan.new_request_cached_tokens.dtype == np.int64
+    assert plan.new_request_cached_tokens.tolist() == [12, 0]
     assert plan.num_cached_tokens == 12
     assert plan.context_lens.tolist() == [13, 12, 0]
     st = s.stats()
@@ -209,6 +212,7 @@ def test_empty_plan_shapes() -> None:
     assert plan.block_tables.shape == (0, 0) and plan.cow_pairs.shape == (0, 2)
     assert plan.query_start_loc.tolist() == [0]
     assert plan.new_request_ids == [] and plan.finished == [] and plan.preempted_request_ids == []
+    assert plan.new_request_cached_tokens.shape == (0,)
 
 
 def test_large_batch_runs_with_gil_released() -> None:
