@@ -9,6 +9,7 @@ from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, final
 
 __version__: str
 
@@ -68,8 +69,8 @@ def paged_decode_attention(
     ``h // (Hq // Hkv)``. ``dtype`` is float32, bfloat16 or float16 for every float array; the math is f32.
     With ``k``/``v`` (``[n, Hkv, D]``, rows may be strided) and ``slot_mapping`` (-1 = skip) those rows are first
     written into the caches. Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
-    torch is loaded). Raises ``ValueError`` naming the argument for any shape, dtype, block id or length it
-    cannot follow."""
+    torch is loaded). Raises ``InvalidArgumentError`` naming the argument for any shape, dtype, block id or
+    length it cannot follow."""
 
 def decode_attention_qkv(
     qkv: _Floats,
@@ -89,7 +90,7 @@ def decode_attention_qkv(
     """One layer's decode attention from its fused projection output ``qkv`` ``[n, (Hq + 2 Hkv) * D]``: RoPE on
     q and k (neox style, cos|sin rows of ``rope_table`` ``[P, D]`` at ``positions``), k and v written at
     ``slot_mapping`` (-1 = skip), then ``out`` ``[n, Hq * D]`` = paged attention as in ``paged_decode_attention``.
-    Nothing is written when an argument is bad (``ValueError`` naming it)."""
+    Nothing is written when an argument is bad (``InvalidArgumentError`` naming it)."""
 
 def rms_norm(x: _Floats, weight: _Floats | None, eps: float, out: _Floats, dtype: str = "float32",
              threads: int = 1) -> None:
@@ -112,12 +113,13 @@ def parallel_runtime() -> str:
     """Where the CPU kernels run their threads: ``"openmp"`` (the pool of the OpenMP runtime torch links, found
     among the loaded libraries) or ``"threads"`` (their own scoped threads)."""
 
+@final
 class BlockAllocator:
     """Test-only: present when built with the cargo feature ``test-bindings`` (``make develop``).
 
     Fixed pool of KV blocks with reference counts, fork and copy-on-write."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None: ...
+    def __new__(cls, num_blocks: int, block_size: int = 16) -> Self: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -132,7 +134,7 @@ class BlockAllocator:
         """One free block with ref count 1; raises ``CoreError`` when none is free."""
     def incref(self, block: int) -> None: ...
     def decref(self, block: int) -> None:
-        """Drop one reference; ``ValueError`` if the block has none."""
+        """Drop one reference; ``InvalidArgumentError`` if the block has none."""
     def ref_count(self, block: int) -> int: ...
     def is_cached(self, block: int) -> bool:
         """Held by a radix cache (kept when its ref count drops to 0)."""
@@ -147,12 +149,13 @@ class BlockAllocator:
         filled, the ``(src, dst)`` copy-on-write pair the caller must copy on the KV tensors.
         """
 
+@final
 class RadixCache:
     """Test-only: present when built with the cargo feature ``test-bindings`` (``make develop``).
 
     Block-granular radix tree over token ids with LRU eviction of unlocked leaves."""
 
-    def __init__(self, allocator: BlockAllocator) -> None: ...
+    def __new__(cls, allocator: BlockAllocator) -> Self: ...
     @property
     def allocator(self) -> BlockAllocator: ...
     def match_prefix(self, tokens: Sequence[int], namespace: str | None = None) -> list[int]:
@@ -180,6 +183,7 @@ class RadixCache:
     def hits(self) -> int:
         """Prompt tokens found cached so far."""
 
+@final
 class RequestQueue:
     """Test-only: present when built with the cargo feature ``test-bindings`` (``make develop``).
 
@@ -190,7 +194,7 @@ class RequestQueue:
     Push, pop and remove are O(log n); ``expire`` touches only the expired.
     """
 
-    def __init__(self, policy: str = "fcfs", max_len: int | None = None) -> None: ...
+    def __new__(cls, policy: str = "fcfs", max_len: int | None = None) -> Self: ...
     @property
     def policy(self) -> str: ...
     @property
@@ -204,7 +208,7 @@ class RequestQueue:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request. ``deadline`` and ``queue_timeout`` are seconds after ``arrival_time``
-        (default: now). Raises QueueFullError, DuplicateRequestError or ValueError."""
+        (default: now). Raises QueueFullError, DuplicateRequestError or InvalidArgumentError."""
     def pop(self) -> str | None: ...
     def peek(self) -> str | None: ...
     def remove(self, request_id: str) -> bool: ...
@@ -213,11 +217,12 @@ class RequestQueue:
     def to_list(self) -> list[str]:
         """Queued ids in policy order."""
     def __len__(self) -> int: ...
-    def __contains__(self, request_id: str) -> bool: ...
+    def __contains__(self, request_id: str, /) -> bool: ...
 
 # (request id, seq slot, reason "stop" | "length" | "timeout", matched stop_token_ids entry or None)
 _FinishedSeq: TypeAlias = tuple[str, int, str, int | None]
 
+@final
 class SchedulerPlan:
     """Everything the model runner needs for one step. Arrays are freshly built numpy arrays.
 
@@ -258,6 +263,7 @@ class SchedulerPlan:
     def is_empty(self) -> bool:
         """No token to compute (``finished`` / ``preempted_request_ids`` may still be set)."""
 
+@final
 class Scheduler:
     """Continuous-batching scheduler owning the queue, the allocator and the radix cache.
 
@@ -269,8 +275,8 @@ class Scheduler:
     every step).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         num_blocks: int,
         block_size: int,
@@ -280,7 +286,7 @@ class Scheduler:
         policy: str,
         enable_prefix_caching: bool,
         max_queue_len: int | None,
-    ) -> None:
+    ) -> Self:
         """Every argument is required: their defaults live in ``EngineConfig`` alone."""
     def add_request(
         self,
@@ -291,8 +297,8 @@ class Scheduler:
         min_tokens: int = 0,
         n: int = 1,
         priority: int = 0,
-        eos_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (),
+        eos_token_ids: Sequence[int] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         deadline: float | None = None,
         queue_timeout: float | None = None,
@@ -306,7 +312,7 @@ class Scheduler:
         finishes with reason ``timeout`` (waiting only: a running request never times out
         here). Raises QueueFullError, RequestTooLargeError (prompt + max_tokens beyond
         ``max_model_len`` or the whole cache, or ``n > max_num_seqs``),
-        DuplicateRequestError or ValueError.
+        DuplicateRequestError or InvalidArgumentError.
         """
     def schedule(self, now: float | None = None) -> SchedulerPlan:
         """Plan the next step; waiting requests past their timeout finish first (``plan.finished``)."""
@@ -320,7 +326,7 @@ class Scheduler:
         token)`` for each sequence that finished; the stop token is the matched
         stop_token_ids entry, None for EOS and ``length``. Finished sequences' blocks go to
         the radix cache. Rows of sequences finished or aborted since the plan are ignored.
-        ValueError if the length is not ``plan.num_samples`` or no plan is waiting for an
+        InvalidArgumentError if the length is not ``plan.num_samples`` or no plan is waiting for an
         update.
         """
     def finish(self, slot: int) -> bool:
@@ -333,17 +339,17 @@ class Scheduler:
         """Drop a request (all its sequences) wherever it is; frees its blocks."""
     def output_token_ids(self, slot: int) -> list[int]:
         """Generated tokens of a sequence: live, or finished and its slot not reused yet
-        (slots are reused by ``add_request``). ValueError for a slot never handed out."""
+        (slots are reused by ``add_request``). InvalidArgumentError for a slot never handed out."""
     def token_ids(self, slot: int) -> list[int]:
         """Prompt + generated tokens (same validity as ``output_token_ids``)."""
     def stop_token_ids(self, slot: int) -> list[int]:
         """Token ids that stop a live sequence: its stop_token_ids, plus the EOS ids unless
         ignore_eos (sorted). The sampler masks them on the rows of ``plan.sample_ban_stop``.
-        ValueError if the slot holds no live sequence."""
+        InvalidArgumentError if the slot holds no live sequence."""
     def request_id(self, slot: int) -> str | None:
         """Request id of a live sequence, else None."""
     def has_unfinished(self) -> bool: ...
-    def __contains__(self, request_id: str) -> bool: ...
+    def __contains__(self, request_id: str, /) -> bool: ...
     def reset_prefix_cache(self) -> bool:
         """Drop every unlocked cached block; False if some are still in use."""
     @property
