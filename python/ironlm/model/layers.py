@@ -123,8 +123,8 @@ class RotaryEmbedding:
         """cos, sin for these positions, each [T, 1, head_dim/2] (ready to broadcast over heads)."""
         if max_len is not None:
             self.ensure(max_len)
-        cs = self.table.index_select(0, positions).unsqueeze(1)
-        return cs.chunk(2, dim=-1)
+        cos, sin = self.table.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
 
     def fused(self, positions: torch.Tensor, max_len: int) -> CoreRope | None:
         """The step's inputs for the core's in-place RoPE, or None where it does not apply (GPU, other dtypes)."""

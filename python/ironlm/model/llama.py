@@ -303,9 +303,8 @@ class DecoderLM(nn.Module):
         if logits is not None:
             return logits
         max_len = int(meta.max_seq_len)
-        rope = None if self.config.qk_norm else self.rotary.fused(positions, max_len)
-        if rope is None:
-            rope = self.rotary.cos_sin(positions, max_len)
+        fused = None if self.config.qk_norm else self.rotary.fused(positions, max_len)
+        rope = fused if fused is not None else self.rotary.cos_sin(positions, max_len)
         h = F.embedding(input_ids, self.embed)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
