@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod quant;
 pub mod radix;
 
 pub mod error;
