@@ -15,6 +15,7 @@ use crate::error::CoreError as RsCoreError;
 
 mod attn;
 mod kv;
+mod quant;
 mod queue;
 mod sched;
 
@@ -201,6 +202,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(monotonic, m)?)?;
     m.add_function(wrap_pyfunction!(attn::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(attn::parallel_runtime, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quant_isas, m)?)?;
+    m.add_class::<quant::PyQuantMatrix>()?;
     m.add_class::<kv::PyBlockAllocator>()?;
     m.add_class::<kv::PyRadixCache>()?;
     m.add_class::<queue::PyRequestQueue>()?;
