@@ -1,0 +1,159 @@
+"""Weight-only quantized matmul on CPU: ironlm's QuantMatrix (q8, q4) against torch's own CPU ops and dense mm.
+
+    flock /tmp/ironlm-bench.lock .venv/bin/python benches/bench_quant_matmul.py [--m 1 8 64 512] [--shapes qkv lm_head]
+
+On SmolLM2-135M's linear shapes, `out = x @ W^T` with x float32 [M, K]:
+- ironlm q8 / q4: `QuantMatrix.from_float(w, 8, 0)` / `(w, 4, 32)`, `matmul(x, out=...)`;
+- torch `_weight_int8pack_mm` (int8 per channel) and `_weight_int4pack_mm_for_cpu` (int4, groups of 32), fp32 x;
+- `torch.mm` on fp32 and bf16 weights (bf16 x).
+Prints a markdown table: median time, GB/s of weight bytes read, GFLOP/s, and the fastest per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ironlm._core import QuantMatrix, quant_isas
+
+SHAPES = {  # name: (K = in_features, N = out_features)
+    "qkv": (576, 960),
+    "o": (576, 576),
+    "gate_up": (576, 3072),
+    "down": (1536, 576),
+    "lm_head": (576, 49152),
+}
+FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+@dataclass
+class Method:
+    name: str
+    nbytes: int
+    run: Callable[[], object]
+
+
+def cpu_model() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("unknown", "x86_64", ""):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return model, [f for f in FLAGS if f in flags]
+
+
+def methods(k: int, n: int, m: int, threads: int) -> list[Method]:
+    g = torch.Generator().manual_seed(k * n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g)
+    out = torch.empty(m, n)
+    xn, on = x.numpy(), out.numpy()
+    res: list[Method] = []
+    for label, bits, group in [("ironlm q8", 8, 0), ("ironlm q4", 4, 32)]:
+        q = QuantMatrix.from_float(w.numpy(), bits, group)
+        res.append(Method(label, q.nbytes, lambda q=q: q.matmul(xn, out=on, threads=threads)))
+    scale = w.abs().amax(1) / 127
+    w8 = (w / scale[:, None]).round().to(torch.int8)
+    res.append(
+        Method("torch int8pack", w8.numel() + 4 * n, lambda: torch.ops.aten._weight_int8pack_mm(x, w8, scale))
+    )
+    gs = 32
+    wg = w.view(n, k // gs, gs)
+    lo, hi = wg.amin(2), wg.amax(2)
+    s4 = (hi - lo) / 15
+    q4 = ((wg - lo[..., None]) / s4[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 1)
+    # torch's int4 convention: w = (q - 8) * scale + zero.
+    sz = torch.stack([s4, lo + 8 * s4], -1).transpose(0, 1).contiguous()
+    res.append(
+        Method(
+            "torch int4pack",
+            packed.numel() + sz.numel() * 4,
+            lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, gs, sz),
+        )
+    )
+    res.append(Method("torch fp32 mm", w.numel() * 4, lambda: torch.mm(x, w.T, out=out)))
+    wb, xb = w.to(torch.bfloat16), x.to(torch.bfloat16)
+    res.append(Method("torch bf16 mm", wb.numel() * 2, lambda: torch.mm(xb, wb.T)))
+    return res
+
+
+def median_time(fn: Callable[[], object], budget: float) -> float:
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    if first > 4 * budget:  # a path this slow is out of the race: one more call is enough
+        t0 = time.perf_counter()
+        fn()
+        return min(first, time.perf_counter() - t0)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < budget and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 512], help="activation rows")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--budget", type=float, default=0.3, help="seconds of timing per cell")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, flags = cpu_model()
+    best, isas = quant_isas()
+    print(f"CPU: {model}, {os.cpu_count()} cores; flags: {' '.join(flags)}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads; ironlm kernel path: {best} (of {', '.join(isas)})"
+    )
+    print(f"load average at start: {os.getloadavg()[0]:.2f}\n")
+    names: list[str] | None = None
+    for shape in args.shapes:
+        k, n = SHAPES[shape]
+        for m in args.m:
+            ms = methods(k, n, m, args.threads)
+            if names is None:
+                names = [x.name for x in ms]
+                print(
+                    "| shape (K→N) | M | "
+                    + " | ".join(f"{x} µs / GB/s / GFLOP/s" for x in names)
+                    + " | fastest |"
+                )
+                print("|---|---|" + "---|" * len(names) + "---|")
+            cells, times = [], []
+            for meth in ms:
+                t = median_time(meth.run, args.budget)
+                times.append(t)
+                cells.append(f"{t * 1e6:.0f} / {meth.nbytes / t / 1e9:.1f} / {2 * m * n * k / t / 1e9:.1f}")
+            fastest = ms[min(range(len(ms)), key=times.__getitem__)].name
+            print(f"| {shape} {k}→{n} | {m} | " + " | ".join(cells) + f" | {fastest} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
