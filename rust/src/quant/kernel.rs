@@ -8,8 +8,8 @@ use super::act::{self, QActs};
 use super::{QKind, QMatrix, BLOCK, ROWS};
 use crate::error::{CoreError, CoreResult};
 
-/// One tile's result: up to 4 activation rows × the 16 rows of a group.
-pub(crate) type Tile = [[f32; ROWS]; 4];
+/// One tile's result: up to 8 activation rows × the 16 rows of a group.
+pub(crate) type Tile = [[f32; ROWS]; 8];
 
 /// A SIMD path of the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +69,8 @@ impl Isa {
     /// Activation rows per register tile (16 ymm registers hold 2 rows' accumulators).
     fn tile_rows(self) -> usize {
         match self {
-            Isa::Avx512Vnni | Isa::Scalar => 4,
+            Isa::Avx512Vnni => 8,
+            Isa::Scalar => 4,
             Isa::Avx2 | Isa::AvxVnni => 2,
         }
     }
@@ -158,7 +159,7 @@ impl QMatrix {
         let dst = OutPtr(out.as_mut_ptr());
         let dst = &dst;
         crate::parallel::run_parts(parts, &|p| {
-            let mut res: Tile = [[0.0; ROWS]; 4];
+            let mut res: Tile = [[0.0; ROWS]; 8];
             for g in groups * p / parts..groups * (p + 1) / parts {
                 let blocks = self.group(g);
                 let cols = ROWS.min(n - g * ROWS);
