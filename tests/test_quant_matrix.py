@@ -102,6 +102,18 @@ def test_matmul_on_torch_views(isa: str, bits: int, group: int) -> None:
     assert (np.abs(out2.double().numpy() - want) <= tol + 1e-5 * np.abs(want)).all()
 
 
+def test_gather_is_the_embedding_lookup() -> None:
+    w = torch.randn(50, 96, generator=torch.Generator().manual_seed(1))
+    q = QuantMatrix.from_float(w.numpy(), 4, 32)
+    ids = torch.tensor([7, 0, 49, 7])
+    out = torch.empty(4, 96)
+    q.gather(ids.numpy(), out=out.numpy())
+    np.testing.assert_array_equal(out.numpy(), q.dequantize()[ids.numpy()])
+    np.testing.assert_array_equal(q.gather([1, 2]), q.dequantize()[[1, 2]])
+    with pytest.raises(ValueError, match="^ids"):
+        q.gather([50])
+
+
 def test_quantization_is_close_to_float() -> None:
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 512, generator=g), torch.randn(5, 512, generator=g)

@@ -81,6 +81,11 @@ class QuantMatrix:
         """``out[m, rows] = x[m, cols] @ W^T (+ bias)``, or ``out += ...`` with ``accumulate`` (the residual add);
         C-contiguous float32 arrays (``tensor.numpy()`` views work in place). Returns ``out`` (a new array when
         ``None``). Runs on torch's OpenMP pool with ``threads`` parts, GIL released."""
+    def gather(
+        self, ids: npt.NDArray[np.int64] | Sequence[int], out: npt.NDArray[np.float32] | None = None
+    ) -> npt.NDArray[np.float32]:
+        """Rows ``ids`` dequantized into ``out [len(ids), cols]`` (new when ``None``): the embedding lookup of a
+        quantized (e.g. tied) table. Returns ``out``."""
     def dequantize(self) -> npt.NDArray[np.float32]:
         """The float32 weights ``[rows, cols]``."""
     @property

@@ -159,6 +159,33 @@ impl PyQuantMatrix {
         Ok(out)
     }
 
+    /// Rows `ids` dequantized into float32 `out [len(ids), cols]` (a new array when `None`): the
+    /// embedding lookup. Returns `out`.
+    #[pyo3(signature = (ids, out = None))]
+    fn gather<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let w = &self.inner;
+        let ids = super::as_i64_array(ids, "ids")?;
+        let ids_ro = ids.readonly();
+        let idx = ids_ro.as_slice().map_err(|e| value_error("ids", e))?;
+        let out = match out {
+            Some(o) => f32_2d(o, "out")?,
+            None => PyArray2::zeros(py, [idx.len(), w.cols()], false),
+        };
+        {
+            let mut ow = out
+                .try_readwrite()
+                .map_err(|e| value_error("out", format!("cannot be written ({e})")))?;
+            let os = ow.as_slice_mut().map_err(|e| value_error("out", e))?;
+            py.detach(|| w.gather_rows(idx, os))?;
+        }
+        Ok(out)
+    }
+
     /// The float32 weights `[rows, cols]`.
     fn dequantize<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let w = &self.inner;

@@ -142,7 +142,7 @@ impl QMatrix {
         if m == 0 {
             return Ok(());
         }
-        let acts = act::quantize(x, m, k);
+        let acts = act::quantize(x, m, k, opts.threads);
         let tile: TileFn = match isa {
             Isa::Scalar => tile_scalar,
             #[cfg(target_arch = "x86_64")]

@@ -248,15 +248,39 @@ impl QMatrix {
     /// The f32 weights `[rows, cols]`: `scale * q + min` per element.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.rows * self.cols];
-        for (row, dst) in out.chunks_exact_mut(self.cols).enumerate() {
+        let ids: Vec<i64> = (0..self.rows as i64).collect();
+        self.gather_rows(&ids, &mut out)
+            .expect("every row id is in range");
+        out
+    }
+
+    /// Rows `ids` dequantized into `out[ids.len(), cols]`: the embedding lookup of a quantized
+    /// (e.g. tied LM head) table.
+    pub fn gather_rows(&self, ids: &[i64], out: &mut [f32]) -> CoreResult<()> {
+        if out.len() != ids.len() * self.cols {
+            let r = format!(
+                "has {} elements, expected len(ids) * cols = {} * {}",
+                out.len(),
+                ids.len(),
+                self.cols
+            );
+            return Err(CoreError::invalid("out", r));
+        }
+        if let Some(bad) = ids.iter().find(|&&i| i < 0 || i as usize >= self.rows) {
+            return Err(CoreError::invalid(
+                "ids",
+                format!("row {bad} out of range (rows = {})", self.rows),
+            ));
+        }
+        for (&row, dst) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
             for (b, d) in dst.chunks_exact_mut(BLOCK).enumerate() {
-                let (s, m, q) = self.block(row, b);
+                let (s, m, q) = self.block(row as usize, b);
                 for (o, &q) in d.iter_mut().zip(&q) {
                     *o = s * q as f32 + m;
                 }
             }
         }
-        out
+        Ok(())
     }
 
     /// Quantize an f32 matrix `[rows, cols]` with round-to-nearest, `group` weights of a row per

@@ -434,3 +434,50 @@ fn matmul_rejects_bad_shapes() {
     w.matmul(&[1.0; 32], 1, &mut out, &o).unwrap();
     assert!((out[0] - 8.0).abs() < 0.01, "{out:?}");
 }
+
+#[test]
+fn gather_rows_is_the_embedding_lookup() {
+    let mut rng = Rng(9);
+    let w = random_matrix(&mut rng, QKind::Q4, 40, 64);
+    let full = w.dequantize();
+    let ids = [3i64, 39, 0, 3];
+    let mut out = vec![0.0; ids.len() * 64];
+    w.gather_rows(&ids, &mut out).unwrap();
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(&out[i * 64..][..64], &full[id as usize * 64..][..64]);
+    }
+    assert!(w.gather_rows(&[40], &mut out[..64]).is_err());
+    assert!(w.gather_rows(&[-1], &mut out[..64]).is_err());
+    assert!(w.gather_rows(&[1], &mut out).is_err());
+}
+
+#[test]
+fn large_batches_quantize_activations_in_parallel_with_the_same_result() {
+    // 300 × 512 activations: big enough for several quantization parts.
+    let mut rng = Rng(13);
+    let (m, n, k) = (300, 33, 512);
+    let w = random_matrix(&mut rng, QKind::Q4, n, k);
+    let x: Vec<f32> = rng.floats(m * k);
+    let (want, bound) = reference(&w, &x, m);
+    let mut outs = Vec::new();
+    for threads in [1, 4] {
+        let mut out = vec![0.0; m * n];
+        w.matmul(
+            &x,
+            m,
+            &mut out,
+            &MatmulOpts {
+                threads,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        for i in 0..m * n {
+            assert!(
+                (out[i] as f64 - want[i]).abs() <= bound[i] + 2.0 * EPS * (want[i].abs() + 1.0)
+            );
+        }
+        outs.push(out);
+    }
+    assert_eq!(outs[0], outs[1]);
+}
