@@ -183,9 +183,20 @@ impl QMatrix {
 }
 
 fn epilogue(out: &mut [f32], vals: &[f32], bias: Option<&[f32]>, accumulate: bool) {
-    for (c, (o, &v)) in out.iter_mut().zip(vals).enumerate() {
-        let v = v + bias.map_or(0.0, |b| b[c]);
-        *o = if accumulate { *o + v } else { v };
+    // One loop per case, so each vectorises without per-element branches.
+    match (bias, accumulate) {
+        (None, false) => out.copy_from_slice(vals),
+        (None, true) => out.iter_mut().zip(vals).for_each(|(o, &v)| *o += v),
+        (Some(b), false) => {
+            for ((o, &v), &b) in out.iter_mut().zip(vals).zip(b) {
+                *o = v + b;
+            }
+        }
+        (Some(b), true) => {
+            for ((o, &v), &b) in out.iter_mut().zip(vals).zip(b) {
+                *o += v + b;
+            }
+        }
     }
 }
 
