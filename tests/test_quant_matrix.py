@@ -114,6 +114,25 @@ def test_gather_is_the_embedding_lookup() -> None:
         q.gather([50])
 
 
+def test_dequantize_into_a_bf16_tensor() -> None:
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
+    q = QuantMatrix.from_float(w.numpy(), 4, 32)
+    ref = torch.from_numpy(q.dequantize())
+    out = torch.empty(40, 64, dtype=torch.bfloat16)
+    q.dequantize(out.view(torch.int16).numpy(), threads=2)
+    assert torch.equal(out, ref.to(torch.bfloat16))  # both round to nearest even
+    f = torch.empty(40, 64)
+    q.dequantize(f.numpy(), threads=3)
+    assert torch.equal(f, ref)
+    for bad in [
+        np.zeros((40, 64), np.float64),
+        np.zeros((40, 63), np.float32),
+        np.zeros((64, 40), np.int16).T,
+    ]:
+        with pytest.raises(ValueError, match="^out"):
+            q.dequantize(bad)
+
+
 def test_quantization_is_close_to_float() -> None:
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 512, generator=g), torch.randn(5, 512, generator=g)

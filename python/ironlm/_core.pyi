@@ -86,8 +86,10 @@ class QuantMatrix:
     ) -> npt.NDArray[np.float32]:
         """Rows ``ids`` dequantized into ``out [len(ids), cols]`` (new when ``None``): the embedding lookup of a
         quantized (e.g. tied) table. Returns ``out``."""
-    def dequantize(self) -> npt.NDArray[np.float32]:
-        """The float32 weights ``[rows, cols]``."""
+    def dequantize(self, out: npt.NDArray[np.float32 | np.int16] | None = None, threads: int = 1) -> npt.NDArray:
+        """The weights ``[rows, cols]``: a new float32 array, or into ``out`` (float32, or int16/uint16 receiving bf16
+        bits rounded to nearest even: ``bf16_tensor.view(torch.int16).numpy()``) on ``threads`` parts. Returns the
+        array written. The large-batch fallback (a dense bf16 mm beats int8 dot products on AMX CPUs from M ~ 32)."""
     @property
     def nbytes(self) -> int:
         """Resident bytes of the packed weights (about 6 bits a weight for q4, 10 for q8)."""

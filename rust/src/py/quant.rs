@@ -1,11 +1,11 @@
 //! `QuantMatrix`: a block-quantized weight matrix of `crate::quant` and its matmul over numpy
 //! views of torch tensors (zero-copy: `tensor.numpy()`), run with the GIL released.
 
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods, ToPyArray};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::value_error;
-use crate::quant::{Isa, MatmulOpts, QMatrix};
+use crate::quant::{DequantOut, Isa, MatmulOpts, QMatrix};
 
 #[pyclass(name = "QuantMatrix", module = "ironlm._core", frozen)]
 pub struct PyQuantMatrix {
@@ -186,11 +186,61 @@ impl PyQuantMatrix {
         Ok(out)
     }
 
-    /// The float32 weights `[rows, cols]`.
-    fn dequantize<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    /// The weights `[rows, cols]`: into `out` when given (float32, or int16/uint16 receiving
+    /// bf16 bits, e.g. `bf16_tensor.view(torch.int16).numpy()`), else a new float32 array.
+    /// Returns the array written.
+    #[pyo3(signature = (out = None, threads = 1))]
+    fn dequantize<'py>(
+        &self,
+        py: Python<'py>,
+        out: Option<&Bound<'py, PyAny>>,
+        threads: i64,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let w = &self.inner;
-        let flat = py.detach(|| w.dequantize());
-        flat.to_pyarray(py).reshape([w.rows(), w.cols()])
+        let threads = super::count_arg("threads", threads, 1)?;
+        let shape = [w.rows(), w.cols()];
+        let out = match out {
+            Some(o) => o.clone(),
+            None => PyArray2::<f32>::zeros(py, shape, false).into_any(),
+        };
+        let check = |a: &Bound<'py, PyUntypedArray>| -> PyResult<()> {
+            if a.shape() != shape || !a.is_c_contiguous() {
+                let r = format!(
+                    "must be a C-contiguous {shape:?} array, got {:?}",
+                    a.shape()
+                );
+                return Err(value_error("out", r));
+            }
+            Ok(())
+        };
+        let untyped = out
+            .cast::<PyUntypedArray>()
+            .map_err(|_| value_error("out", "expected a numpy array"))?;
+        check(untyped)?;
+        let writable = |e| value_error("out", format!("cannot be written ({e})"));
+        if let Ok(a) = out.cast::<PyArray2<f32>>() {
+            let mut rw = a.try_readwrite().map_err(writable)?;
+            let o = rw.as_slice_mut().map_err(|e| value_error("out", e))?;
+            py.detach(|| w.dequantize_into(DequantOut::F32(o), threads))?;
+        } else if let Ok(a) = out.cast::<PyArray2<i16>>() {
+            let mut rw = a.try_readwrite().map_err(writable)?;
+            let o = rw.as_slice_mut().map_err(|e| value_error("out", e))?;
+            // SAFETY: i16 and u16 have one size and alignment; only bit patterns are written.
+            let o: &mut [u16] =
+                unsafe { std::slice::from_raw_parts_mut(o.as_mut_ptr().cast(), o.len()) };
+            py.detach(|| w.dequantize_into(DequantOut::Bf16(o), threads))?;
+        } else if let Ok(a) = out.cast::<PyArray2<u16>>() {
+            let mut rw = a.try_readwrite().map_err(writable)?;
+            let o = rw.as_slice_mut().map_err(|e| value_error("out", e))?;
+            py.detach(|| w.dequantize_into(DequantOut::Bf16(o), threads))?;
+        } else {
+            let r = format!(
+                "expected float32, or int16/uint16 for bf16 bits, got {}",
+                untyped.dtype()
+            );
+            return Err(value_error("out", r));
+        }
+        Ok(out)
     }
 
     /// Resident bytes of the packed weights.

@@ -219,9 +219,8 @@ fn tile_scalar(
             for b in 0..nb {
                 let blk = &blocks[b * bb..][..bb];
                 let xq = &a.q[i * a.k + b * BLOCK..][..BLOCK];
-                let isum: i32 = (0..BLOCK)
-                    .map(|c| QMatrix::quant_at(kind, blk, row, c) as i32 * xq[c] as i32)
-                    .sum();
+                let q = super::dequant::unpack(kind, blk, row);
+                let isum: i32 = q.iter().zip(xq).map(|(&w, &x)| w as i32 * x as i32).sum();
                 let (s, min) = QMatrix::scale_min_at(kind, blk, row);
                 acc += isum as f32 * (s * a.scale[i * nb + b]);
                 acc += min * a.sum[i * nb + b];

@@ -34,6 +34,7 @@
 //! threads split the groups.
 
 mod act;
+mod dequant;
 pub mod ggml;
 mod kernel;
 #[cfg(target_arch = "x86_64")]
@@ -42,6 +43,7 @@ mod x86;
 #[cfg(test)]
 mod tests;
 
+pub use dequant::DequantOut;
 pub use kernel::{Isa, MatmulOpts};
 
 use crate::error::{CoreError, CoreResult};
@@ -210,21 +212,6 @@ impl QMatrix {
         }
     }
 
-    /// Quant `c` (0..32) of row `r` (0..16) in a packed block.
-    pub(crate) fn quant_at(kind: QKind, blk: &[u8], r: usize, c: usize) -> u8 {
-        match kind {
-            QKind::Q8 => blk[(c / 4) * 64 + r * 4 + c % 4],
-            QKind::Q4 => {
-                let byte = blk[((c / 4) % 4) * 64 + r * 4 + c % 4];
-                if c >= 16 {
-                    byte >> 4
-                } else {
-                    byte & 0x0F
-                }
-            }
-        }
-    }
-
     /// `(scale, min)` of row `r` in a packed block.
     pub(crate) fn scale_min_at(kind: QKind, blk: &[u8], r: usize) -> (f32, f32) {
         let qb = kind.quant_bytes();
@@ -238,19 +225,14 @@ impl QMatrix {
         let blk = &self.group(row / ROWS)[b * bb..][..bb];
         let r = row % ROWS;
         let (s, m) = Self::scale_min_at(self.kind, blk, r);
-        (
-            s,
-            m,
-            std::array::from_fn(|c| Self::quant_at(self.kind, blk, r, c)),
-        )
+        (s, m, dequant::unpack(self.kind, blk, r))
     }
 
     /// The f32 weights `[rows, cols]`: `scale * q + min` per element.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.rows * self.cols];
-        let ids: Vec<i64> = (0..self.rows as i64).collect();
-        self.gather_rows(&ids, &mut out)
-            .expect("every row id is in range");
+        self.dequantize_into(DequantOut::F32(&mut out), 1)
+            .expect("out has rows * cols elements");
         out
     }
 

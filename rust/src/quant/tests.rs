@@ -481,3 +481,48 @@ fn large_batches_quantize_activations_in_parallel_with_the_same_result() {
     }
     assert_eq!(outs[0], outs[1]);
 }
+
+#[test]
+fn dequantize_into_f32_and_bf16_over_threads() {
+    use super::DequantOut;
+    let mut rng = Rng(21);
+    for kind in [QKind::Q8, QKind::Q4] {
+        let (n, k) = (53, 96);
+        let w = random_matrix(&mut rng, kind, n, k);
+        // Reference: scale * q + min from the block accessors.
+        let mut want = vec![0.0f32; n * k];
+        for row in 0..n {
+            for b in 0..k / BLOCK {
+                let (s, m, q) = w.block(row, b);
+                for c in 0..BLOCK {
+                    want[row * k + b * BLOCK + c] = s * q[c] as f32 + m;
+                }
+            }
+        }
+        for threads in [1, 2, 5] {
+            let mut f = vec![0.0f32; n * k];
+            w.dequantize_into(DequantOut::F32(&mut f), threads).unwrap();
+            assert_eq!(f, want, "{kind:?} threads {threads}");
+            let mut h = vec![0u16; n * k];
+            w.dequantize_into(DequantOut::Bf16(&mut h), threads)
+                .unwrap();
+            for (&b, &v) in h.iter().zip(&want) {
+                let back = f32::from_bits((b as u32) << 16);
+                // Nearest bf16: within half a bf16 ulp (2^-8 relative).
+                assert!((back - v).abs() <= v.abs() * 2f32.powi(-8), "{v} -> {back}");
+            }
+        }
+        assert!(w
+            .dequantize_into(DequantOut::F32(&mut [0.0; 3]), 1)
+            .is_err());
+    }
+    // Ties go to even: 1 + 2^-8 (bf16 halfway between 1 and 1 + 2^-7) rounds down to 1.
+    assert_eq!(
+        <u16 as super::dequant::Elem>::from_f32(1.0 + 2f32.powi(-8)),
+        0x3F80
+    );
+    assert_eq!(
+        <u16 as super::dequant::Elem>::from_f32(1.0 + 3.0 * 2f32.powi(-8)),
+        0x3F82
+    );
+}
