@@ -2,6 +2,7 @@
 //! run a register tile of up to `Isa::tile_rows()` activation rows against its blocks. Each
 //! group's blocks (≤ 10 KiB per 576 columns) stay in L1 while every tile of `x` streams past.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use super::act::{self, QActs};
@@ -103,7 +104,7 @@ impl Default for MatmulOpts<'_> {
 /// Runs one tile: `(kind, group blocks, blocks per row, activations, first row, rows, out)`.
 type TileFn = fn(QKind, &[u8], usize, &QActs, usize, usize, &mut Tile);
 
-/// The output pointer shared by the parts: each writes only its own groups' columns.
+/// The output pointer shared by the parts: each writes only the columns of the groups it claimed.
 struct OutPtr(*mut f32);
 // SAFETY: the parts write disjoint column ranges of `out` (see `matmul`), and `run_parts`
 // returns only after all of them finish.
@@ -156,24 +157,44 @@ impl QMatrix {
         };
         let (groups, nb, mr) = (self.groups(), self.blocks_per_row(), isa.tile_rows());
         let parts = opts.threads.clamp(1, groups);
+        // Each part owns a contiguous range of groups (so repeated calls find the same weights
+        // in the same core's cache) and hands it out in small chunks; a part that finishes
+        // takes chunks from the others. A thread that falls behind (descheduled on a shared
+        // machine) then delays the call by about a chunk, not by its whole share; the join
+        // still waits for every thread to arrive once.
+        let chunk = (groups / (8 * parts)).max(1);
+        let next: Vec<AtomicUsize> = (0..parts)
+            .map(|p| AtomicUsize::new(groups * p / parts))
+            .collect();
         let dst = OutPtr(out.as_mut_ptr());
         let dst = &dst;
         crate::parallel::run_parts(parts, &|p| {
             let mut res: Tile = [[0.0; ROWS]; 8];
-            for g in groups * p / parts..groups * (p + 1) / parts {
-                let blocks = self.group(g);
-                let cols = ROWS.min(n - g * ROWS);
-                for i0 in (0..m).step_by(mr) {
-                    let rows = mr.min(m - i0);
-                    tile(self.kind, blocks, nb, &acts, i0, rows, &mut res);
-                    for (r, vals) in res[..rows].iter().enumerate() {
-                        // SAFETY: row i0 + r < m and columns g*16 .. g*16 + cols < n lie inside
-                        // `out`; only part p touches group g's columns.
-                        let o = unsafe {
-                            std::slice::from_raw_parts_mut(dst.0.add((i0 + r) * n + g * ROWS), cols)
-                        };
-                        let bias = opts.bias.map(|b| &b[g * ROWS..g * ROWS + cols]);
-                        epilogue(o, &vals[..cols], bias, opts.accumulate);
+            for owner in (0..parts).map(|i| (p + i) % parts) {
+                let end = groups * (owner + 1) / parts;
+                loop {
+                    let first = next[owner].fetch_add(chunk, Ordering::Relaxed);
+                    if first >= end {
+                        break;
+                    }
+                    for g in first..(first + chunk).min(end) {
+                        let blocks = self.group(g);
+                        let cols = ROWS.min(n - g * ROWS);
+                        for i0 in (0..m).step_by(mr) {
+                            let rows = mr.min(m - i0);
+                            tile(self.kind, blocks, nb, &acts, i0, rows, &mut res);
+                            for (r, vals) in res[..rows].iter().enumerate() {
+                                // SAFETY: row i0 + r < m and columns g*16 .. g*16 + cols < n
+                                // lie inside `out`; `fetch_add` hands each group to exactly
+                                // one part, so no other thread touches these columns.
+                                let o = unsafe {
+                                    let at = dst.0.add((i0 + r) * n + g * ROWS);
+                                    std::slice::from_raw_parts_mut(at, cols)
+                                };
+                                let bias = opts.bias.map(|b| &b[g * ROWS..g * ROWS + cols]);
+                                epilogue(o, &vals[..cols], bias, opts.accumulate);
+                            }
+                        }
                     }
                 }
             }
