@@ -133,6 +133,17 @@ def test_dequantize_into_a_bf16_tensor() -> None:
             q.dequantize(bad)
 
 
+def test_concat_stacks_rows() -> None:
+    g = torch.Generator().manual_seed(3)
+    a = QuantMatrix.from_float(torch.randn(20, 64, generator=g).numpy(), 4, 32)
+    b = QuantMatrix.from_float(torch.randn(9, 64, generator=g).numpy(), 8, 0)
+    qkv = QuantMatrix.concat([a, b])
+    assert (qkv.rows, qkv.cols, qkv.kind) == (29, 64, "q8")
+    np.testing.assert_array_equal(qkv.dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
+    with pytest.raises(ValueError, match="^parts"):
+        QuantMatrix.concat([a, QuantMatrix.from_float(np.ones((2, 32), np.float32))])
+
+
 def test_quantization_is_close_to_float() -> None:
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 512, generator=g), torch.randn(5, 512, generator=g)

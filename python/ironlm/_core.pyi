@@ -69,6 +69,11 @@ class QuantMatrix:
     def from_float(weight: npt.NDArray[np.float32], bits: int = 8, group_size: int = 0) -> QuantMatrix:
         """Round-to-nearest: 8 bits symmetric, 4 bits asymmetric, one scale per ``group_size`` weights of a row (a
         multiple of 32 dividing ``cols``; 0 = per output channel)."""
+    @staticmethod
+    def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
+        """The rows of ``parts`` stacked (q, k, v into one qkv matrix; gate and up into one): one matmul then
+        quantizes the activations once. q4 parts widen to q8 losslessly when any part is q8 (e.g. Q4_K q/k with a
+        Q6_K v)."""
     def matmul(
         self,
         x: npt.NDArray[np.float32],

@@ -82,6 +82,15 @@ impl PyQuantMatrix {
         Ok(Self { inner })
     }
 
+    /// The rows of `parts` stacked (e.g. q, k, v into one qkv matrix); q4 parts widen to q8
+    /// losslessly when any part is q8.
+    #[staticmethod]
+    fn concat(py: Python<'_>, parts: Vec<PyRef<'_, PyQuantMatrix>>) -> PyResult<Self> {
+        let refs: Vec<&QMatrix> = parts.iter().map(|p| &p.inner).collect();
+        let inner = py.detach(|| QMatrix::concat(&refs))?;
+        Ok(Self { inner })
+    }
+
     /// `x @ W^T` for a float32 `x [m, cols]` into `out [m, rows]` (a new array when `None`; with
     /// `accumulate`, `out += x @ W^T`), plus `bias [rows]`. Returns `out`.
     #[pyo3(signature = (x, out = None, accumulate = false, bias = None, threads = 1, isa = None))]

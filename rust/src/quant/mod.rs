@@ -243,6 +243,52 @@ impl QMatrix {
         out
     }
 
+    /// The unpacked blocks of every row.
+    fn unpack_all(&self) -> Blocks {
+        let (nb, mut b) = (self.blocks_per_row(), Blocks::new(self.rows, self.cols));
+        for row in 0..self.rows {
+            for blk in 0..nb {
+                let (s, m, q) = self.block(row, blk);
+                b.q[(row * nb + blk) * BLOCK..][..BLOCK].copy_from_slice(&q);
+                b.scale[row * nb + blk] = s;
+                b.min[row * nb + blk] = m;
+            }
+        }
+        b
+    }
+
+    /// The rows of `parts` stacked into one matrix (e.g. q, k and v into one qkv projection, so
+    /// one call quantizes the activations once and streams all three). Q4 parts join a Q8
+    /// result losslessly (same scales and mins, 4-bit quants widened) when any part is Q8.
+    pub fn concat(parts: &[&QMatrix]) -> CoreResult<QMatrix> {
+        let Some(first) = parts.first() else {
+            return Err(CoreError::invalid("parts", "needs at least one matrix"));
+        };
+        let cols = first.cols;
+        if let Some(p) = parts.iter().find(|p| p.cols != cols) {
+            let r = format!("all parts need the same cols, got {} and {}", cols, p.cols);
+            return Err(CoreError::invalid("parts", r));
+        }
+        let kind = if parts.iter().any(|p| p.kind == QKind::Q8) {
+            QKind::Q8
+        } else {
+            QKind::Q4
+        };
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let mut all = Blocks {
+            q: Vec::new(),
+            scale: Vec::new(),
+            min: Vec::new(),
+        };
+        for p in parts {
+            let b = p.unpack_all();
+            all.q.extend(b.q);
+            all.scale.extend(b.scale);
+            all.min.extend(b.min);
+        }
+        Ok(Self::pack(rows, cols, kind, &all))
+    }
+
     /// Rows `ids` dequantized into `out[ids.len(), cols]`: the embedding lookup of a quantized
     /// (e.g. tied LM head) table.
     pub fn gather_rows(&self, ids: &[i64], out: &mut [f32]) -> CoreResult<()> {

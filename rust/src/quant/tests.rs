@@ -526,3 +526,35 @@ fn dequantize_into_f32_and_bf16_over_threads() {
         0x3F82
     );
 }
+
+#[test]
+fn concat_stacks_rows_and_widens_q4_losslessly() {
+    let mut rng = Rng(23);
+    let a = random_matrix(&mut rng, QKind::Q4, 20, 64);
+    let b = random_matrix(&mut rng, QKind::Q8, 7, 64);
+    let c = random_matrix(&mut rng, QKind::Q4, 16, 64);
+    let q4 = QMatrix::concat(&[&a, &c]).unwrap();
+    assert_eq!((q4.kind(), q4.rows(), q4.cols()), (QKind::Q4, 36, 64));
+    assert_eq!(q4.dequantize(), [a.dequantize(), c.dequantize()].concat());
+    let mixed = QMatrix::concat(&[&a, &b, &c]).unwrap();
+    assert_eq!((mixed.kind(), mixed.rows()), (QKind::Q8, 43));
+    let want = [a.dequantize(), b.dequantize(), c.dequantize()].concat();
+    assert_eq!(mixed.dequantize(), want);
+    // The stacked matmul is the parts' matmuls side by side (same activation quantization).
+    let x = rng.floats(3 * 64);
+    let mut whole = vec![0.0; 3 * 43];
+    mixed
+        .matmul(&x, 3, &mut whole, &MatmulOpts::default())
+        .unwrap();
+    let mut pa = vec![0.0; 3 * 20];
+    a.matmul(&x, 3, &mut pa, &MatmulOpts::default()).unwrap();
+    for i in 0..3 {
+        for j in 0..20 {
+            let (u, v) = (whole[i * 43 + j], pa[i * 20 + j]);
+            assert!((u - v).abs() <= 1e-5 * (1.0 + v.abs()), "{u} vs {v}");
+        }
+    }
+    let other = random_matrix(&mut rng, QKind::Q4, 4, 32);
+    assert!(QMatrix::concat(&[&a, &other]).is_err());
+    assert!(QMatrix::concat(&[]).is_err());
+}
