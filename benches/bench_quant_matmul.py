@@ -7,6 +7,8 @@ On SmolLM2-135M's linear shapes, `out = x @ W^T` with x float32 [M, K]:
 - torch `_weight_int8pack_mm` (int8 per channel) and `_weight_int4pack_mm_for_cpu` (int4, groups of 32), fp32 x;
 - `torch.mm` on fp32 and bf16 weights (bf16 x).
 Prints a markdown table: median time, GB/s of weight bytes read, GFLOP/s, and the fastest per row.
+`--decode-step` instead times every matmul of one batch-1 decode step of the default GGUF model (q, k, v and
+gate, up fused with `QuantMatrix.concat`, the tied Q8_0 LM head), against dense fp32 and bf16 torch.mm.
 """
 
 from __future__ import annotations
@@ -118,6 +120,53 @@ def median_time(fn: Callable[[], object], budget: float, clock: Callable[[], flo
     return statistics.median(times)
 
 
+def decode_step(threads: int, budget: float, clock: Callable[[], float]) -> None:
+    import numpy as np
+
+    from ironlm.model import default_model_path
+    from ironlm.model.gguf import GGUFFile
+
+    gf = GGUFFile(default_model_path())
+    layers = 1 + max(int(n.split(".")[1]) for n in gf.tensors if n.startswith("blk."))
+
+    def load(name: str) -> QuantMatrix:
+        info = gf.tensors[name]
+        return QuantMatrix.from_ggml(gf.raw(info), info.ggml_type, *info.shape)
+
+    mats: list[QuantMatrix] = []
+    for i in range(layers):
+        b = f"blk.{i}."
+        mats.append(QuantMatrix.concat([load(b + t + ".weight") for t in ("attn_q", "attn_k", "attn_v")]))
+        mats.append(load(b + "attn_output.weight"))
+        mats.append(QuantMatrix.concat([load(b + t + ".weight") for t in ("ffn_gate", "ffn_up")]))
+        mats.append(load(b + "ffn_down.weight"))
+    mats.append(load("output.weight" if "output.weight" in gf.tensors else "token_embd.weight"))
+    xs = [np.random.default_rng(0).standard_normal((1, m.cols), dtype=np.float32) for m in mats]
+    outs = [np.empty((1, m.rows), np.float32) for m in mats]
+
+    def quant_step() -> None:
+        for m, x, o in zip(mats, xs, outs):
+            m.matmul(x, out=o, threads=threads)
+
+    nbytes = sum(m.nbytes for m in mats)
+    t = median_time(quant_step, budget, clock)
+    print(
+        f"| ironlm {'/'.join(sorted({m.kind for m in mats}))} | {nbytes / 1e6:.1f} | {t * 1e3:.2f} | {nbytes / t / 1e9:.1f} |"
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        ws = [torch.from_numpy(m.dequantize()).to(dtype) for m in mats]
+        tx = [torch.from_numpy(x).to(dtype) for x in xs]
+
+        def dense_step(ws: list[torch.Tensor] = ws, tx: list[torch.Tensor] = tx) -> None:
+            for w, x in zip(ws, tx):
+                torch.mm(x, w.T)
+
+        nb = sum(w.numel() * w.element_size() for w in ws)
+        t = median_time(dense_step, budget, clock)
+        print(f"| torch.mm {dtype} | {nb / 1e6:.1f} | {t * 1e3:.2f} | {nb / t / 1e9:.1f} |")
+    gf.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 512], help="activation rows")
@@ -129,6 +178,9 @@ def main() -> None:
         choices=["wall", "thread"],
         default="wall",
         help="thread: CPU time of this thread (needs --threads 1; per-core figures that hold on a loaded box)",
+    )
+    ap.add_argument(
+        "--decode-step", action="store_true", help="time one batch-1 decode step's matmuls instead"
     )
     args = ap.parse_args()
     if args.clock == "thread" and args.threads != 1:
@@ -142,6 +194,10 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} threads; ironlm kernel path: {best} (of {', '.join(isas)})"
     )
     print(f"load average at start: {os.getloadavg()[0]:.2f}\n")
+    if args.decode_step:
+        print("| decode step, M = 1 | weight MB | ms | GB/s |\n|---|---|---|---|")
+        decode_step(args.threads, args.budget, clock)
+        return
     names: list[str] | None = None
     for shape in args.shapes:
         k, n = SHAPES[shape]
