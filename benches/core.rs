@@ -311,11 +311,50 @@ fn bench_attention(c: &mut Criterion) {
     g.finish();
 }
 
+/// The quantized matmul on SmolLM2-135M's shapes, one thread, at M = 1 (decode) and M = 64
+/// (a batch): throughput is weight bytes streamed per second.
+fn bench_quant(c: &mut Criterion) {
+    use criterion::Throughput;
+    use ironlm_core::quant::{MatmulOpts, QMatrix};
+    const SHAPES: [(&str, usize, usize); 5] = [
+        ("qkv", 576, 960),
+        ("o", 576, 576),
+        ("gate_up", 576, 3072),
+        ("down", 1536, 576),
+        ("lm_head", 576, 49152),
+    ];
+    let mut rng = Rng(5);
+    let mut floats = |len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|_| (rng.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect()
+    };
+    let mut g = c.benchmark_group("quant_matmul");
+    g.sample_size(10).measurement_time(Duration::from_secs(2));
+    for (name, k, n) in SHAPES {
+        let w = floats(n * k);
+        for bits in [4, 8] {
+            let q = QMatrix::quantize(&w, n, k, bits, 32).unwrap();
+            g.throughput(Throughput::Bytes(q.nbytes() as u64));
+            for m in [1, 64] {
+                let x = floats(m * k);
+                let mut out = vec![0.0f32; m * n];
+                let id = BenchmarkId::new(format!("{name}_{k}x{n}_q{bits}"), format!("m{m}"));
+                g.bench_function(id, |b| {
+                    b.iter(|| q.matmul(black_box(&x), m, &mut out, &MatmulOpts::default()))
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     bench_block,
     bench_radix,
     bench_scheduler,
-    bench_attention
+    bench_attention,
+    bench_quant
 );
 criterion_main!(benches);

@@ -113,6 +113,61 @@ def parallel_runtime() -> str:
     """Where the CPU kernels run their threads: ``"openmp"`` (the pool of the OpenMP runtime torch links, found
     among the loaded libraries) or ``"threads"`` (their own scoped threads)."""
 
+def quant_isas() -> tuple[str, list[str]]:
+    """The SIMD path ``QuantMatrix.matmul`` picks on this CPU, and all paths it can run (``"scalar"``, ``"avx2"``,
+    ``"avx_vnni"``, ``"avx512_vnni"``)."""
+
+class QuantMatrix:
+    """A weight matrix ``[rows, cols]`` (``[out_features, in_features]``) kept block-quantized: every 32 weights of
+    a row are ``scale * q + min``, ``q`` 8- or 4-bit unsigned. ``matmul`` quantizes ``x`` to int8 per 32-block and runs
+    integer dot products (AVX-512 VNNI / AVX-VNNI / AVX2 / scalar); its only error beyond f32 rounding is that
+    activation rounding, at most ``amax(x_block) / 254 * sum(|w_block|)`` per block."""
+
+    @staticmethod
+    def from_ggml(raw: npt.NDArray[np.uint8], ggml_type: int, rows: int, cols: int) -> QuantMatrix:
+        """From a GGUF tensor's raw bytes: Q4_0 (2), Q4_1 (3), Q4_K (12) exactly as 4-bit; Q8_0 (8), Q5_K (13)
+        exactly and Q6_K (14) within 1/8 of its step as 8-bit. ``cols`` is ggml's first dimension."""
+    @staticmethod
+    def from_float(weight: npt.NDArray[np.float32], bits: int = 8, group_size: int = 0) -> QuantMatrix:
+        """Round-to-nearest: 8 bits symmetric, 4 bits asymmetric, one scale per ``group_size`` weights of a row (a
+        multiple of 32 dividing ``cols``; 0 = per output channel)."""
+    @staticmethod
+    def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
+        """The rows of ``parts`` stacked (q, k, v into one qkv matrix; gate and up into one): one matmul then
+        quantizes the activations once. q4 parts widen to q8 losslessly when any part is q8 (e.g. Q4_K q/k with a
+        Q6_K v)."""
+    def matmul(
+        self,
+        x: npt.NDArray[np.float32],
+        out: npt.NDArray[np.float32] | None = None,
+        accumulate: bool = False,
+        bias: npt.NDArray[np.float32] | None = None,
+        threads: int = 1,
+        isa: str | None = None,
+    ) -> npt.NDArray[np.float32]:
+        """``out[m, rows] = x[m, cols] @ W^T (+ bias)``, or ``out += ...`` with ``accumulate`` (the residual add);
+        C-contiguous float32 arrays (``tensor.numpy()`` views work in place). Returns ``out`` (a new array when
+        ``None``). Runs on torch's OpenMP pool with ``threads`` parts, GIL released."""
+    def gather(
+        self, ids: npt.NDArray[np.int64] | Sequence[int], out: npt.NDArray[np.float32] | None = None
+    ) -> npt.NDArray[np.float32]:
+        """Rows ``ids`` dequantized into ``out [len(ids), cols]`` (new when ``None``): the embedding lookup of a
+        quantized (e.g. tied) table. Returns ``out``."""
+    def dequantize(self, out: npt.NDArray[np.float32 | np.int16] | None = None, threads: int = 1) -> npt.NDArray:
+        """The weights ``[rows, cols]``: a new float32 array, or into ``out`` (float32, or int16/uint16 receiving bf16
+        bits rounded to nearest even: ``bf16_tensor.view(torch.int16).numpy()``) on ``threads`` parts. Returns the
+        array written. The large-batch fallback (a dense bf16 mm beats int8 dot products on AMX CPUs from M ~ 32)."""
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the packed weights (about 6 bits a weight for q4, 10 for q8)."""
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cols(self) -> int: ...
+    @property
+    def kind(self) -> str:
+        """``"q8"`` or ``"q4"``."""
+
 @final
 class BlockAllocator:
     """Test-only: present when built with the cargo feature ``test-bindings`` (``make develop``).

@@ -6,6 +6,7 @@ pub mod ops;
 pub mod ops_cpu;
 pub mod ops_decode;
 pub mod ops_elem;
+pub mod quant;
 pub mod radix;
 
 pub mod error;

@@ -19,6 +19,7 @@ mod attn;
 #[cfg(feature = "test-bindings")]
 mod kv;
 mod ops;
+mod quant;
 #[cfg(feature = "test-bindings")]
 mod queue;
 mod sched;
@@ -242,6 +243,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::rope_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(ops::silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(ops::cpu_features, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quant_isas, m)?)?;
+    m.add_class::<quant::PyQuantMatrix>()?;
     #[cfg(feature = "test-bindings")]
     {
         m.add_class::<kv::PyBlockAllocator>()?;

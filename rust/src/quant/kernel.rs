@@ -1,0 +1,252 @@
+//! The matmul driver: quantize `x` once, split the row groups over threads, and for each group
+//! run a register tile of up to `Isa::tile_rows()` activation rows against its blocks. Each
+//! group's blocks (≤ 10 KiB per 576 columns) stay in L1 while every tile of `x` streams past.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use super::act::{self, QActs};
+use super::{QKind, QMatrix, BLOCK, ROWS};
+use crate::error::{CoreError, CoreResult};
+
+/// One tile's result: up to 8 activation rows × the 16 rows of a group.
+pub(crate) type Tile = [[f32; ROWS]; 8];
+
+/// A SIMD path of the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, any CPU.
+    Scalar,
+    /// AVX2 `vpmaddubsw` (x86-64-v3).
+    Avx2,
+    /// AVX-VNNI `vpdpbusd` on 256-bit vectors.
+    AvxVnni,
+    /// AVX-512 VNNI `vpdpbusd` on 512-bit vectors.
+    Avx512Vnni,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avx_vnni",
+            Isa::Avx512Vnni => "avx512_vnni",
+        }
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma");
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2,
+                Isa::AvxVnni => avx2 && has!("avxvnni"),
+                Isa::Avx512Vnni => has!("avx512f") && has!("avx512bw") && has!("avx512vnni"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
+        }
+    }
+
+    /// The fastest path this CPU has.
+    pub fn best() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let rank = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2];
+            rank.into_iter()
+                .find(|i| i.available())
+                .unwrap_or(Isa::Scalar)
+        })
+    }
+
+    /// Activation rows per register tile (16 ymm registers hold 2 rows' accumulators).
+    fn tile_rows(self) -> usize {
+        match self {
+            Isa::Avx512Vnni => 8,
+            Isa::Scalar => 4,
+            Isa::Avx2 | Isa::AvxVnni => 2,
+        }
+    }
+}
+
+/// Options of [`QMatrix::matmul`].
+#[derive(Clone, Copy, Debug)]
+pub struct MatmulOpts<'a> {
+    /// `out += x @ W^T` (e.g. the residual add) instead of `out = x @ W^T`.
+    pub accumulate: bool,
+    /// Added to every output row, `[rows]`.
+    pub bias: Option<&'a [f32]>,
+    /// Threads (parts of the row groups); at most one per group is used.
+    pub threads: usize,
+    /// Force a SIMD path (tests, benches); `None` = [`Isa::best`].
+    pub isa: Option<Isa>,
+}
+
+impl Default for MatmulOpts<'_> {
+    fn default() -> Self {
+        MatmulOpts {
+            accumulate: false,
+            bias: None,
+            threads: 1,
+            isa: None,
+        }
+    }
+}
+
+/// Runs one tile: `(kind, group blocks, blocks per row, activations, first row, rows, out)`.
+type TileFn = fn(QKind, &[u8], usize, &QActs, usize, usize, &mut Tile);
+
+/// The output pointer shared by the parts: each writes only the columns of the groups it claimed.
+struct OutPtr(*mut f32);
+// SAFETY: the parts write disjoint column ranges of `out` (see `matmul`), and `run_parts`
+// returns only after all of them finish.
+unsafe impl Sync for OutPtr {}
+
+impl QMatrix {
+    /// `out[m, rows] = x[m, cols] @ W^T` (`+=` with `opts.accumulate`, `+ bias`), all f32
+    /// row-major.
+    pub fn matmul(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        opts: &MatmulOpts,
+    ) -> CoreResult<()> {
+        let (n, k) = (self.rows, self.cols);
+        if x.len() != m * k {
+            let r = format!("has {} elements, expected m * cols = {m} * {k}", x.len());
+            return Err(CoreError::invalid("x", r));
+        }
+        if out.len() != m * n {
+            let r = format!("has {} elements, expected m * rows = {m} * {n}", out.len());
+            return Err(CoreError::invalid("out", r));
+        }
+        if let Some(b) = opts.bias {
+            if b.len() != n {
+                let r = format!("has {} elements, expected rows = {n}", b.len());
+                return Err(CoreError::invalid("bias", r));
+            }
+        }
+        let isa = opts.isa.unwrap_or_else(Isa::best);
+        if !isa.available() {
+            let r = format!("{} is not supported by this CPU", isa.name());
+            return Err(CoreError::invalid("isa", r));
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        let acts = act::quantize(x, m, k, opts.threads);
+        let tile: TileFn = match isa {
+            Isa::Scalar => tile_scalar,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::x86::tile_avx2,
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => super::x86::tile_avx_vnni,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => super::x86::tile_avx512_vnni,
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("only Scalar is available"),
+        };
+        let (groups, nb, mr) = (self.groups(), self.blocks_per_row(), isa.tile_rows());
+        let parts = opts.threads.clamp(1, groups);
+        // Each part owns a contiguous range of groups (so repeated calls find the same weights
+        // in the same core's cache) and hands it out in small chunks; a part that finishes
+        // takes chunks from the others. A thread that falls behind (descheduled on a shared
+        // machine) then delays the call by about a chunk, not by its whole share; the join
+        // still waits for every thread to arrive once.
+        let chunk = (groups / (8 * parts)).max(1);
+        let next: Vec<AtomicUsize> = (0..parts)
+            .map(|p| AtomicUsize::new(groups * p / parts))
+            .collect();
+        let dst = OutPtr(out.as_mut_ptr());
+        let dst = &dst;
+        crate::parallel::run_parts(parts, &|p| {
+            let mut res: Tile = [[0.0; ROWS]; 8];
+            for owner in (0..parts).map(|i| (p + i) % parts) {
+                let end = groups * (owner + 1) / parts;
+                loop {
+                    let first = next[owner].fetch_add(chunk, Ordering::Relaxed);
+                    if first >= end {
+                        break;
+                    }
+                    for g in first..(first + chunk).min(end) {
+                        let blocks = self.group(g);
+                        let cols = ROWS.min(n - g * ROWS);
+                        for i0 in (0..m).step_by(mr) {
+                            let rows = mr.min(m - i0);
+                            tile(self.kind, blocks, nb, &acts, i0, rows, &mut res);
+                            for (r, vals) in res[..rows].iter().enumerate() {
+                                // SAFETY: row i0 + r < m and columns g*16 .. g*16 + cols < n
+                                // lie inside `out`; `fetch_add` hands each group to exactly
+                                // one part, so no other thread touches these columns.
+                                let o = unsafe {
+                                    let at = dst.0.add((i0 + r) * n + g * ROWS);
+                                    std::slice::from_raw_parts_mut(at, cols)
+                                };
+                                let bias = opts.bias.map(|b| &b[g * ROWS..g * ROWS + cols]);
+                                epilogue(o, &vals[..cols], bias, opts.accumulate);
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+fn epilogue(out: &mut [f32], vals: &[f32], bias: Option<&[f32]>, accumulate: bool) {
+    // One loop per case, so each vectorises without per-element branches.
+    match (bias, accumulate) {
+        (None, false) => out.copy_from_slice(vals),
+        (None, true) => out.iter_mut().zip(vals).for_each(|(o, &v)| *o += v),
+        (Some(b), false) => {
+            for ((o, &v), &b) in out.iter_mut().zip(vals).zip(b) {
+                *o = v + b;
+            }
+        }
+        (Some(b), true) => {
+            for ((o, &v), &b) in out.iter_mut().zip(vals).zip(b) {
+                *o += v + b;
+            }
+        }
+    }
+}
+
+/// The reference path: same arithmetic as the SIMD tiles (exact integer block dot products,
+/// then `acc += isum * (s * xs)`, `acc += min * Σx` per block), one element at a time.
+fn tile_scalar(
+    kind: QKind,
+    blocks: &[u8],
+    nb: usize,
+    a: &QActs,
+    row0: usize,
+    rows: usize,
+    out: &mut Tile,
+) {
+    let bb = kind.block_bytes();
+    for (r, res) in out[..rows].iter_mut().enumerate() {
+        let i = row0 + r;
+        for (row, acc_out) in res.iter_mut().enumerate() {
+            let mut acc = 0.0f32;
+            for b in 0..nb {
+                let blk = &blocks[b * bb..][..bb];
+                let xq = &a.q[i * a.k + b * BLOCK..][..BLOCK];
+                let q = super::dequant::unpack(kind, blk, row);
+                let isum: i32 = q.iter().zip(xq).map(|(&w, &x)| w as i32 * x as i32).sum();
+                let (s, min) = QMatrix::scale_min_at(kind, blk, row);
+                acc += isum as f32 * (s * a.scale[i * nb + b]);
+                acc += min * a.sum[i * nb + b];
+            }
+            *acc_out = acc;
+        }
+    }
+}

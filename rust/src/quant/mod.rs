@@ -1,0 +1,390 @@
+//! Block-quantized weight matrices and their CPU matmul: `out[M, N] (+)= x[M, K] @ W^T`, with
+//! `W` kept quantized (`N = rows`, `K = cols`) and `x` quantized on the fly to int8.
+//!
+//! # Format
+//! Every run of 32 consecutive weights of a row (a *block*) is affine: `w = scale * q + min`,
+//! `q` unsigned (`u8` for [`QKind::Q8`], 4-bit for [`QKind::Q4`]), `scale` and `min` f32. The
+//! GGUF formats Q4_0, Q4_1 and Q4_K map onto Q4 exactly, Q8_0 and Q5_K onto Q8 exactly (their
+//! sub-block scales and mins are exact f32 products); Q6_K, whose scales cover 16 weights, is
+//! re-rounded into Q8 unless a block happens to be exact (see [`ggml`]).
+//!
+//! Unsigned weights times signed int8 activations is what VNNI `vpdpbusd` (u8 × i8, four
+//! products summed into each i32 lane) and AVX2 `vpmaddubsw` take. The min term needs no
+//! integer work: `Σ (s q + m) x = s Σ q x + m Σ x`, with `Σ x` taken over the quantized
+//! activations, computed once per block when quantizing them (see `act.rs`). So the result is
+//! exactly `W @ xq` up to f32 rounding,
+//! `xq` being `x` rounded to int8 per 32-block, so its error is `|Σ w (x - xq)| <= Σ_b
+//! amax_b / 254 · Σ |w|`, which the tests assert.
+//!
+//! # Layout
+//! Rows are packed in groups of [`ROWS`] = 16 (the last group zero-padded: scale 0, min 0), and
+//! each group stores its blocks in `K` order, each block as one contiguous, 64-byte aligned run:
+//!
+//! ```text
+//! Q8 (640 B): 8 chunks of 64 B, chunk j = for each row r of the group: q[r][4j..4j+4]
+//!             then 16 f32 scales, 16 f32 mins (row order)
+//! Q4 (384 B): 4 chunks of 64 B, chunk j = for each row r: byte i = q[r][4j+i] | q[r][4j+16+i] << 4
+//!             then 16 f32 scales, 16 f32 mins
+//! ```
+//!
+//! So one 64-byte load (Q4: plus a mask and a shift) holds four columns of all 16 rows, and
+//! `vpdpbusd` against the four matching activation bytes broadcast to every lane leaves each
+//! row's partial dot product in its own lane: no horizontal sums, the per-block scaling is a
+//! multiply and two FMAs on 16 rows at once, and one loaded chunk serves every activation row of
+//! a register tile. A whole group is one sequential stream (what the hardware prefetcher wants
+//! at M = 1), and threads split the groups. Resident size: 6 bits a weight for Q4, 10 for Q8
+//! (the f32 scale and min cost 2 bits; f16 would not hold Q4_K's `d · sc` products exactly).
+//!
+//! # Regimes (one Sapphire Rapids-class core, `benches/bench_quant_matmul.py --clock thread`)
+//! M = 1 streams 60-120 GB/s from L1/L2 and ~28 GB/s from L3 (the LM head), M = 8..16 reaches
+//! 380-480 int8 GOP/s; from M ≈ 32-64 a dense bf16 `torch.mm` on AMX is faster (500-1400
+//! GFLOP/s), hence [`QMatrix::dequantize_into`] with bf16 output for large batches.
+
+mod act;
+mod dequant;
+pub mod ggml;
+mod kernel;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+#[cfg(test)]
+mod tests;
+
+pub use dequant::DequantOut;
+pub use kernel::{Isa, MatmulOpts};
+
+use crate::error::{CoreError, CoreResult};
+
+/// Rows per packed group (one 512-bit vector of i32 lanes).
+pub const ROWS: usize = 16;
+/// Weights per block.
+pub const BLOCK: usize = 32;
+
+/// One cache line, so the packed data is 64-byte aligned.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QKind {
+    /// 8-bit unsigned quants.
+    Q8,
+    /// 4-bit unsigned quants.
+    Q4,
+}
+
+impl QKind {
+    /// Bytes of quants per packed block (16 rows × 32 columns).
+    pub(crate) const fn quant_bytes(self) -> usize {
+        match self {
+            QKind::Q8 => ROWS * BLOCK,
+            QKind::Q4 => ROWS * BLOCK / 2,
+        }
+    }
+
+    /// Bytes per packed block: quants, then 16 scales and 16 mins.
+    pub(crate) const fn block_bytes(self) -> usize {
+        self.quant_bytes() + 2 * ROWS * 4
+    }
+
+    pub const fn max_q(self) -> u8 {
+        match self {
+            QKind::Q8 => 255,
+            QKind::Q4 => 15,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QKind::Q8 => "q8",
+            QKind::Q4 => "q4",
+        }
+    }
+}
+
+/// A weight matrix `[rows, cols]` (`[out_features, in_features]`), block-quantized and packed.
+#[derive(Clone)]
+pub struct QMatrix {
+    rows: usize,
+    cols: usize,
+    kind: QKind,
+    data: Vec<Line>,
+}
+
+/// Unpacked blocks: `q[rows * cols]`, `scale`/`min` `[rows * cols / 32]`, row-major.
+pub(crate) struct Blocks {
+    pub q: Vec<u8>,
+    pub scale: Vec<f32>,
+    pub min: Vec<f32>,
+}
+
+impl Blocks {
+    pub fn new(rows: usize, cols: usize) -> Self {
+        Blocks {
+            q: vec![0; rows * cols],
+            scale: vec![0.0; rows * cols / BLOCK],
+            min: vec![0.0; rows * cols / BLOCK],
+        }
+    }
+}
+
+pub(crate) fn check_shape(rows: usize, cols: usize) -> CoreResult<()> {
+    if rows == 0 {
+        return Err(CoreError::invalid("rows", "must be >= 1"));
+    }
+    if cols == 0 || !cols.is_multiple_of(BLOCK) {
+        return Err(CoreError::invalid(
+            "cols",
+            format!("must be a positive multiple of {BLOCK}, got {cols}"),
+        ));
+    }
+    Ok(())
+}
+
+impl QMatrix {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn kind(&self) -> QKind {
+        self.kind
+    }
+
+    /// Resident bytes of the packed weights (padding rows included).
+    pub fn nbytes(&self) -> usize {
+        self.data.len() * std::mem::size_of::<Line>()
+    }
+
+    pub(crate) fn groups(&self) -> usize {
+        self.rows.div_ceil(ROWS)
+    }
+
+    pub(crate) fn blocks_per_row(&self) -> usize {
+        self.cols / BLOCK
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `Line` is 64 plain bytes with no padding, so the lines are one byte run.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr().cast(), self.nbytes()) }
+    }
+
+    /// The packed blocks of row group `g`, in `K` order.
+    pub(crate) fn group(&self, g: usize) -> &[u8] {
+        let len = self.blocks_per_row() * self.kind.block_bytes();
+        &self.bytes()[g * len..(g + 1) * len]
+    }
+
+    /// Pack unpacked blocks (quants must be `<= kind.max_q()`).
+    pub(crate) fn pack(rows: usize, cols: usize, kind: QKind, b: &Blocks) -> Self {
+        let nb = cols / BLOCK;
+        let bb = kind.block_bytes();
+        let groups = rows.div_ceil(ROWS);
+        let mut data = vec![Line([0; 64]); groups * nb * bb / 64];
+        // SAFETY: as in `bytes`, now mutable and exclusive.
+        let out: &mut [u8] =
+            unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast(), data.len() * 64) };
+        for g in 0..groups {
+            for blk in 0..nb {
+                let dst = &mut out[(g * nb + blk) * bb..][..bb];
+                for r in 0..ROWS.min(rows - g * ROWS) {
+                    let row = g * ROWS + r;
+                    let q = &b.q[row * cols + blk * BLOCK..][..BLOCK];
+                    for (c, &v) in q.iter().enumerate() {
+                        debug_assert!(v <= kind.max_q());
+                        match kind {
+                            QKind::Q8 => dst[(c / 4) * 64 + r * 4 + c % 4] = v,
+                            QKind::Q4 => {
+                                let (j, hi) = ((c / 4) % 4, c >= 16);
+                                dst[j * 64 + r * 4 + c % 4] |= if hi { v << 4 } else { v };
+                            }
+                        }
+                    }
+                    let qb = kind.quant_bytes();
+                    let s = b.scale[row * nb + blk].to_le_bytes();
+                    let m = b.min[row * nb + blk].to_le_bytes();
+                    dst[qb + r * 4..qb + r * 4 + 4].copy_from_slice(&s);
+                    dst[qb + 64 + r * 4..qb + 64 + r * 4 + 4].copy_from_slice(&m);
+                }
+            }
+        }
+        QMatrix {
+            rows,
+            cols,
+            kind,
+            data,
+        }
+    }
+
+    /// `(scale, min)` of row `r` in a packed block.
+    pub(crate) fn scale_min_at(kind: QKind, blk: &[u8], r: usize) -> (f32, f32) {
+        let qb = kind.quant_bytes();
+        let f = |o: usize| f32::from_le_bytes(blk[o..o + 4].try_into().unwrap());
+        (f(qb + r * 4), f(qb + 64 + r * 4))
+    }
+
+    /// Block `b` of `row`: `(scale, min, quants)`.
+    pub fn block(&self, row: usize, b: usize) -> (f32, f32, [u8; BLOCK]) {
+        let bb = self.kind.block_bytes();
+        let blk = &self.group(row / ROWS)[b * bb..][..bb];
+        let r = row % ROWS;
+        let (s, m) = Self::scale_min_at(self.kind, blk, r);
+        (s, m, dequant::unpack(self.kind, blk, r))
+    }
+
+    /// The f32 weights `[rows, cols]`: `scale * q + min` per element.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        self.dequantize_into(DequantOut::F32(&mut out), 1)
+            .expect("out has rows * cols elements");
+        out
+    }
+
+    /// The unpacked blocks of every row.
+    fn unpack_all(&self) -> Blocks {
+        let (nb, mut b) = (self.blocks_per_row(), Blocks::new(self.rows, self.cols));
+        for row in 0..self.rows {
+            for blk in 0..nb {
+                let (s, m, q) = self.block(row, blk);
+                b.q[(row * nb + blk) * BLOCK..][..BLOCK].copy_from_slice(&q);
+                b.scale[row * nb + blk] = s;
+                b.min[row * nb + blk] = m;
+            }
+        }
+        b
+    }
+
+    /// The rows of `parts` stacked into one matrix (e.g. q, k and v into one qkv projection, so
+    /// one call quantizes the activations once and streams all three). Q4 parts join a Q8
+    /// result losslessly (same scales and mins, 4-bit quants widened) when any part is Q8.
+    pub fn concat(parts: &[&QMatrix]) -> CoreResult<QMatrix> {
+        let Some(first) = parts.first() else {
+            return Err(CoreError::invalid("parts", "needs at least one matrix"));
+        };
+        let cols = first.cols;
+        if let Some(p) = parts.iter().find(|p| p.cols != cols) {
+            let r = format!("all parts need the same cols, got {} and {}", cols, p.cols);
+            return Err(CoreError::invalid("parts", r));
+        }
+        let kind = if parts.iter().any(|p| p.kind == QKind::Q8) {
+            QKind::Q8
+        } else {
+            QKind::Q4
+        };
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let mut all = Blocks {
+            q: Vec::new(),
+            scale: Vec::new(),
+            min: Vec::new(),
+        };
+        for p in parts {
+            let b = p.unpack_all();
+            all.q.extend(b.q);
+            all.scale.extend(b.scale);
+            all.min.extend(b.min);
+        }
+        Ok(Self::pack(rows, cols, kind, &all))
+    }
+
+    /// Rows `ids` dequantized into `out[ids.len(), cols]`: the embedding lookup of a quantized
+    /// (e.g. tied LM head) table.
+    pub fn gather_rows(&self, ids: &[i64], out: &mut [f32]) -> CoreResult<()> {
+        if out.len() != ids.len() * self.cols {
+            let r = format!(
+                "has {} elements, expected len(ids) * cols = {} * {}",
+                out.len(),
+                ids.len(),
+                self.cols
+            );
+            return Err(CoreError::invalid("out", r));
+        }
+        if let Some(bad) = ids.iter().find(|&&i| i < 0 || i as usize >= self.rows) {
+            return Err(CoreError::invalid(
+                "ids",
+                format!("row {bad} out of range (rows = {})", self.rows),
+            ));
+        }
+        for (&row, dst) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
+            for (b, d) in dst.chunks_exact_mut(BLOCK).enumerate() {
+                let (s, m, q) = self.block(row as usize, b);
+                for (o, &q) in d.iter_mut().zip(&q) {
+                    *o = s * q as f32 + m;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Quantize an f32 matrix `[rows, cols]` with round-to-nearest, `group` weights of a row per
+    /// scale (a multiple of 32 dividing `cols`; 0 = one group per row, i.e. per channel).
+    /// `bits = 8`: symmetric, `q - 128 = round(w / s)` in -127..=127 with `s = amax / 127`.
+    /// `bits = 4`: asymmetric, `q = round((w - lo) / s)` in 0..=15 with `s = (hi - lo) / 15`.
+    pub fn quantize(
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+        bits: u32,
+        group: usize,
+    ) -> CoreResult<Self> {
+        check_shape(rows, cols)?;
+        if w.len() != rows * cols {
+            let r = format!(
+                "has {} elements, expected rows * cols = {}",
+                w.len(),
+                rows * cols
+            );
+            return Err(CoreError::invalid("weight", r));
+        }
+        if let Some(bad) = w.iter().find(|v| !v.is_finite()) {
+            return Err(CoreError::invalid("weight", format!("holds {bad}")));
+        }
+        let group = if group == 0 { cols } else { group };
+        if !group.is_multiple_of(BLOCK) || !cols.is_multiple_of(group) {
+            let r =
+                format!("must be 0 or a multiple of {BLOCK} dividing cols = {cols}, got {group}");
+            return Err(CoreError::invalid("group_size", r));
+        }
+        let kind = match bits {
+            8 => QKind::Q8,
+            4 => QKind::Q4,
+            _ => {
+                return Err(CoreError::invalid(
+                    "bits",
+                    format!("must be 4 or 8, got {bits}"),
+                ))
+            }
+        };
+        let mut b = Blocks::new(rows, cols);
+        for (gi, chunk) in w.chunks_exact(group).enumerate() {
+            let q = &mut b.q[gi * group..][..group];
+            let (scale, min) = match kind {
+                QKind::Q8 => {
+                    let amax = chunk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                    let s = amax / 127.0;
+                    let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+                    for (d, &v) in q.iter_mut().zip(chunk) {
+                        *d = ((v * inv).round().clamp(-127.0, 127.0) as i32 + 128) as u8;
+                    }
+                    (s, -128.0 * s)
+                }
+                QKind::Q4 => {
+                    let lo = chunk.iter().fold(f32::INFINITY, |a, &v| a.min(v));
+                    let hi = chunk.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+                    let s = (hi - lo) / 15.0;
+                    let inv = if hi > lo { 15.0 / (hi - lo) } else { 0.0 };
+                    for (d, &v) in q.iter_mut().zip(chunk) {
+                        *d = ((v - lo) * inv).round().clamp(0.0, 15.0) as u8;
+                    }
+                    (s, lo)
+                }
+            };
+            let blocks = group / BLOCK;
+            b.scale[gi * blocks..][..blocks].fill(scale);
+            b.min[gi * blocks..][..blocks].fill(min);
+        }
+        Ok(Self::pack(rows, cols, kind, &b))
+    }
+}
