@@ -135,7 +135,8 @@ def run(config: LatencyConfig) -> dict[str, Any]:
         "config": asdict(config),
         "threads": threads,
         "machine": machine_info(str(engine.device)),
-        "model": {"name": engine.model_name, "path": str(engine.model_path), "dtype": str(engine.dtype)},
+        "model": {"name": engine.model_name, "path": str(engine.model_path), "dtype": str(engine.dtype),
+                  "quantization": engine.config.quantization},
         "results": results,
     }
     if bench_binary is not None:
@@ -155,7 +156,8 @@ def summary_text(report: dict[str, Any]) -> str:
     cfg = report["config"]
     rows = [[r["engine"], r["prefill_tok_s"], r["decode_tok_s"], r["decode_ms_per_token"]]
             for r in report["results"]]
-    lines = [(f"single stream, {report['model']['name']} ({report['model']['dtype']} in ironlm), "
+    m = report["model"]
+    lines = [(f"single stream, {m['name']} (ironlm: {m['dtype']}, quantization {m.get('quantization')}), "
               f"{report['threads']} threads, medians of {cfg['repeats']}"),
              format_table(["engine", f"prefill {cfg['prompt_len']} tok/s", f"decode {cfg['gen_len']} tok/s",
                            "ms/token"], rows)]
