@@ -117,6 +117,7 @@ def quant_isas() -> tuple[str, list[str]]:
     """The SIMD path ``QuantMatrix.matmul`` picks on this CPU, and all paths it can run (``"scalar"``, ``"avx2"``,
     ``"avx_vnni"``, ``"avx512_vnni"``)."""
 
+@final
 class QuantMatrix:
     """A weight matrix ``[rows, cols]`` (``[out_features, in_features]``) kept block-quantized: every 32 weights of
     a row are ``scale * q + min``, ``q`` 8- or 4-bit unsigned. ``matmul`` quantizes ``x`` to int8 per 32-block and runs
