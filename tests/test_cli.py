@@ -82,7 +82,7 @@ def _non_default(f, annotation) -> tuple[list[str], object]:
         return ([flag] if not f.default else ["--no-" + flag[2:]]), not f.default
     if "choices" in f.metadata:
         value = next(c for c in f.metadata["choices"] if c != f.default)
-        return [flag, value], value
+        return [flag, str(value)], value
     kinds = typing.get_args(annotation) or (annotation,)
     if str in kinds:  # "8" is a valid model path, device string, name and KV size (8 bytes) alike
         return [flag, "8"], "8"

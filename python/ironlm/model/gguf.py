@@ -21,12 +21,15 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ironlm.model.config import ModelConfig, UnsupportedModelError, unsupported_architecture
+
+if TYPE_CHECKING:
+    from ironlm.model.quantize import QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -352,16 +355,29 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig) -> None:
-    """Dequantize every tensor straight into its (fused) model parameter, un-permuting Q/K for llama archs.
+def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
+                      spec: QuantSpec | None = None) -> dict[str, Any]:
+    """Dequantize every tensor straight into its (fused) model parameter, un-permuting Q/K for llama archs; with
+    a quantized `spec`, the linears become QuantMatrix objects instead (their blocks kept, see model/quantize.py),
+    returned by HF name for the model's `quantize_` to install after `finish_loading`.
 
     Contiguous fp32 CPU targets are written in place by the numpy kernels; everything else (the transposed
     projection weights) goes through one temporary per tensor.
     """
+    from ironlm.model.quantize import from_gguf, is_quantized_tensor
+
     permute = gf.get("general.architecture") in _PERMUTED_QK
+    parts: dict[str, Any] = {}
     for name, info in gf.tensors.items():
         target_name = hf_name(name)
         if target_name is None:
+            continue
+        if spec is not None and spec.enabled and is_quantized_tensor(name):
+            heads = 0
+            if permute and (".attn_q." in name or ".attn_k." in name):
+                heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+            parts[target_name] = from_gguf(gf, name, spec, heads)
+            model.mark_loaded(target_name)
             continue
         dest = model.weight_target(target_name)
         if dest is None:
@@ -381,6 +397,7 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig) -> None:
                     w = unpermute_qk(w, n_head)
                 dest.copy_(w)
         model.mark_loaded(target_name)
+    return parts
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from torch import nn
 
 from ironlm import _core
 from ironlm.model.config import ModelConfig
+from ironlm.model.linear import DenseLinear, Linear, QuantLinear
+from ironlm.model.quantize import QuantSpec, from_float
 from ironlm.model.layers import (
     CORE_DTYPES,
     CoreRope,
@@ -96,8 +98,21 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param((h,), dtype, device)
         self.gate_up_weight = _param((h, 2 * inter), dtype, device)
         self.down_weight = _param((inter, h), dtype, device)
+        # The four matmuls, built over the dense parameters by finish_loading unless a quantizing loader set them
+        self.qkv: Linear | None = None
+        self.o: Linear | None = None
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
 
     def finish_loading(self) -> None:
+        if self.qkv is None:
+            self.qkv = DenseLinear(self.qkv_weight, self.qkv_bias)
+        if self.o is None:
+            self.o = DenseLinear(self.o_weight, self.o_bias)
+        if self.gate_up is None:
+            self.gate_up = DenseLinear(self.gate_up_weight)
+        if self.down is None:
+            self.down = DenseLinear(self.down_weight)
         if self.q_norm is not None and self.k_norm is not None:
             self.qk_norm_weight = torch.cat(
                 [self.q_norm.expand(self.num_heads, -1), self.k_norm.expand(self.num_kv_heads, -1)]
@@ -116,10 +131,8 @@ class DecoderLayer(nn.Module):
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = rms_norm(h, self.input_norm, self.eps)
-        if self.qkv_bias is not None:
-            qkv = torch.addmm(self.qkv_bias, x, self.qkv_weight)
-        else:
-            qkv = torch.mm(x, self.qkv_weight)
+        assert self.qkv is not None and self.o is not None and self.gate_up is not None and self.down is not None
+        qkv = self.qkv(x)
         if isinstance(rope, CoreRope):
             # q and k rotated in place inside the projection's output; q, k, v stay views of it.
             rope.apply_(qkv, hq + hkv, d)
@@ -136,12 +149,10 @@ class DecoderLayer(nn.Module):
         if select is not None:  # last layer: only the rows whose logits are wanted go on
             attn = attn.index_select(0, select)
             h = h.index_select(0, select)
-        h = torch.addmm(h, attn, self.o_weight)  # residual add fused into the GEMM
-        if self.o_bias is not None:
-            h += self.o_bias
+        h = self.o(attn, residual=h)  # residual add fused into the GEMM
         x = rms_norm(h, self.post_norm, self.eps)
-        x = silu_and_mul(torch.mm(x, self.gate_up_weight))
-        return torch.addmm(h, x, self.down_weight)
+        x = silu_and_mul(self.gate_up(x))
+        return self.down(x, residual=h)
 
 
     def lean_forward(self, ws: _LeanBuffers, k_cache: np.ndarray, v_cache: np.ndarray, step: _LeanStep) -> None:
@@ -150,20 +161,16 @@ class DecoderLayer(nn.Module):
         if self._norms_np is None:
             self._norms_np = (as_numpy(self.input_norm.data), as_numpy(self.post_norm.data))
         _core.rms_norm(ws.h_np, self._norms_np[0], self.eps, ws.x_np, step.dtype, step.threads)
-        if self.qkv_bias is not None:
-            torch.addmm(self.qkv_bias, ws.x, self.qkv_weight, out=ws.qkv)
-        else:
-            torch.mm(ws.x, self.qkv_weight, out=ws.qkv)
+        assert self.qkv is not None and self.o is not None and self.gate_up is not None and self.down is not None
+        self.qkv.into(ws.x, ws.qkv)
         _core.decode_attention_qkv(
             ws.qkv_np, k_cache, v_cache, step.block_tables, step.seq_lens, step.slots, step.rope.positions,
             step.rope.table, self.scale, ws.attn_np, self.num_heads, step.dtype, step.threads)
-        ws.h.addmm_(ws.attn, self.o_weight)
-        if self.o_bias is not None:
-            ws.h += self.o_bias
+        self.o.accumulate(ws.attn, ws.h)
         _core.rms_norm(ws.h_np, self._norms_np[1], self.eps, ws.x_np, step.dtype, step.threads)
-        torch.mm(ws.x, self.gate_up_weight, out=ws.gate_up)
+        self.gate_up.into(ws.x, ws.gate_up)
         _core.silu_and_mul(ws.gate_up_np, ws.act_np, step.dtype, step.threads)
-        ws.h.addmm_(ws.act, self.down_weight)
+        self.down.accumulate(ws.act, ws.h)
 
 
 class DecoderLM(nn.Module):
@@ -190,6 +197,9 @@ class DecoderLM(nn.Module):
         else:
             self.lm_head = _param((config.vocab_size, config.hidden_size), dtype, device)
         self.rotary = RotaryEmbedding(config, dtype, device)
+        self.head: Linear | None = None  # the LM head; dense over lm_head unless quantized
+        self.embed_q: QuantLinear | None = None  # a quantized embedding table (the head's blocks when tied)
+        self.quant: QuantSpec = QuantSpec()
         if attn_backend is None:
             attn_backend = _default_backend(device)
         self.attn_backend = attn_backend
@@ -283,7 +293,65 @@ class DecoderLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} weights: {', '.join(missing[:8])}{more}")
         for layer in self.layers:
             layer.finish_loading()  # type: ignore[operator]
+        if self.head is None:
+            self.head = DenseLinear(self.lm_head.t())
         self._loaded.clear()
+
+    # ---- quantized storage ---------------------------------------------------------------------------------
+    def quantize_(self, spec: QuantSpec, parts: dict[str, _core.QuantMatrix] | None = None) -> None:
+        """Keep the linears block-quantized and drop their dense storage. `parts` are HF-named matrices a
+        loader built from the file's own blocks (GGUF); without them the loaded dense weights are quantized."""
+        cfg = self.config
+        parts = parts or {}
+
+        def mat(name: str, dense: torch.Tensor) -> _core.QuantMatrix:
+            return parts[name] if name in parts else from_float(dense, spec)
+
+        for i, layer in enumerate(self.layers):
+            p, inter = f"model.layers.{i}.", cfg.intermediate_size
+            w = layer.qkv_weight.t()  # [q + 2kv, h]
+            q, kv = cfg.q_size, cfg.kv_size
+            qkv = [mat(p + "self_attn.q_proj.weight", w[:q]), mat(p + "self_attn.k_proj.weight", w[q:q + kv]),
+                   mat(p + "self_attn.v_proj.weight", w[q + kv:])]
+            gu = layer.gate_up_weight.t()
+            gate_up = [mat(p + "mlp.gate_proj.weight", gu[:inter]), mat(p + "mlp.up_proj.weight", gu[inter:])]
+            layer.qkv = QuantLinear(_core.QuantMatrix.concat(qkv), layer.qkv_bias)
+            layer.o = QuantLinear(mat(p + "self_attn.o_proj.weight", layer.o_weight.t()), layer.o_bias)
+            layer.gate_up = QuantLinear(_core.QuantMatrix.concat(gate_up))
+            layer.down = QuantLinear(mat(p + "mlp.down_proj.weight", layer.down_weight.t()))
+            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+                setattr(layer, name, _param((0,), self.dtype, self.device))
+        if cfg.tie_word_embeddings:
+            self.head = self.embed_q = QuantLinear(mat("model.embed_tokens.weight", self.embed))
+        else:
+            self.head = QuantLinear(mat("lm_head.weight", self.lm_head))
+            self.embed_q = QuantLinear(mat("model.embed_tokens.weight", self.embed))
+            self.lm_head = _param((0,), self.dtype, self.device)
+        self.embed = _param((0,), self.dtype, self.device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        self.quant = spec
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of the weights as stored (quantized blocks, dense tensors, each counted once)."""
+        linears = [self.head, self.embed_q] + [lin for layer in self.layers
+                                                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        seen: set[int] = set()
+        total = 0
+        for lin in linears:
+            if isinstance(lin, QuantLinear) and id(lin) not in seen:
+                seen.add(id(lin))
+                total += lin.nbytes
+        for t in self.parameters():
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_q is not None:
+            return self.embed_q.embed(input_ids).to(self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     # ---- forward -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -305,14 +373,15 @@ class DecoderLM(nn.Module):
         max_len = int(meta.max_seq_len)
         fused = None if self.config.qk_norm else self.rotary.fused(positions, max_len)
         rope = fused if fused is not None else self.rotary.cos_sin(positions, max_len)
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, kv_caches[i], meta, backend, logits_indices if i == last else None)
         if last < 0:
             h = h.index_select(0, logits_indices)
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        assert self.head is not None
+        return self.head(h).float()
 
 
     def _lean_forward(
@@ -341,11 +410,15 @@ class DecoderLM(nn.Module):
             self._kv_np = (kv_caches, [(as_numpy(k), as_numpy(v)) for k, v in kv_caches])
         step = _LeanStep(CORE_DTYPES[self.dtype], torch.get_num_threads(), plan.block_tables, plan.seq_lens,
                          plan.slots, rope)
-        torch.index_select(self.embed, 0, input_ids, out=ws.h)
+        if self.embed_q is not None:
+            ws.h.copy_(self.embed_q.embed(input_ids))
+        else:
+            torch.index_select(self.embed, 0, input_ids, out=ws.h)
         for layer, (k_np, v_np) in zip(self.layers, self._kv_np[1]):
             layer.lean_forward(ws, k_np, v_np, step)  # type: ignore[operator]
         h = rms_norm(ws.h.index_select(0, logits_indices), self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        assert self.head is not None
+        return self.head(h).float()
 
 
 def _default_backend(device: torch.device) -> AttentionBackend | None:
