@@ -23,8 +23,6 @@ from torch import nn
 
 from ironlm import _core
 from ironlm.model.config import ModelConfig
-from ironlm.model.linear import DenseLinear, Linear, QuantLinear
-from ironlm.model.quantize import QuantSpec, from_float
 from ironlm.model.layers import (
     CORE_DTYPES,
     CoreRope,
@@ -34,6 +32,8 @@ from ironlm.model.layers import (
     rms_norm,
     silu_and_mul,
 )
+from ironlm.model.linear import DenseLinear, Linear, QuantLinear
+from ironlm.model.quantize import QuantSpec, from_float
 
 if TYPE_CHECKING:
     from ironlm.attention import AttentionBackend, AttentionMetadata
@@ -307,7 +307,8 @@ class DecoderLM(nn.Module):
         def mat(name: str, dense: torch.Tensor) -> _core.QuantMatrix:
             return parts[name] if name in parts else from_float(dense, spec)
 
-        for i, layer in enumerate(self.layers):
+        for i, module in enumerate(self.layers):
+            layer: DecoderLayer = module  # type: ignore[assignment]
             p, inter = f"model.layers.{i}.", cfg.intermediate_size
             w = layer.qkv_weight.t()  # [q + 2kv, h]
             q, kv = cfg.q_size, cfg.kv_size
@@ -334,7 +335,8 @@ class DecoderLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Resident bytes of the weights as stored (quantized blocks, dense tensors, each counted once)."""
-        linears = [self.head, self.embed_q] + [lin for layer in self.layers
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        linears = [self.head, self.embed_q] + [lin for layer in layers
                                                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         seen: set[int] = set()
         total = 0
