@@ -611,3 +611,29 @@ fn scales_are_stored_as_f16_exactly_when_they_all_are_f16s() {
         assert_eq!(per_weight, want, "type {ty}");
     }
 }
+
+#[test]
+fn non_finite_activations_give_nan_rows_on_every_path() {
+    let mut rng = Rng(31);
+    let (m, n, k) = (4, 21, 96);
+    let w = random_matrix(&mut rng, QKind::Q8, n, k);
+    let mut x = rng.floats(m * k);
+    x[k + 40] = f32::NAN;
+    x[2 * k + 3] = f32::INFINITY;
+    for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+        let mut out = vec![0.0; m * n];
+        let opts = MatmulOpts {
+            isa: Some(isa),
+            ..Default::default()
+        };
+        w.matmul(&x, m, &mut out, &opts).unwrap();
+        for i in 0..m {
+            let row = &out[i * n..(i + 1) * n];
+            if i == 1 || i == 2 {
+                assert!(row.iter().all(|v| v.is_nan()), "{isa:?} row {i}: {row:?}");
+            } else {
+                assert!(row.iter().all(|v| v.is_finite()), "{isa:?} row {i}");
+            }
+        }
+    }
+}
