@@ -160,7 +160,8 @@ class QuantMatrix:
         array written. The large-batch fallback (a dense bf16 mm beats int8 dot products on AMX CPUs from M ~ 32)."""
     @property
     def nbytes(self) -> int:
-        """Resident bytes of the packed weights (about 6 bits a weight for q4, 10 for q8)."""
+        """Resident bytes of the packed weights: 5 bits a weight for q4 and 9 for q8 when every scale and min is
+        exactly an f16 (Q4_0, Q4_1, Q8_0 files), else 6 and 10 (f32 scales)."""
     @property
     def rows(self) -> int: ...
     @property

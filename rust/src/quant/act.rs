@@ -109,7 +109,18 @@ fn quantize_generic(r: &mut Rows) {
         r.scale[i] = amax / 127.0;
         r.sum[i] = r.scale[i] * qsum as f32;
         r.qsum[i] = qsum;
+        if xb.iter().any(|v| !v.is_finite()) {
+            poison(qb, &mut r.scale[i], &mut r.sum[i], &mut r.qsum[i]);
+        }
     }
+}
+
+/// A block holding NaN or ±inf: zero quants (the integer paths stay in range) and a NaN scale,
+/// so every output it feeds is NaN, as a float matmul would make it (not a silent 0).
+#[inline(always)]
+fn poison(q: &mut [i8], scale: &mut f32, sum: &mut f32, qsum: &mut i32) {
+    q.fill(0);
+    (*scale, *sum, *qsum) = (f32::NAN, f32::NAN, 0);
 }
 
 /// Explicit SIMD: the autovectorised generic body spills and extracts bytes one by one.
@@ -137,6 +148,10 @@ fn quantize_avx512(r: &mut Rows) {
             r.scale[i] = amax / 127.0;
             r.sum[i] = r.scale[i] * qsum as f32;
             r.qsum[i] = qsum;
+            // `max` drops NaNs, so look for them directly (unordered: either side NaN).
+            if _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(lo, hi) != 0 || !amax.is_finite() {
+                poison(qb, &mut r.scale[i], &mut r.sum[i], &mut r.qsum[i]);
+            }
         }
     }
 }
@@ -179,6 +194,13 @@ fn quantize_avx2(r: &mut Rows) {
             r.scale[i] = amax / 127.0;
             r.sum[i] = r.scale[i] * qsum as f32;
             r.qsum[i] = qsum;
+            let nan = _mm256_or_ps(
+                _mm256_cmp_ps::<_CMP_UNORD_Q>(v[0], v[1]),
+                _mm256_cmp_ps::<_CMP_UNORD_Q>(v[2], v[3]),
+            );
+            if _mm256_movemask_ps(nan) != 0 || !amax.is_finite() {
+                poison(qb, &mut r.scale[i], &mut r.sum[i], &mut r.qsum[i]);
+            }
         }
     }
 }

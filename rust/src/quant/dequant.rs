@@ -61,12 +61,13 @@ pub(crate) fn unpack(kind: QKind, blk: &[u8], r: usize) -> [u8; BLOCK] {
 /// Rows `g*16 ..` of the matrix into `out` (`[rows of the group, cols]`).
 #[inline(always)]
 fn group_into<T: Elem>(m: &QMatrix, g: usize, out: &mut [T]) {
-    let (cols, bb) = (m.cols, m.kind.block_bytes());
+    let (cols, fmt) = (m.cols, m.format());
+    let bb = fmt.block_bytes();
     let blocks = m.group(g);
     for (r, dst) in out.chunks_exact_mut(cols).enumerate() {
         for (b, d) in dst.chunks_exact_mut(BLOCK).enumerate() {
             let blk = &blocks[b * bb..][..bb];
-            let (s, mn) = QMatrix::scale_min_at(m.kind, blk, r);
+            let (s, mn) = fmt.scale_min_at(blk, r);
             let q = unpack(m.kind, blk, r);
             for (o, &q) in d.iter_mut().zip(&q) {
                 *o = T::from_f32(s * q as f32 + mn);

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use super::act::{self, QActs};
-use super::{QKind, QMatrix, BLOCK, ROWS};
+use super::{Format, QMatrix, BLOCK, ROWS};
 use crate::error::{CoreError, CoreResult};
 
 /// One tile's result: up to 8 activation rows × the 16 rows of a group.
@@ -42,7 +42,7 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         {
             use std::is_x86_feature_detected as has;
-            let avx2 = has!("avx2") && has!("fma");
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
             match self {
                 Isa::Scalar => true,
                 Isa::Avx2 => avx2,
@@ -101,8 +101,8 @@ impl Default for MatmulOpts<'_> {
     }
 }
 
-/// Runs one tile: `(kind, group blocks, blocks per row, activations, first row, rows, out)`.
-type TileFn = fn(QKind, &[u8], usize, &QActs, usize, usize, &mut Tile);
+/// Runs one tile: `(format, group blocks, blocks per row, activations, first row, rows, out)`.
+type TileFn = fn(Format, &[u8], usize, &QActs, usize, usize, &mut Tile);
 
 /// The output pointer shared by the parts: each writes only the columns of the groups it claimed.
 struct OutPtr(*mut f32);
@@ -156,6 +156,7 @@ impl QMatrix {
             _ => unreachable!("only Scalar is available"),
         };
         let (groups, nb, mr) = (self.groups(), self.blocks_per_row(), isa.tile_rows());
+        let fmt = self.format();
         let parts = opts.threads.clamp(1, groups);
         // Each part owns a contiguous range of groups (so repeated calls find the same weights
         // in the same core's cache) and hands it out in small chunks; a part that finishes
@@ -182,7 +183,7 @@ impl QMatrix {
                         let cols = ROWS.min(n - g * ROWS);
                         for i0 in (0..m).step_by(mr) {
                             let rows = mr.min(m - i0);
-                            tile(self.kind, blocks, nb, &acts, i0, rows, &mut res);
+                            tile(fmt, blocks, nb, &acts, i0, rows, &mut res);
                             for (r, vals) in res[..rows].iter().enumerate() {
                                 // SAFETY: row i0 + r < m and columns g*16 .. g*16 + cols < n
                                 // lie inside `out`; `fetch_add` hands each group to exactly
@@ -224,7 +225,7 @@ fn epilogue(out: &mut [f32], vals: &[f32], bias: Option<&[f32]>, accumulate: boo
 /// The reference path: same arithmetic as the SIMD tiles (exact integer block dot products,
 /// then `acc += isum * (s * xs)`, `acc += min * Σx` per block), one element at a time.
 fn tile_scalar(
-    kind: QKind,
+    fmt: Format,
     blocks: &[u8],
     nb: usize,
     a: &QActs,
@@ -232,7 +233,7 @@ fn tile_scalar(
     rows: usize,
     out: &mut Tile,
 ) {
-    let bb = kind.block_bytes();
+    let bb = fmt.block_bytes();
     for (r, res) in out[..rows].iter_mut().enumerate() {
         let i = row0 + r;
         for (row, acc_out) in res.iter_mut().enumerate() {
@@ -240,9 +241,9 @@ fn tile_scalar(
             for b in 0..nb {
                 let blk = &blocks[b * bb..][..bb];
                 let xq = &a.q[i * a.k + b * BLOCK..][..BLOCK];
-                let q = super::dequant::unpack(kind, blk, row);
+                let q = super::dequant::unpack(fmt.kind, blk, row);
                 let isum: i32 = q.iter().zip(xq).map(|(&w, &x)| w as i32 * x as i32).sum();
-                let (s, min) = QMatrix::scale_min_at(kind, blk, row);
+                let (s, min) = fmt.scale_min_at(blk, row);
                 acc += isum as f32 * (s * a.scale[i * nb + b]);
                 acc += min * a.sum[i * nb + b];
             }

@@ -22,9 +22,9 @@
 //!
 //! ```text
 //! Q8 (640 B): 8 chunks of 64 B, chunk j = for each row r of the group: q[r][4j..4j+4]
-//!             then 16 f32 scales, 16 f32 mins (row order)
+//!             then 16 scales, 16 mins (row order; f32, or f16 when exact)
 //! Q4 (384 B): 4 chunks of 64 B, chunk j = for each row r: byte i = q[r][4j+i] | q[r][4j+16+i] << 4
-//!             then 16 f32 scales, 16 f32 mins
+//!             then 16 scales, 16 mins (Q8: 576 B and Q4: 320 B with f16 ones)
 //! ```
 //!
 //! So one 64-byte load (Q4: plus a mask and a shift) holds four columns of all 16 rows, and
@@ -33,7 +33,8 @@
 //! multiply and two FMAs on 16 rows at once, and one loaded chunk serves every activation row of
 //! a register tile. A whole group is one sequential stream (what the hardware prefetcher wants
 //! at M = 1), and threads split the groups. Resident size: 6 bits a weight for Q4, 10 for Q8
-//! (the f32 scale and min cost 2 bits; f16 would not hold Q4_K's `d · sc` products exactly).
+//! with f32 scales and mins (Q4_K's `d · sc` products need them), 5 and 9 bits when all of them
+//! are exact f16s (Q4_0, Q4_1, Q8_0 files: 16 f16 scales, then 16 f16 mins; see `Format`).
 //!
 //! # Regimes (one Sapphire Rapids-class core, `benches/bench_quant_matmul.py --clock thread`)
 //! M = 1 streams 60-120 GB/s from L1/L2 and ~28 GB/s from L3 (the LM head), M = 8..16 reaches
@@ -82,11 +83,6 @@ impl QKind {
         }
     }
 
-    /// Bytes per packed block: quants, then 16 scales and 16 mins.
-    pub(crate) const fn block_bytes(self) -> usize {
-        self.quant_bytes() + 2 * ROWS * 4
-    }
-
     pub const fn max_q(self) -> u8 {
         match self {
             QKind::Q8 => 255,
@@ -102,12 +98,74 @@ impl QKind {
     }
 }
 
+/// How a matrix's blocks are packed: the quant width, and whether scales and mins are stored as
+/// f16 (when every one of them is exactly an f16, as in Q4_0, Q4_1 and Q8_0 files: 5 and 9 bits a
+/// weight instead of 6 and 10, less to stream per token) or f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Format {
+    pub kind: QKind,
+    pub half: bool,
+}
+
+impl Format {
+    pub const fn quant_bytes(self) -> usize {
+        self.kind.quant_bytes()
+    }
+
+    /// Bytes per packed block: quants, 16 scales, 16 mins (a multiple of 64 either way).
+    pub const fn block_bytes(self) -> usize {
+        self.quant_bytes() + 2 * ROWS * if self.half { 2 } else { 4 }
+    }
+
+    /// `(scale, min)` of row `r` (0..16) in a packed block.
+    #[inline(always)]
+    pub fn scale_min_at(self, blk: &[u8], r: usize) -> (f32, f32) {
+        let qb = self.quant_bytes();
+        if self.half {
+            let h = |o: usize| ggml::f16_to_f32(u16::from_le_bytes([blk[o], blk[o + 1]]));
+            (h(qb + r * 2), h(qb + 32 + r * 2))
+        } else {
+            let f = |o: usize| f32::from_le_bytes(blk[o..o + 4].try_into().unwrap());
+            (f(qb + r * 4), f(qb + 64 + r * 4))
+        }
+    }
+}
+
+/// `v` as f16 bits when that is exact.
+fn exact_f16(v: f32) -> Option<u16> {
+    let sign = if v.is_sign_negative() { 0x8000u16 } else { 0 };
+    let a = v.abs();
+    if a == 0.0 {
+        return Some(sign);
+    }
+    if !a.is_finite() || a > 65504.0 {
+        return None;
+    }
+    // Subnormal f16s are the multiples of 2^-24 below 2^-14; normal ones have 11 significant bits.
+    let bits = if a < 2f32.powi(-14) {
+        let m = a * 2f32.powi(24);
+        (m.fract() == 0.0).then_some(m as u16)?
+    } else {
+        let (e, m) = (
+            ((a.to_bits() >> 23) & 0xFF) as i32 - 127,
+            a.to_bits() & 0x7F_FFFF,
+        );
+        if m & 0x1FFF != 0 {
+            return None;
+        }
+        (((e + 15) as u16) << 10) | (m >> 13) as u16
+    };
+    Some(sign | bits)
+}
+
 /// A weight matrix `[rows, cols]` (`[out_features, in_features]`), block-quantized and packed.
 #[derive(Clone)]
 pub struct QMatrix {
     rows: usize,
     cols: usize,
     kind: QKind,
+    /// Scales and mins stored as f16 (see [`Format`]).
+    half: bool,
     data: Vec<Line>,
 }
 
@@ -159,6 +217,18 @@ impl QMatrix {
         self.data.len() * std::mem::size_of::<Line>()
     }
 
+    /// Whether scales and mins are stored as f16 (exactly: only when all of them are f16s).
+    pub fn half_scales(&self) -> bool {
+        self.half
+    }
+
+    pub(crate) fn format(&self) -> Format {
+        Format {
+            kind: self.kind,
+            half: self.half,
+        }
+    }
+
     pub(crate) fn groups(&self) -> usize {
         self.rows.div_ceil(ROWS)
     }
@@ -174,14 +244,25 @@ impl QMatrix {
 
     /// The packed blocks of row group `g`, in `K` order.
     pub(crate) fn group(&self, g: usize) -> &[u8] {
-        let len = self.blocks_per_row() * self.kind.block_bytes();
+        let len = self.blocks_per_row() * self.format().block_bytes();
         &self.bytes()[g * len..(g + 1) * len]
     }
 
-    /// Pack unpacked blocks (quants must be `<= kind.max_q()`).
+    /// Pack unpacked blocks (quants must be `<= kind.max_q()`), with f16 scales and mins when
+    /// all of them are exact f16s.
     pub(crate) fn pack(rows: usize, cols: usize, kind: QKind, b: &Blocks) -> Self {
+        let halves: Option<Vec<(u16, u16)>> = b
+            .scale
+            .iter()
+            .zip(&b.min)
+            .map(|(&s, &m)| Some((exact_f16(s)?, exact_f16(m)?)))
+            .collect();
+        let fmt = Format {
+            kind,
+            half: halves.is_some(),
+        };
         let nb = cols / BLOCK;
-        let bb = kind.block_bytes();
+        let (bb, qb) = (fmt.block_bytes(), fmt.quant_bytes());
         let groups = rows.div_ceil(ROWS);
         let mut data = vec![Line([0; 64]); groups * nb * bb / 64];
         // SAFETY: as in `bytes`, now mutable and exclusive.
@@ -203,11 +284,17 @@ impl QMatrix {
                             }
                         }
                     }
-                    let qb = kind.quant_bytes();
-                    let s = b.scale[row * nb + blk].to_le_bytes();
-                    let m = b.min[row * nb + blk].to_le_bytes();
-                    dst[qb + r * 4..qb + r * 4 + 4].copy_from_slice(&s);
-                    dst[qb + 64 + r * 4..qb + 64 + r * 4 + 4].copy_from_slice(&m);
+                    let i = row * nb + blk;
+                    match &halves {
+                        Some(h) => {
+                            dst[qb + r * 2..][..2].copy_from_slice(&h[i].0.to_le_bytes());
+                            dst[qb + 32 + r * 2..][..2].copy_from_slice(&h[i].1.to_le_bytes());
+                        }
+                        None => {
+                            dst[qb + r * 4..][..4].copy_from_slice(&b.scale[i].to_le_bytes());
+                            dst[qb + 64 + r * 4..][..4].copy_from_slice(&b.min[i].to_le_bytes());
+                        }
+                    }
                 }
             }
         }
@@ -215,23 +302,18 @@ impl QMatrix {
             rows,
             cols,
             kind,
+            half: fmt.half,
             data,
         }
     }
 
-    /// `(scale, min)` of row `r` in a packed block.
-    pub(crate) fn scale_min_at(kind: QKind, blk: &[u8], r: usize) -> (f32, f32) {
-        let qb = kind.quant_bytes();
-        let f = |o: usize| f32::from_le_bytes(blk[o..o + 4].try_into().unwrap());
-        (f(qb + r * 4), f(qb + 64 + r * 4))
-    }
-
     /// Block `b` of `row`: `(scale, min, quants)`.
     pub fn block(&self, row: usize, b: usize) -> (f32, f32, [u8; BLOCK]) {
-        let bb = self.kind.block_bytes();
+        let fmt = self.format();
+        let bb = fmt.block_bytes();
         let blk = &self.group(row / ROWS)[b * bb..][..bb];
         let r = row % ROWS;
-        let (s, m) = Self::scale_min_at(self.kind, blk, r);
+        let (s, m) = fmt.scale_min_at(blk, r);
         (s, m, dequant::unpack(self.kind, blk, r))
     }
 

@@ -347,7 +347,7 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
     let mut rng = Rng(11);
     let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.available()).collect();
     println!("paths tested: {isas:?}");
-    for case in 0..40 {
+    for case in 0..48 {
         let kind = if case % 2 == 0 { QKind::Q8 } else { QKind::Q4 };
         let m = 1 + rng.index(70);
         let k = BLOCK * (1 + rng.index(24));
@@ -355,7 +355,19 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
         if n.is_multiple_of(16) {
             n += 1 + rng.index(15);
         }
-        let w = random_matrix(&mut rng, kind, n, k);
+        // Every fourth case from GGUF blocks, whose f16 scales are stored as f16.
+        let w = if case % 4 == 3 {
+            let ty = if kind == QKind::Q8 {
+                ggml::Q8_0
+            } else {
+                ggml::Q4_1
+            };
+            let w = QMatrix::from_ggml(&raw_blocks(&mut rng, ty, n * k), ty, n, k).unwrap();
+            assert!(w.half_scales());
+            w
+        } else {
+            random_matrix(&mut rng, kind, n, k)
+        };
         let x: Vec<f32> = rng.floats(m * k).iter().map(|v| v * 4.0).collect();
         let bias = rng.floats(n);
         let prior = rng.floats(m * n);
@@ -557,4 +569,71 @@ fn concat_stacks_rows_and_widens_q4_losslessly() {
     let other = random_matrix(&mut rng, QKind::Q4, 4, 32);
     assert!(QMatrix::concat(&[&a, &other]).is_err());
     assert!(QMatrix::concat(&[]).is_err());
+}
+
+#[test]
+fn scales_are_stored_as_f16_exactly_when_they_all_are_f16s() {
+    for bits in 0..=u16::MAX {
+        if (bits >> 10) & 31 != 31 {
+            assert_eq!(
+                super::exact_f16(f16_to_f32(bits)),
+                Some(bits),
+                "{bits:#06x}"
+            );
+        }
+    }
+    for v in [
+        1.0 + 2f32.powi(-11),
+        65520.0,
+        2f32.powi(-25),
+        1e-30,
+        f32::NAN,
+    ] {
+        assert_eq!(super::exact_f16(v), None, "{v}");
+    }
+    let mut rng = Rng(29);
+    for (ty, half) in [
+        (ggml::Q4_0, true),
+        (ggml::Q4_1, true),
+        (ggml::Q8_0, true),
+        (ggml::Q4_K, false),
+        (ggml::Q6_K, false),
+    ] {
+        let m = QMatrix::from_ggml(&raw_blocks(&mut rng, ty, 16 * 256), ty, 16, 256).unwrap();
+        assert_eq!(m.half_scales(), half, "type {ty}");
+        let per_weight = m.nbytes() * 8 / (16 * 256);
+        let want = match (m.kind(), half) {
+            (QKind::Q4, true) => 5,
+            (QKind::Q4, false) => 6,
+            (QKind::Q8, true) => 9,
+            (QKind::Q8, false) => 10,
+        };
+        assert_eq!(per_weight, want, "type {ty}");
+    }
+}
+
+#[test]
+fn non_finite_activations_give_nan_rows_on_every_path() {
+    let mut rng = Rng(31);
+    let (m, n, k) = (4, 21, 96);
+    let w = random_matrix(&mut rng, QKind::Q8, n, k);
+    let mut x = rng.floats(m * k);
+    x[k + 40] = f32::NAN;
+    x[2 * k + 3] = f32::INFINITY;
+    for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+        let mut out = vec![0.0; m * n];
+        let opts = MatmulOpts {
+            isa: Some(isa),
+            ..Default::default()
+        };
+        w.matmul(&x, m, &mut out, &opts).unwrap();
+        for i in 0..m {
+            let row = &out[i * n..(i + 1) * n];
+            if i == 1 || i == 2 {
+                assert!(row.iter().all(|v| v.is_nan()), "{isa:?} row {i}: {row:?}");
+            } else {
+                assert!(row.iter().all(|v| v.is_finite()), "{isa:?} row {i}");
+            }
+        }
+    }
 }

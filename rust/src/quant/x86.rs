@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 use super::act::QActs;
 use super::kernel::Tile;
 use super::Isa;
-use super::{QKind, BLOCK};
+use super::{Format, QKind, BLOCK};
 
 /// The four activation bytes `x[i][b*32 + c .. + 4]` in every i32 lane.
 #[inline(always)]
@@ -32,7 +32,7 @@ unsafe fn x4_256(x: *const i8, c: usize) -> __m256i {
 }
 
 pub(crate) fn tile_avx512_vnni(
-    kind: QKind,
+    fmt: Format,
     blocks: &[u8],
     nb: usize,
     a: &QActs,
@@ -40,38 +40,45 @@ pub(crate) fn tile_avx512_vnni(
     rows: usize,
     out: &mut Tile,
 ) {
-    assert!(blocks.len() >= nb * kind.block_bytes() && (row0 + rows) * a.k <= a.q.len());
-    assert!(
-        std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512bw")
-    );
+    assert!(blocks.len() >= nb * fmt.block_bytes() && (row0 + rows) * a.k <= a.q.len());
+    assert!(Isa::Avx512Vnni.available());
     let p = blocks.as_ptr();
-    // SAFETY: the CPU has the features (asserted), `blocks` holds `nb` blocks of this kind (64-byte
-    // aligned: they start at a multiple of 64 bytes of a `Line` vector) and rows row0.. of `a`
-    // exist (asserted).
+    // SAFETY: the CPU has the features (asserted), `blocks` holds `nb` blocks of this format
+    // (64-byte aligned: they start at a multiple of 64 bytes of a `Line` vector) and rows row0..
+    // of `a` exist (asserted).
     unsafe {
-        match (kind, rows) {
-            (QKind::Q8, 1) => avx512::<false, 1>(p, nb, a, row0, out),
-            (QKind::Q8, 2) => avx512::<false, 2>(p, nb, a, row0, out),
-            (QKind::Q8, 3) => avx512::<false, 3>(p, nb, a, row0, out),
-            (QKind::Q8, 4) => avx512::<false, 4>(p, nb, a, row0, out),
-            (QKind::Q8, 5) => avx512::<false, 5>(p, nb, a, row0, out),
-            (QKind::Q8, 6) => avx512::<false, 6>(p, nb, a, row0, out),
-            (QKind::Q8, 7) => avx512::<false, 7>(p, nb, a, row0, out),
-            (QKind::Q8, _) => avx512::<false, 8>(p, nb, a, row0, out),
-            (QKind::Q4, 1) => avx512::<true, 1>(p, nb, a, row0, out),
-            (QKind::Q4, 2) => avx512::<true, 2>(p, nb, a, row0, out),
-            (QKind::Q4, 3) => avx512::<true, 3>(p, nb, a, row0, out),
-            (QKind::Q4, 4) => avx512::<true, 4>(p, nb, a, row0, out),
-            (QKind::Q4, 5) => avx512::<true, 5>(p, nb, a, row0, out),
-            (QKind::Q4, 6) => avx512::<true, 6>(p, nb, a, row0, out),
-            (QKind::Q4, 7) => avx512::<true, 7>(p, nb, a, row0, out),
-            (QKind::Q4, _) => avx512::<true, 8>(p, nb, a, row0, out),
+        match (fmt.kind, fmt.half) {
+            (QKind::Q8, false) => rows512::<false, false>(p, nb, a, row0, rows, out),
+            (QKind::Q8, true) => rows512::<false, true>(p, nb, a, row0, rows, out),
+            (QKind::Q4, false) => rows512::<true, false>(p, nb, a, row0, rows, out),
+            (QKind::Q4, true) => rows512::<true, true>(p, nb, a, row0, rows, out),
         }
     }
 }
 
+#[inline(always)]
+unsafe fn rows512<const Q4: bool, const HALF: bool>(
+    p: *const u8,
+    nb: usize,
+    a: &QActs,
+    row0: usize,
+    rows: usize,
+    out: &mut Tile,
+) {
+    match rows {
+        1 => avx512::<Q4, HALF, 1>(p, nb, a, row0, out),
+        2 => avx512::<Q4, HALF, 2>(p, nb, a, row0, out),
+        3 => avx512::<Q4, HALF, 3>(p, nb, a, row0, out),
+        4 => avx512::<Q4, HALF, 4>(p, nb, a, row0, out),
+        5 => avx512::<Q4, HALF, 5>(p, nb, a, row0, out),
+        6 => avx512::<Q4, HALF, 6>(p, nb, a, row0, out),
+        7 => avx512::<Q4, HALF, 7>(p, nb, a, row0, out),
+        _ => avx512::<Q4, HALF, 8>(p, nb, a, row0, out),
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn avx512<const Q4: bool, const MR: usize>(
+unsafe fn avx512<const Q4: bool, const HALF: bool, const MR: usize>(
     blocks: *const u8,
     nb: usize,
     a: &QActs,
@@ -79,7 +86,8 @@ unsafe fn avx512<const Q4: bool, const MR: usize>(
     out: &mut Tile,
 ) {
     let kind = if Q4 { QKind::Q4 } else { QKind::Q8 };
-    let (bb, qb) = (kind.block_bytes(), kind.quant_bytes());
+    let fmt = Format { kind, half: HALF };
+    let (bb, qb) = (fmt.block_bytes(), fmt.quant_bytes());
     let x: [*const i8; MR] = std::array::from_fn(|r| a.q.as_ptr().add((row0 + r) * a.k));
     let xs: [*const f32; MR] = std::array::from_fn(|r| a.scale.as_ptr().add((row0 + r) * nb));
     let xsum: [*const f32; MR] = std::array::from_fn(|r| a.sum.as_ptr().add((row0 + r) * nb));
@@ -118,8 +126,17 @@ unsafe fn avx512<const Q4: bool, const MR: usize>(
                 }
             }
         }
-        let scale = _mm512_load_ps(blk.add(qb) as *const f32);
-        let min = _mm512_load_ps(blk.add(qb + 64) as *const f32);
+        let (scale, min) = if HALF {
+            (
+                _mm512_cvtph_ps(_mm256_load_si256(blk.add(qb) as *const __m256i)),
+                _mm512_cvtph_ps(_mm256_load_si256(blk.add(qb + 32) as *const __m256i)),
+            )
+        } else {
+            (
+                _mm512_load_ps(blk.add(qb) as *const f32),
+                _mm512_load_ps(blk.add(qb + 64) as *const f32),
+            )
+        };
         for r in 0..MR {
             let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
             let s = _mm512_mul_ps(scale, _mm512_set1_ps(*xs[r].add(b)));
@@ -157,7 +174,7 @@ unsafe fn dot_avx2(acc: __m256i, w: __m256i, x: __m256i, q8: bool) -> __m256i {
 macro_rules! tile256 {
     ($entry:ident, $body:ident, $features:literal, $dot:ident, $offset:literal, $isa:ident) => {
         pub(crate) fn $entry(
-            kind: QKind,
+            fmt: Format,
             blocks: &[u8],
             nb: usize,
             a: &QActs,
@@ -165,22 +182,26 @@ macro_rules! tile256 {
             rows: usize,
             out: &mut Tile,
         ) {
-            assert!(blocks.len() >= nb * kind.block_bytes() && (row0 + rows) * a.k <= a.q.len());
+            assert!(blocks.len() >= nb * fmt.block_bytes() && (row0 + rows) * a.k <= a.q.len());
             assert!(Isa::$isa.available());
             let p = blocks.as_ptr();
             // SAFETY: as in `tile_avx512_vnni`.
             unsafe {
-                match (kind, rows) {
-                    (QKind::Q8, 1) => $body::<false, 1>(p, nb, a, row0, out),
-                    (QKind::Q8, _) => $body::<false, 2>(p, nb, a, row0, out),
-                    (QKind::Q4, 1) => $body::<true, 1>(p, nb, a, row0, out),
-                    (QKind::Q4, _) => $body::<true, 2>(p, nb, a, row0, out),
+                match (fmt.kind, fmt.half, rows) {
+                    (QKind::Q8, false, 1) => $body::<false, false, 1>(p, nb, a, row0, out),
+                    (QKind::Q8, false, _) => $body::<false, false, 2>(p, nb, a, row0, out),
+                    (QKind::Q8, true, 1) => $body::<false, true, 1>(p, nb, a, row0, out),
+                    (QKind::Q8, true, _) => $body::<false, true, 2>(p, nb, a, row0, out),
+                    (QKind::Q4, false, 1) => $body::<true, false, 1>(p, nb, a, row0, out),
+                    (QKind::Q4, false, _) => $body::<true, false, 2>(p, nb, a, row0, out),
+                    (QKind::Q4, true, 1) => $body::<true, true, 1>(p, nb, a, row0, out),
+                    (QKind::Q4, true, _) => $body::<true, true, 2>(p, nb, a, row0, out),
                 }
             }
         }
 
         #[target_feature(enable = $features)]
-        unsafe fn $body<const Q4: bool, const MR: usize>(
+        unsafe fn $body<const Q4: bool, const HALF: bool, const MR: usize>(
             blocks: *const u8,
             nb: usize,
             a: &QActs,
@@ -188,7 +209,8 @@ macro_rules! tile256 {
             out: &mut Tile,
         ) {
             let kind = if Q4 { QKind::Q4 } else { QKind::Q8 };
-            let (bb, qb) = (kind.block_bytes(), kind.quant_bytes());
+            let fmt = Format { kind, half: HALF };
+            let (bb, qb) = (fmt.block_bytes(), fmt.quant_bytes());
             let x: [*const i8; MR] = std::array::from_fn(|r| a.q.as_ptr().add((row0 + r) * a.k));
             let base: [usize; MR] = std::array::from_fn(|r| (row0 + r) * nb);
             let nibble = _mm256_set1_epi8(0x0F);
@@ -226,8 +248,21 @@ macro_rules! tile256 {
                     let xsum = _mm256_set1_ps(a.sum[ia]);
                     let fix = _mm256_set1_epi32(if $offset && !Q4 { 128 * a.qsum[ia] } else { 0 });
                     for h in 0..2 {
-                        let scale = _mm256_load_ps(blk.add(qb + 32 * h) as *const f32);
-                        let min = _mm256_load_ps(blk.add(qb + 64 + 32 * h) as *const f32);
+                        let (scale, min) = if HALF {
+                            (
+                                _mm256_cvtph_ps(_mm_load_si128(
+                                    blk.add(qb + 16 * h) as *const __m128i
+                                )),
+                                _mm256_cvtph_ps(_mm_load_si128(
+                                    blk.add(qb + 32 + 16 * h) as *const __m128i
+                                )),
+                            )
+                        } else {
+                            (
+                                _mm256_load_ps(blk.add(qb + 32 * h) as *const f32),
+                                _mm256_load_ps(blk.add(qb + 64 + 32 * h) as *const f32),
+                            )
+                        };
                         let s = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[r][h], fix));
                         acc[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(scale, xs), acc[r][h]);
                         acc[r][h] = _mm256_fmadd_ps(min, xsum, acc[r][h]);
@@ -245,9 +280,9 @@ macro_rules! tile256 {
 tile256!(
     tile_avx_vnni,
     avx_vnni,
-    "avx2,fma,avxvnni",
+    "avx2,fma,f16c,avxvnni",
     dot_vnni,
     false,
     AvxVnni
 );
-tile256!(tile_avx2, avx2, "avx2,fma", dot_avx2, true, Avx2);
+tile256!(tile_avx2, avx2, "avx2,fma,f16c", dot_avx2, true, Avx2);
