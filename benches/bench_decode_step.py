@@ -1,14 +1,13 @@
 """Single-stream decode: the per-step time of the model forward at batch 1, against the memory bandwidth.
 
     flock /tmp/ironlm-bench.lock .venv/bin/python benches/bench_decode_step.py [MODEL] [--dtype float32 bfloat16]
-        [--context 32] [--steps 128] [--profile] [--layers] [--generate]
+        [--context 32] [--steps 128] [--profile] [--generate]
 
 A decode step at batch 1 reads every weight once, so its floor is weight bytes / memory bandwidth. This prints,
 per dtype: the median model-forward time of a decode step (one sequence, growing from --context tokens), the
 achieved weight-streaming rate (weight bytes / step time) and the machine's copy bandwidth (a 512 MiB tensor copy:
-read + write bytes / time), with the CPU model and its SIMD flags. --profile adds torch.profiler's top ops of one
-step, --layers the time split of one layer's parts (min over repeats), --generate the end-to-end tok/s of
-`LLM.generate` (greedy, 128 new tokens after a short prompt).
+read + write bytes / time; and a read-only sum), with the CPU model and its SIMD flags. --profile adds torch.profiler's top ops of a
+step, --generate the end-to-end tok/s of `LLM.generate` (greedy, 128 new tokens after a short prompt).
 """
 
 from __future__ import annotations
@@ -46,17 +45,21 @@ def cpu_info() -> tuple[str, list[str]]:
     return model, [f for f in _FLAGS if f in flags]
 
 
-def copy_bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-    """Best of `repeats` copies of a `nbytes` fp32 tensor, counting read + write bytes (like STREAM's copy)."""
+def bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 5) -> tuple[float, float]:
+    """(copy, read) GB/s, best of `repeats`: a copy of a `nbytes` fp32 tensor counting read + write bytes (like
+    STREAM's copy), and a sum over it (read only, as a decode step reads its weights)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in first
-    best = float("inf")
+    best_copy = best_read = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
+        t1 = time.perf_counter()
+        src.sum()
+        t2 = time.perf_counter()
+        best_copy, best_read = min(best_copy, t1 - t0), min(best_read, t2 - t1)
+    return 2 * nbytes / best_copy / 1e9, nbytes / best_read / 1e9
 
 
 class DecodeRunner:
@@ -99,16 +102,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def time_steps(model: Any, context: int, steps: int) -> list[float]:
+def time_steps(model: Any, context: int, steps: int) -> tuple[list[float], float]:
+    """Wall time of each step, and the process CPU time per step (all threads: on a shared machine, the
+    figure that other processes' load does not inflate; exact at --threads 1, where nothing spins)."""
     runner = DecodeRunner(model, context, steps)
     for _ in range(3):
         runner.step()
     times = []
+    cpu0 = time.process_time()
     for _ in range(steps - 3):
         t0 = time.perf_counter()
         runner.step()
         times.append(time.perf_counter() - t0)
-    return times
+    return times, (time.process_time() - cpu0) / (steps - 3)
 
 
 def profile_step(model: Any, context: int, rows: int = 25) -> str:
@@ -123,47 +129,22 @@ def profile_step(model: Any, context: int, rows: int = 25) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def layer_split(model: Any, context: int, repeats: int = 200) -> dict[str, float]:
-    """µs per call of one decoder layer and of its matmuls alone, at batch 1 (min over repeats)."""
-    layer = model.layers[0]
-    x = torch.randn(1, model.config.hidden_size, dtype=model.dtype)
-    runner = DecodeRunner(model, context, 8)
-    meta = AttentionMetadata.from_lengths(context_lens=np.array([context]), query_lens=np.array([1]),
-                                          block_tables=runner.table, block_size=runner.block_size)
-    cos, sin = model.rotary.cos_sin(torch.tensor([context]), context + 1)
-    qkv_in = torch.randn(1, layer.qkv_weight.shape[0], dtype=model.dtype)
-    down_in = torch.randn(1, layer.down_weight.shape[0], dtype=model.dtype)
-    parts = {
-        "layer": lambda: layer(x, cos, sin, runner.caches[0], meta, model.attn_backend, None),
-        "qkv mm": lambda: torch.mm(qkv_in, layer.qkv_weight),
-        "o mm": lambda: torch.addmm(x, down_in[:, : layer.o_weight.shape[0]], layer.o_weight),
-        "gate_up mm": lambda: torch.mm(qkv_in, layer.gate_up_weight),
-        "down mm": lambda: torch.addmm(x, down_in, layer.down_weight),
-    }
-    out = {}
-    with torch.inference_mode():
-        for name, fn in parts.items():
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-            out[name] = best * 1e6
-    out["layer - matmuls"] = out["layer"] - sum(v for k, v in out.items() if k.endswith("mm"))
-    return out
-
-
 def generate_tok_s(model: str | None, dtype: str, new_tokens: int = 128) -> float:
+    import dataclasses
+
+    from ironlm.config import EngineConfig
     from ironlm.llm import LLM
     from ironlm.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, kv_cache_memory="64MiB")
+    # Dense weights, like the decode-step figure (a GGUF's blocks would otherwise stay quantized).
+    dense = {"quantization": "none"} if "quantization" in {f.name for f in dataclasses.fields(EngineConfig)} else {}
+    llm = LLM(model, dtype=dtype, kv_cache_memory="64MiB", **dense)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(["Warm-up"], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     out = llm.generate(["The capital of France is"], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    return len(out[0].outputs[0].token_ids) / elapsed
+    n = len(out[0].outputs[0].token_ids)
+    return n / (time.perf_counter() - t0), (time.process_time() - cpu0) / n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,29 +154,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=32, help="prompt tokens before the first timed step")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of a decode step")
-    ap.add_argument("--layers", action="store_true", help="print one layer's time split")
     ap.add_argument("--generate", action="store_true", help="also time LLM.generate end to end")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     name, flags = cpu_info()
-    bw = copy_bandwidth_gbs()
+    bw, read_bw = bandwidth_gbs()
     print(f"CPU: {name}, {torch.get_num_threads()} threads, flags: {' '.join(flags)}")
-    print(f"copy bandwidth (512 MiB tensor copy, read + write): {bw:.1f} GB/s")
+    print(f"memory bandwidth, 512 MiB fp32 tensor: copy {bw:.1f} GB/s (read + write), sum {read_bw:.1f} GB/s (read)")
     for dtype in args.dtype:
         model = load_model(args.model, dtype=dtype, device="cpu").model
         nbytes = weight_bytes(model)
-        times = time_steps(model, args.context, args.steps)
+        times, cpu = time_steps(model, args.context, args.steps)
         med = statistics.median(times)
-        print(f"{dtype:>9}: decode step median {med * 1e3:6.2f} ms (min {min(times) * 1e3:.2f}, "
+        print(f"{dtype:>9}: decode step median {med * 1e3:6.2f} ms (min {min(times) * 1e3:.2f}, CPU {cpu * 1e3:.2f}; "
               f"{1 / med:5.1f} steps/s), weights {nbytes / 1e6:.0f} MB -> {nbytes / med / 1e9:5.1f} GB/s "
-              f"= {nbytes / med / 1e9 / bw:.0%} of copy bandwidth")
-        if args.layers:
-            split = layer_split(model, args.context)
-            print("           one layer (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
+              f"= {nbytes / med / 1e9 / bw:.0%} of copy, {nbytes / med / 1e9 / read_bw:.0%} of read bandwidth")
         if args.profile:
             print(profile_step(model, args.context))
         if args.generate:
-            print(f"           LLM.generate: {generate_tok_s(args.model, dtype):.1f} tok/s (greedy, 128 new tokens)")
+            tok_s, cpu_tok = generate_tok_s(args.model, dtype)
+            print(f"           LLM.generate: {tok_s:.1f} tok/s, CPU {cpu_tok * 1e3:.1f} ms/token (greedy, 128 new tokens)")
     return 0
 
 
