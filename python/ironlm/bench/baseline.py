@@ -129,8 +129,3 @@ class TransformersBaseline:
         label = "transformers 1-at-a-time" if batch_size == 1 else f"transformers static bs={batch_size}"
         return BaselineRun(label, batch_size, elapsed, counted, generated, sum(r.prompt_len for r in reqs),
                            len(reqs), first)
-
-    def warmup(self, reqs: Sequence[BenchRequest]) -> None:
-        """Two short generations (allocator, kernels) before anything is timed."""
-        head = [BenchRequest(r.prompt_token_ids[:8], 2) for r in reqs[:2]]
-        self._generate(head)
