@@ -4,13 +4,26 @@ A layer holds one `Linear` per projection (fused qkv, o, fused gate|up, down, th
 care how the weights are stored. Dense weights keep ironlm's `[in, out]` parameter layout (a GEMM with the residual
 as `addmm`'s input); quantized ones are an `ironlm._core.QuantMatrix` (`[out, in]`, 4- or 8-bit blocks of 32) whose
 kernel quantizes the activations to int8 and adds into the residual in place.
+
+`into` / `accumulate` serve the lean decode step, which keeps preallocated buffers and their numpy views: passing
+the views saves a tensor-to-numpy conversion per call (4 matmuls x 30 layers a token).
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from ironlm import _core
+
+# From this many rows a dense bf16 GEMM on a dequantized copy beats the int8 kernels on CPUs with native bf16 (AMX
+# / AVX512_BF16). Measured per call on a 2-core Sapphire Rapids (benches/bench_quant_matmul.py): int8 400-470 GFLOP/s
+# at M = 64 against bf16 mm 495-583, and 385-430 against 1080-1430 at M = 512; dequantizing costs ~0.35 ms per
+# gate_up, ~0.7 ms a layer, which a 64-row batch does not earn back (int8 ~1.0 ms a layer, bf16 ~0.9 + 0.7) and a
+# 128-row one does.
+DENSE_MIN_ROWS = 128
 
 
 class DenseLinear:
@@ -32,14 +45,16 @@ class DenseLinear:
             return torch.addmm(self.bias, x, self.weight)
         return torch.mm(x, self.weight)
 
-    def into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def into(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
+             out_np: np.ndarray | None = None) -> None:
         """`out = x @ W (+ bias)` into a preallocated buffer."""
         if self.bias is not None:
             torch.addmm(self.bias, x, self.weight, out=out)
         else:
             torch.mm(x, self.weight, out=out)
 
-    def accumulate(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def accumulate(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
+                   out_np: np.ndarray | None = None) -> None:
         """`out += x @ W (+ bias)`: the residual add."""
         out.addmm_(x, self.weight)
         if self.bias is not None:
@@ -50,8 +65,11 @@ class QuantLinear:
     """A block-quantized `[out, in]` matrix run by the core's int8 kernels (AVX-512 VNNI / AVX2) on CPU.
 
     Activations are float32 whatever the model dtype (the kernel quantizes them to int8 per block of 32 itself); a
-    bf16 model converts at the boundary, which at decode sizes costs nothing next to the weight stream.
+    bf16 model converts at the boundary. Large batches (prefill) on CPUs with native bf16 take a dense bf16 GEMM over
+    a dequantized copy in a scratch buffer shared by every linear of the process instead (see DENSE_MIN_ROWS).
     """
+
+    _scratch: torch.Tensor | None = None  # bf16 weights of the matrix being multiplied, grown on demand
 
     def __init__(self, matrix: _core.QuantMatrix, bias: torch.Tensor | None = None) -> None:
         self.matrix = matrix
@@ -62,12 +80,13 @@ class QuantLinear:
     def nbytes(self) -> int:
         return self.matrix.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
 
-    @property
-    def out_features(self) -> int:
-        return self.matrix.rows
-
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
+        if x.shape[0] >= DENSE_MIN_ROWS and _dense_bf16():
+            out = self._dense(x)
+            if residual is not None:
+                out += residual
+            return out if dtype == torch.float32 else out.to(dtype)
         xf = x if dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         threads = torch.get_num_threads()
         if residual is not None and residual.dtype == torch.float32 and residual.is_contiguous():
@@ -80,15 +99,29 @@ class QuantLinear:
             out += residual
         return out if dtype == torch.float32 else out.to(dtype)
 
-    def into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        rows, cols = self.matrix.rows, self.matrix.cols
+        scratch = QuantLinear._scratch
+        if scratch is None or scratch.numel() < rows * cols:
+            scratch = QuantLinear._scratch = torch.empty(rows * cols, dtype=torch.bfloat16)
+        w = scratch[: rows * cols].view(rows, cols)
+        self.matrix.dequantize(w.view(torch.int16).numpy(), torch.get_num_threads())
+        out = torch.mm(x.to(torch.bfloat16), w.t()).float()
+        return out if self.bias is None else out.add_(self.bias)
+
+    def into(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
+             out_np: np.ndarray | None = None) -> None:
         if out.dtype == torch.float32 and x.dtype == torch.float32:
-            self.matrix.matmul(x.numpy(), out.numpy(), False, self._bias_np, torch.get_num_threads())
+            self.matrix.matmul(x.numpy() if x_np is None else x_np, out.numpy() if out_np is None else out_np,
+                               False, self._bias_np, torch.get_num_threads())
         else:
             out.copy_(self(x))
 
-    def accumulate(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def accumulate(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
+                   out_np: np.ndarray | None = None) -> None:
         if out.dtype == torch.float32 and x.dtype == torch.float32:
-            self.matrix.matmul(x.numpy(), out.numpy(), True, self._bias_np, torch.get_num_threads())
+            self.matrix.matmul(x.numpy() if x_np is None else x_np, out.numpy() if out_np is None else out_np,
+                               True, self._bias_np, torch.get_num_threads())
         else:
             out += self(x)
 
@@ -97,6 +130,13 @@ class QuantLinear:
         out = torch.empty(ids.shape[0], self.matrix.cols, dtype=torch.float32)
         self.matrix.gather(ids.to(torch.int64).numpy(), out.numpy())
         return out
+
+
+@functools.cache
+def _dense_bf16() -> bool:
+    from ironlm.model import cpu_has_fast_bf16
+
+    return cpu_has_fast_bf16()
 
 
 Linear = DenseLinear | QuantLinear

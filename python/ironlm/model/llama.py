@@ -162,15 +162,15 @@ class DecoderLayer(nn.Module):
             self._norms_np = (as_numpy(self.input_norm.data), as_numpy(self.post_norm.data))
         _core.rms_norm(ws.h_np, self._norms_np[0], self.eps, ws.x_np, step.dtype, step.threads)
         assert self.qkv is not None and self.o is not None and self.gate_up is not None and self.down is not None
-        self.qkv.into(ws.x, ws.qkv)
+        self.qkv.into(ws.x, ws.qkv, ws.x_np, ws.qkv_np)
         _core.decode_attention_qkv(
             ws.qkv_np, k_cache, v_cache, step.block_tables, step.seq_lens, step.slots, step.rope.positions,
             step.rope.table, self.scale, ws.attn_np, self.num_heads, step.dtype, step.threads)
-        self.o.accumulate(ws.attn, ws.h)
+        self.o.accumulate(ws.attn, ws.h, ws.attn_np, ws.h_np)
         _core.rms_norm(ws.h_np, self._norms_np[1], self.eps, ws.x_np, step.dtype, step.threads)
-        self.gate_up.into(ws.x, ws.gate_up)
+        self.gate_up.into(ws.x, ws.gate_up, ws.x_np, ws.gate_up_np)
         _core.silu_and_mul(ws.gate_up_np, ws.act_np, step.dtype, step.threads)
-        self.down.accumulate(ws.act, ws.h)
+        self.down.accumulate(ws.act, ws.h, ws.act_np, ws.h_np)
 
 
 class DecoderLM(nn.Module):
