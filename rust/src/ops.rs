@@ -284,13 +284,18 @@ simd_dispatch! {
 
 /// e^x, branch-free so the loops that call it vectorise (libm's `expf` is a scalar call).
 /// Cephes' single-precision scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial
-/// for e^r, then 2^n put straight into the exponent bits. Relative error about 1e-7. Inputs are
-/// clamped to [-87, 88]: below, e^-87 (~1.6e-38) instead of a denormal; above, e^88 (~1.7e38)
-/// instead of infinity (so `1 / (1 + e^x)` stays a plain 0, never NaN).
+/// for e^r, then 2^n put straight into the exponent bits. n is rounded with the 1.5 * 2^23
+/// trick (adding it leaves the integer in the low mantissa bits): `floor` plus a float-to-int
+/// cast kept LLVM from vectorising the loop (1.7 vs 0.5 ns an element in SiLU). Relative error
+/// about 1e-7. Inputs are clamped to [-87, 88]: below, e^-87 (~1.6e-38) instead of a denormal;
+/// above, e^88 (~1.7e38) instead of infinity (so `1 / (1 + e^x)` stays a plain 0, never NaN).
 #[inline(always)]
+#[allow(clippy::manual_clamp)] // max/min vectorise to two instructions; `clamp` measured 2x slower here
 pub(crate) fn exp(x: f32) -> f32 {
-    let x = x.clamp(-87.0, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
+    let x = x.max(-87.0).min(88.0);
+    let t = x * std::f32::consts::LOG2_E + ROUND;
+    let n = t - ROUND;
     let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4; // ln2 split in two for an exact product
     let mut p = 1.987_569_1e-4;
     for c in [
@@ -303,7 +308,9 @@ pub(crate) fn exp(x: f32) -> f32 {
         p = p * r + c;
     }
     let y = p * r * r + r + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // n + 127 in the exponent field: t's bits are ROUND's plus n (|n| <= 127).
+    let biased = t.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127);
+    y * f32::from_bits(biased << 23)
 }
 
 #[cfg(test)]
