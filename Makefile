@@ -29,12 +29,16 @@ develop: $(PY)
 	$(DEV_BUILD) $(UV) pip install --python $(PY) --no-deps --reinstall-package ironlm -e .
 	touch $(STAMP)
 
+# mypy type-checks python/ironlm (pyproject's [tool.mypy]); mypy.stubtest checks the hand-written _core.pyi
+# against the module $(STAMP) just (re)built.
 lint: $(STAMP)
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
 	cargo clippy --all-targets --features test-bindings -- -D warnings
 	cargo clippy --all-targets -- -D warnings
 	$(VENV)/bin/ruff check python tests benches kernels
+	$(PY) -m mypy
+	$(PY) -m mypy.stubtest ironlm._core --mypy-config-file pyproject.toml --allowlist stubtest_allowlist.txt
 
 test-rust:
 	cargo test --release
