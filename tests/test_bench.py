@@ -236,10 +236,10 @@ def test_decode_attention_bench_times_both_backends_on_one_live_batch(tiny_model
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "dec.json"
-    assert mod.main([tiny_model, "--num-seqs", "5", "--steps", "2", "--repeats", "2", "--input-len", "4", "12",
+    assert mod.main([tiny_model, "--num-seqs", "10", "--steps", "2", "--repeats", "2", "--input-len", "4", "12",
                      "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["num_seqs"] == 5 and 4 <= r["mean_context"] <= 12
+    assert r["num_seqs"] == 10 and 4 <= r["mean_context"] <= 12
     for name in ("cpu", "torch"):
         assert len(r[name]["step_ms"]) == 2 and r[name]["attention_ms_per_step"] > 0
         # Attention is part of the step, so it can never take longer than the whole step.

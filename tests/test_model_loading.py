@@ -109,7 +109,9 @@ def test_default_model_path_and_install_hint(monkeypatch):
 def test_dtype_and_device_resolution():
     cpu = torch.device("cpu")
     assert resolve_device("auto").type in ("cpu", "cuda")
-    assert resolve_dtype("auto", cpu) == torch.float32
+    from ironlm.model import cpu_has_fast_bf16
+
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("bf16", cpu) == torch.bfloat16 and resolve_dtype(torch.float16, cpu) == torch.float16
     with pytest.raises(ValueError, match="dtype"):

@@ -100,7 +100,9 @@ def test_quantization_is_cpu_only_and_validated():
     with pytest.raises(InvalidArgumentError) as err:
         resolve("int8", None, torch.device("cuda"), None)
     assert err.value.param == "quantization"
-    assert resolve("auto", None, torch.device("cuda"), None) == QuantSpec()  # a GGUF on GPU: dequantized
+    assert resolve("auto", None, torch.device("cuda"), True) == QuantSpec()  # a quantized GGUF on GPU: dequantized
+    assert resolve("auto", None, torch.device("cpu"), True) == QuantSpec(bits=4, source="gguf")
+    assert resolve("auto", None, torch.device("cpu"), False) == QuantSpec()  # an F32/F16 GGUF or HF folder
     assert resolve("int4", None, torch.device("cpu"), None) == QuantSpec(bits=4, group_size=32)
     assert resolve("int8", 64, torch.device("cpu"), None) == QuantSpec(bits=8, group_size=64)
     with pytest.raises(InvalidArgumentError) as err:

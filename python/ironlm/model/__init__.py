@@ -128,7 +128,7 @@ def load_model(
         if gguf_path is not None:
             gf = gguf_mod.GGUFFile(gguf_path)
             config = gguf_mod.gguf_config(gf)
-            spec = quantize.resolve(quantization, quantization_group_size, dev, gf)
+            spec = quantize.resolve(quantization, quantization_group_size, dev, gguf_mod.has_quantized_linears(gf))
             dt = _model_dtype(dtype, dev, spec)
             # Tokenizer conversion is Python-bound, dequantization is torch (GIL released): overlap them.
             tok_future = pool.submit(gguf_mod.load_gguf_tokenizer, gguf_path)

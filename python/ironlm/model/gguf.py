@@ -21,15 +21,14 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from ironlm import _core
 from ironlm.model.config import ModelConfig, UnsupportedModelError, unsupported_architecture
-
-if TYPE_CHECKING:
-    from ironlm.model.quantize import QuantSpec
+from ironlm.model.quantize import GGML_QUANTIZED, QuantSpec, from_float, is_quantized_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -364,8 +363,6 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
     Contiguous fp32 CPU targets are written in place by the numpy kernels; everything else (the transposed
     projection weights) goes through one temporary per tensor.
     """
-    from ironlm.model.quantize import from_gguf, is_quantized_tensor
-
     permute = gf.get("general.architecture") in _PERMUTED_QK
     parts: dict[str, Any] = {}
     for name, info in gf.tensors.items():
@@ -398,6 +395,28 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
                 dest.copy_(w)
         model.mark_loaded(target_name)
     return parts
+
+
+def has_quantized_linears(gf: GGUFFile) -> bool:
+    """Whether the file's linears are quantized blocks the core's kernels can keep (quantization `auto`)."""
+    return any(info.ggml_type in GGML_QUANTIZED for name, info in gf.tensors.items() if is_quantized_tensor(name))
+
+
+def from_gguf(gf: GGUFFile, name: str, spec: QuantSpec, unpermute_heads: int = 0) -> _core.QuantMatrix:
+    """A GGUF tensor as a QuantMatrix: quantized types keep their blocks (rows re-ordered for llama Q/K without
+    dequantizing: a block never spans rows); float tensors are quantized per `spec` (int8, groups of 32 when the
+    file decides)."""
+    info = gf.tensors[name]
+    rows, cols = info.shape
+    if info.ggml_type in GGML_QUANTIZED and spec.source == "gguf":
+        raw = np.asarray(gf.raw(info)).reshape(rows, -1)
+        if unpermute_heads:
+            raw = unpermute_qk(torch.from_numpy(raw.copy()), unpermute_heads).numpy()
+        return _core.QuantMatrix.from_ggml(np.ascontiguousarray(raw).reshape(-1), info.ggml_type, rows, cols)
+    w = dequantize(gf.raw(info), info.ggml_type, info.shape)
+    if unpermute_heads:
+        w = unpermute_qk(w, unpermute_heads)
+    return from_float(w, spec if spec.source == "load" else QuantSpec(bits=8, group_size=32))
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------------------

@@ -134,9 +134,9 @@ class QuantLinear:
 
 @functools.cache
 def _dense_bf16() -> bool:
-    from ironlm.model import cpu_has_fast_bf16
-
-    return cpu_has_fast_bf16()
+    """Native bf16 GEMMs (AVX512_BF16 / AMX), as ironlm.model.cpu_has_fast_bf16 decides for dtype auto."""
+    features = set(_core.cpu_features())
+    return "avx512_bf16" in features or "amx_bf16" in features
 
 
 Linear = DenseLinear | QuantLinear
