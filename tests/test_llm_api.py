@@ -104,3 +104,4 @@ def test_chat_and_metrics(llm: LLM):
     assert m["output_tokens"] >= 8 and m["ttft_s"]["median"] > 0
     assert m["throughput"] == m["output_tokens"] / m["elapsed_s"] == m["output_tokens_per_s"] > 0
     assert {"schedule", "forward", "sample"} <= set(m["step_breakdown_s"])
+    assert m["model_weight_bytes"] == llm.engine.runner.model.weight_bytes() > 0

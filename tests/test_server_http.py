@@ -176,6 +176,7 @@ def test_metrics_parse_and_move(http: httpx.Client):
                  "ironlm:time_to_first_token_seconds_count", "ironlm:inter_token_latency_seconds_count",
                  "ironlm:e2e_request_latency_seconds_count", "ironlm:request_queue_time_seconds_count"):
         assert name in before, name
+    assert before["ironlm:model_weight_bytes"] > 0  # the tiny model's dense fp32 weights
     body = {"model": "tiny", "prompt": "count me", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
     http.post("/v1/completions", json=body).raise_for_status()
     after = metric_values(http)

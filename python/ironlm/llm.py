@@ -144,6 +144,7 @@ class LLM:
             "prefix_cache_hits": stats["prefix_cache_hits"],
             "kv_cache_usage_perc": stats["kv_cache_usage_perc"],
             "num_preemptions": stats["num_preemptions"],
+            "model_weight_bytes": stats["model_weight_bytes"],
             "step_breakdown_s": self.engine.step_breakdown(),
         }
 

@@ -240,6 +240,7 @@ class LLMEngine:
             "blocks_used": s["blocks_used"],
             "blocks_cached": s["blocks_cached"],
             "num_steps": self.num_steps,
+            "model_weight_bytes": self.runner.weight_bytes,
         }
 
     def step_breakdown(self) -> dict[str, float]:

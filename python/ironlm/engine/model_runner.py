@@ -53,6 +53,7 @@ class ModelRunner:
         self.model_name = config.served_model_name or loaded.name
         self.model_path = loaded.path
         self.startup_timings: dict[str, float] = {"load_model": time.perf_counter() - t0}
+        self.weight_bytes = loaded.model.weight_bytes()
 
         t0 = time.perf_counter()
         self.token_budget = config.resolve_max_num_batched_tokens(self.device.type)

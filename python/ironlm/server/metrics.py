@@ -29,6 +29,8 @@ _GAUGES = (
     ("num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled."),
     ("kv_cache_usage_perc", "kv_cache_usage_perc", ("Fraction of KV blocks held by requests (1 = full); "
                                                     "cached-but-evictable blocks are not counted.")),
+    ("model_weight_bytes", "model_weight_bytes", ("Resident bytes of the model weights as stored (quantized "
+                                                  "blocks or dense tensors).")),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
