@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` and `llama-bench` once, for the llama.cpp baseline of
-# `ironlm bench {throughput,serve,latency} --baseline llama.cpp`.
+# Builds llama.cpp's `llama-server`, `llama-bench` and `llama-perplexity` once, for the llama.cpp baseline of
+# `ironlm bench {throughput,serve,latency,perplexity} --baseline llama.cpp`.
 #
 # The source is the llama.cpp that the `llama-cpp-python` source distribution on PyPI vendors,
 # so the build needs nothing but PyPI and a C++ compiler. The result lives in a git-ignored
@@ -60,9 +60,10 @@ STAMP="$DEST/build/.built-from-llama-cpp-python-$VERSION-amx-$AMX"
 print_paths() {
     echo "llama-server: $BIN/llama-server"
     echo "llama-bench:  $BIN/llama-bench"
+    echo "llama-perplexity: $BIN/llama-perplexity"
 }
 
-if [[ -f "$STAMP" && -x "$BIN/llama-server" && -x "$BIN/llama-bench" ]]; then
+if [[ -f "$STAMP" && -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-perplexity" ]]; then
     echo "llama.cpp (llama-cpp-python $VERSION) already built in $DEST"
     print_paths
     exit 0
@@ -121,7 +122,7 @@ echo "AMX usable: $AMX"
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_SERVER=ON
-"$CMAKE" --build "$DEST/build" --config Release -j "$JOBS" --target llama-server llama-bench
+"$CMAKE" --build "$DEST/build" --config Release -j "$JOBS" --target llama-server llama-bench llama-perplexity
 
 touch "$STAMP"
 print_paths

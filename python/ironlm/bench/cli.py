@@ -1,4 +1,4 @@
-"""`ironlm bench {throughput,serve,latency,scheduler}`: argument parsing and output (table, --json, --plot).
+"""`ironlm bench {throughput,serve,latency,scheduler,perplexity}`: argument parsing and output (table, --json, --plot).
 
 Heavy imports (torch, transformers, httpx) happen only when a subcommand runs.
 """
@@ -81,8 +81,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,latency,scheduler}")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, perplexity")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,latency,scheduler,perplexity}")
     sub.required = True
 
     tp = sub.add_parser("throughput", help="offline throughput via LLM.generate (optionally vs transformers)",
@@ -146,6 +146,22 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sc.add_argument("--steps", type=int, help="steps per measurement")
     _common(sc)
     sc.set_defaults(func=cmd_scheduler)
+
+    pp = sub.add_parser("perplexity", help="perplexity per weight mode (fp32, GGUF blocks, int8, int4, bf16)",
+                        description="Teacher-forced perplexity of benches/data/ppl_text.txt through the paged KV "
+                                    "cache in each mode, relative to fp32 (none), with the weight bytes; "
+                                    "--baseline llama.cpp adds llama-perplexity on the same text and GGUF.",
+                        formatter_class=HelpFormatter)
+    pp.add_argument("--model", default=None, help=_MODEL_HELP)
+    pp.add_argument("--modes", default="none,auto,int8,int4,bf16",
+                    help="comma list of none (fp32), auto (the file's blocks), int8 (per channel), int4 (g32), bf16")
+    pp.add_argument("--max-tokens", type=int, help="score only the text's first N tokens (default: all)")
+    pp.add_argument("--chunk-size", type=int, default=512, help="tokens per forward through the KV cache")
+    pp.add_argument("--window", type=int, default=512, help="llama-perplexity's -c for the windows protocol")
+    pp.add_argument("--baseline", choices=("none", "llama.cpp"), default="none")
+    _threads(pp, "ironlm and llama-perplexity")
+    pp.add_argument("--json", metavar="PATH", help="write every figure, the configuration and the machine here")
+    pp.set_defaults(func=cmd_perplexity, plot=None)  # a table of five numbers needs no plot
     return bench
 
 
@@ -249,6 +265,22 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     report = sr.run(num_seqs_list=tuple(args.num_seqs), steps=args.steps, quick=args.quick,
                     progress=not args.no_progress)
     return _finish(report, args, sr.summary_text(report), sr.plot)
+
+
+@_missing_baseline_is_an_error
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from ironlm.bench import perplexity as pp
+
+    try:
+        modes = pp.parse_modes(args.modes)
+    except pp.PerplexityArgumentError as exc:  # argparse's own way: usage error, exit 2, no traceback
+        print(f"ironlm bench perplexity: error: {exc}", file=sys.stderr)
+        return 2
+    config = pp.PerplexityConfig(model=args.model, modes=modes, max_tokens=args.max_tokens,
+                                 chunk_size=args.chunk_size, window=args.window, threads=args.threads,
+                                 baseline=None if args.baseline == "none" else args.baseline)
+    report = pp.run(config)
+    return _finish(report, args, pp.summary_text(report), None)
 
 
 def main(argv: list[str] | None = None) -> int:
