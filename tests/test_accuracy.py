@@ -7,6 +7,7 @@ moved the numerics, not noise: every path here is deterministic on one machine.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 from ironlm.bench import perplexity as pp
 from ironlm.bench.llama_cpp import find_binary
 from ironlm.exceptions import LlamaCppNotBuilt
-from tiny_models import load_hf_gguf_reference, make_tiny_tokenizer
+from tiny_models import load_hf_gguf_reference, make_tiny_gguf, make_tiny_model, make_tiny_tokenizer
 
 N_TOKENS = 512
 CHUNK = 128  # 4 chunks: every chunk after the first attends to earlier ones through the paged cache
@@ -127,3 +128,25 @@ def test_parse_llama_cpp_output():
 def test_added_bos_follows_the_tokenizer():
     assert pp.added_bos(make_tiny_tokenizer(add_bos=True)) == make_tiny_tokenizer().bos_token_id
     assert pp.added_bos(make_tiny_tokenizer(add_bos=False)) is None
+
+
+def test_cli_table_and_json_on_a_tiny_q4_gguf(tmp_path, capsys):
+    from ironlm.bench.cli import main
+
+    gguf = make_tiny_gguf(tmp_path, make_tiny_model(tmp_path), "Q4_1")
+    text = tmp_path / "text.txt"
+    text.write_text(pp.TEXT_PATH.read_text(encoding="utf-8")[:600], encoding="utf-8")
+    out = tmp_path / "ppl.json"
+    assert main(["perplexity", "--model", str(gguf), "--text", str(text), "--max-tokens", "80", "--chunk-size", "16",
+                 "--window", "32", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["results"]}
+    assert list(rows) == list(pp.MODES) and report["config"]["text_tokens"] == 80
+    assert rows["none"]["ppl_rel"] == 0 and rows["none"]["dtype"] == "float32"
+    assert rows["bf16"]["dtype"] == "bfloat16" and rows["bf16"]["weight_bytes"] < rows["none"]["weight_bytes"]
+    assert rows["auto"]["weight_bytes"] < rows["int8"]["weight_bytes"] < rows["none"]["weight_bytes"]
+    for r in rows.values():
+        assert r["scored_tokens"] == 79 and r["scored_tokens_windows"] == 2 * 15  # 2 windows of 32, 15 targets each
+        assert 1 < r["ppl"] < 1e6 and math.isfinite(r["ppl_windows"])
+    assert "int4 g32" in capsys.readouterr().out
+    assert main(["perplexity", "--modes", "none,q5"]) == 2

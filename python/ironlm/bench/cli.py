@@ -9,6 +9,7 @@ import argparse
 import functools
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from ironlm.cli_args import HelpFormatter, add_engine_args, engine_kwargs_from_args
@@ -155,6 +156,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     pp.add_argument("--model", default=None, help=_MODEL_HELP)
     pp.add_argument("--modes", default="none,auto,int8,int4,bf16",
                     help="comma list of none (fp32), auto (the file's blocks), int8 (per channel), int4 (g32), bf16")
+    pp.add_argument("--text", metavar="PATH", help="a UTF-8 text file (default: benches/data/ppl_text.txt)")
     pp.add_argument("--max-tokens", type=int, help="score only the text's first N tokens (default: all)")
     pp.add_argument("--chunk-size", type=int, default=512, help="tokens per forward through the KV cache")
     pp.add_argument("--window", type=int, default=512, help="llama-perplexity's -c for the windows protocol")
@@ -279,6 +281,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     config = pp.PerplexityConfig(model=args.model, modes=modes, max_tokens=args.max_tokens,
                                  chunk_size=args.chunk_size, window=args.window, threads=args.threads,
                                  baseline=None if args.baseline == "none" else args.baseline)
+    if args.text:
+        config.text_path = Path(args.text)
     report = pp.run(config)
     return _finish(report, args, pp.summary_text(report), None)
 
