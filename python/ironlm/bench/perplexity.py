@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ironlm.bench.report import format_table, machine_info
-from ironlm.exceptions import InvalidArgumentError
+from ironlm.exceptions import PerplexityArgumentError
 
 if TYPE_CHECKING:
     from ironlm.model import LoadedModel
@@ -57,10 +57,6 @@ GEN_PROMPTS = (
     "Write a detailed guide to planning a vegetable garden for a small family.",
     "Explain how a steam engine works and why it changed the world.",
 )
-
-
-class PerplexityArgumentError(InvalidArgumentError):
-    """A bad argument of the perplexity benchmark (an unknown mode, a chunk size below 1, a too-short text)."""
 
 
 def parse_modes(value: str | Sequence[str]) -> tuple[str, ...]:
