@@ -111,19 +111,23 @@ class QuantLinear:
 
     def into(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
              out_np: np.ndarray | None = None) -> None:
-        if out.dtype == torch.float32 and x.dtype == torch.float32:
-            self.matrix.matmul(x.numpy() if x_np is None else x_np, out.numpy() if out_np is None else out_np,
-                               False, self._bias_np, torch.get_num_threads())
-        else:
-            out.copy_(self(x))
+        self._write(x, out, x_np, out_np, accumulate=False)
 
     def accumulate(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
                    out_np: np.ndarray | None = None) -> None:
-        if out.dtype == torch.float32 and x.dtype == torch.float32:
-            self.matrix.matmul(x.numpy() if x_np is None else x_np, out.numpy() if out_np is None else out_np,
-                               True, self._bias_np, torch.get_num_threads())
-        else:
-            out += self(x)
+        self._write(x, out, x_np, out_np, accumulate=True)
+
+    def _write(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None, out_np: np.ndarray | None,
+               accumulate: bool) -> None:
+        if out.dtype != torch.float32 or x.dtype != torch.float32:  # a half-precision model: convert at the edge
+            result = self(x)
+            if accumulate:
+                out += result
+            else:
+                out.copy_(result)
+            return
+        self.matrix.matmul(x.numpy() if x_np is None else x_np, out.numpy() if out_np is None else out_np,
+                           accumulate, self._bias_np, torch.get_num_threads())
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the matrix, dequantized (the tied embedding table read from the LM head's blocks)."""

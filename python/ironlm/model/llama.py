@@ -381,10 +381,13 @@ class DecoderLM(nn.Module):
             h = layer(h, rope, kv_caches[i], meta, backend, logits_indices if i == last else None)
         if last < 0:
             h = h.index_select(0, logits_indices)
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over the rows whose logits are wanted: float32 [rows, vocab]."""
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
         assert self.head is not None
         return self.head(h).float()
-
 
     def _lean_forward(
         self,
@@ -418,9 +421,7 @@ class DecoderLM(nn.Module):
             torch.index_select(self.embed, 0, input_ids, out=ws.h)
         for layer, (k_np, v_np) in zip(self.layers, self._kv_np[1]):
             layer.lean_forward(ws, k_np, v_np, step)  # type: ignore[operator]
-        h = rms_norm(ws.h.index_select(0, logits_indices), self.norm, self.config.rms_norm_eps)
-        assert self.head is not None
-        return self.head(h).float()
+        return self._logits(ws.h.index_select(0, logits_indices))
 
 
 def _default_backend(device: torch.device) -> AttentionBackend | None:
