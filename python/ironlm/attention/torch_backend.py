@@ -76,7 +76,10 @@ class _Workspace(threading.local):
     def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self.buffers.get((key, dtype, device))
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            # a normal tensor even when first asked for under inference_mode: a later forward outside it (tests,
+            # tools) writes into it in place, which an inference tensor refuses
+            with torch.inference_mode(False):
+                buf = torch.empty(numel, dtype=dtype, device=device)
             self.buffers[(key, dtype, device)] = buf
         return buf[:numel]
 

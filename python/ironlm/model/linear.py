@@ -103,7 +103,8 @@ class QuantLinear:
         rows, cols = self.matrix.rows, self.matrix.cols
         scratch = QuantLinear._scratch
         if scratch is None or scratch.numel() < rows * cols:
-            scratch = QuantLinear._scratch = torch.empty(rows * cols, dtype=torch.bfloat16)
+            with torch.inference_mode(False):  # reused in and out of inference mode (see torch_backend._Workspace)
+                scratch = QuantLinear._scratch = torch.empty(rows * cols, dtype=torch.bfloat16)
         w = scratch[: rows * cols].view(rows, cols)
         self.matrix.dequantize(w.view(torch.int16).numpy(), torch.get_num_threads())
         out = torch.mm(x.to(torch.bfloat16), w.t()).float()
