@@ -21,6 +21,7 @@ from ironlm.model.config import (
     UnsupportedModelError,
 )
 from ironlm.model.default import DefaultModelNotInstalled, default_model_path
+from ironlm.model.layers import cpu_has_fast_bf16
 from ironlm.model.llama import DecoderLM
 from ironlm.model.quantize import QuantSpec
 
@@ -65,15 +66,6 @@ def resolve_device(device: torch.device | str | None = "auto") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
     return dev
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU does bf16 math natively (AVX512_BF16 or AMX): there bf16 weights halve the bytes a decode
-    step streams and the matmuls run at least as fast as in fp32; elsewhere torch emulates bf16 and fp32 wins."""
-    from ironlm import _core
-
-    features = set(_core.cpu_features())
-    return "avx512_bf16" in features or "amx_bf16" in features
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:

@@ -7,6 +7,7 @@ and fp16: at batch 1 the torch op chains they replace cost more in dispatch than
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -18,6 +19,14 @@ from ironlm.model.config import ModelConfig, UnsupportedModelError
 
 # Dtypes the core's CPU kernels read; half types cross to numpy as int16 views of their bits.
 CORE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU does bf16 math natively (AVX512_BF16 or AMX): there bf16 weights halve the bytes a decode
+    step streams and the matmuls run at least as fast as in fp32; elsewhere torch emulates bf16 and fp32 wins."""
+    features = set(_core.cpu_features())
+    return "avx512_bf16" in features or "amx_bf16" in features
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

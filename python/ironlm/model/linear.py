@@ -11,12 +11,11 @@ the views saves a tensor-to-numpy conversion per call (4 matmuls x 30 layers a t
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
 from ironlm import _core
+from ironlm.model.layers import cpu_has_fast_bf16
 
 # From this many rows a dense bf16 GEMM on a dequantized copy beats the int8 kernels on CPUs with native bf16 (AMX
 # / AVX512_BF16). Measured per call on a 2-core Sapphire Rapids (benches/bench_quant_matmul.py): int8 400-470 GFLOP/s
@@ -32,10 +31,6 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if residual is not None:  # the residual add fused into the GEMM
@@ -78,11 +73,12 @@ class QuantLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.matrix.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
+        """The packed matrix; a bias is the layer's parameter and counted with the parameters."""
+        return self.matrix.nbytes
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
-        if x.shape[0] >= DENSE_MIN_ROWS and _dense_bf16():
+        if x.shape[0] >= DENSE_MIN_ROWS and cpu_has_fast_bf16():
             out = self._dense(x)
             if residual is not None:
                 out += residual
@@ -130,18 +126,13 @@ class QuantLinear:
         self.matrix.matmul(x.numpy() if x_np is None else x_np, out.numpy() if out_np is None else out_np,
                            accumulate, self._bias_np, torch.get_num_threads())
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the matrix, dequantized (the tied embedding table read from the LM head's blocks)."""
-        out = torch.empty(ids.shape[0], self.matrix.cols, dtype=torch.float32)
+    def embed(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `ids` of the matrix, dequantized (the tied embedding table read from the LM head's blocks), into
+        `out` (float32 [len(ids), cols]) when given."""
+        if out is None:
+            out = torch.empty(ids.shape[0], self.matrix.cols, dtype=torch.float32)
         self.matrix.gather(ids.to(torch.int64).numpy(), out.numpy())
         return out
-
-
-@functools.cache
-def _dense_bf16() -> bool:
-    """Native bf16 GEMMs (AVX512_BF16 / AMX), as ironlm.model.cpu_has_fast_bf16 decides for dtype auto."""
-    features = set(_core.cpu_features())
-    return "avx512_bf16" in features or "amx_bf16" in features
 
 
 Linear = DenseLinear | QuantLinear

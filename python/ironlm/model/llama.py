@@ -415,7 +415,9 @@ class DecoderLM(nn.Module):
             self._kv_np = (kv_caches, [(as_numpy(k), as_numpy(v)) for k, v in kv_caches])
         step = _LeanStep(CORE_DTYPES[self.dtype], torch.get_num_threads(), plan.block_tables, plan.seq_lens,
                          plan.slots, rope)
-        if self.embed_q is not None:
+        if self.embed_q is not None and ws.h.dtype == torch.float32:
+            self.embed_q.embed(input_ids, out=ws.h)
+        elif self.embed_q is not None:
             ws.h.copy_(self.embed_q.embed(input_ids))
         else:
             torch.index_select(self.embed, 0, input_ids, out=ws.h)
