@@ -13,7 +13,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ironlm.cli_args import HelpFormatter, add_engine_args, config_from_args, model_from_args
+from ironlm.cli_args import (
+    HelpFormatter,
+    add_engine_args,
+    add_server_args,
+    config_from_args,
+    model_from_args,
+    server_config_from_args,
+)
 from ironlm.cli_run import add_chat_parser, add_generate_parser
 
 logger = logging.getLogger("ironlm.serve")
@@ -23,11 +30,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     t_start = time.perf_counter()
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+    server = server_config_from_args(args)
+    logging.basicConfig(level=getattr(logging, server.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = args.api_key or os.environ.get("IRONLM_API_KEY") or None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        logger.warning("binding %s without --api-key: anyone who can reach it can use the model", args.host)
+    api_key = server.api_key or os.environ.get("IRONLM_API_KEY") or None
+    if server.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logger.warning("binding %s without --api-key: anyone who can reach it can use the model", server.host)
     t0 = time.perf_counter()
     from ironlm.engine import AsyncLLMEngine, LLMEngine
     from ironlm.server.api import build_app
@@ -40,25 +48,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for phase, seconds in getattr(engine, "startup_timings", {}).items():
         logger.info("phase %s: %.2fs", phase, seconds)
     t0 = time.perf_counter()
-    aengine = AsyncLLMEngine(engine, stall_timeout_s=args.health_stall_timeout)
+    aengine = AsyncLLMEngine(engine, stall_timeout_s=server.health_stall_timeout)
     names = args.served_model_name or [engine.model_name]
-    app = build_app(aengine, served_model_name=names, api_key=api_key)
+    app = build_app(aengine, served_model_name=names, api_key=api_key, config=server)
     logger.info("phase engine loop + app: %.2fs (model %s, max_model_len %d)", time.perf_counter() - t0,
                 names[0], engine.max_model_len)
 
     def ready() -> None:
-        logger.info("ready: serving %s on http://%s:%d after %.2fs", names[0], args.host, args.port,
+        logger.info("ready: serving %s on http://%s:%d after %.2fs", names[0], server.host, server.port,
                     time.perf_counter() - t_start)
 
-    asyncio.run(serve_app(aengine, app, host=args.host, port=args.port, grpc_port=args.grpc_port,
-                          model_names=names, api_key=api_key, drain_timeout=args.drain_timeout,
-                          log_level=args.log_level, on_ready=ready))
+    asyncio.run(serve_app(aengine, app, host=server.host, port=server.port, grpc_port=server.grpc_port,
+                          model_names=names, api_key=api_key, drain_timeout=server.drain_timeout,
+                          log_level=server.log_level, on_ready=ready))
     return 0
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     from ironlm import __version__
-    from ironlm.engine.async_engine import STALL_TIMEOUT_S
 
     parser = argparse.ArgumentParser(prog="ironlm", description="ironlm: LLM inference and serving engine")
     parser.add_argument("--version", action="version", version=f"ironlm {__version__}")
@@ -67,16 +74,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP (and gRPC) server",
                            formatter_class=HelpFormatter)
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
-                       "(default: $IRONLM_API_KEY)")
-    serve.add_argument("--grpc-port", type=int, default=None, help="also serve gRPC on this port")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish after SIGTERM")
-    serve.add_argument("--health-stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
-                       help="/health answers 503 once one engine step has run this many seconds")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     add_generate_parser(sub)

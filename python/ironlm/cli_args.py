@@ -1,7 +1,8 @@
-"""Engine flags of `ironlm serve/generate/chat`, generated from `EngineConfig`: one flag per field.
+"""Flags of `ironlm serve/generate/chat`, generated from `EngineConfig` (and `ServerConfig` for serve): one
+flag per field.
 
 The flag is the field name in kebab case; type, default, choices and help come from the field, so a field
-added to EngineConfig is a flag here without an edit. Shared by cli.py and cli_run.py (which therefore need
+added to either config is a flag here without an edit. Shared by cli.py and cli_run.py (which therefore need
 not import each other).
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Collection
 from dataclasses import Field, fields
 from typing import Any
 
-from ironlm.config import EngineConfig
+from ironlm.config import EngineConfig, ServerConfig
 
 # Flags kept for one release after a rename: old flag -> the field it now sets.
 _DEPRECATED_FLAGS = {"--request-timeout": "queue_timeout"}
@@ -32,7 +33,7 @@ def _value_type(annotation: Any) -> Any:
     for kind in (str, int, float):
         if kind in options:
             return kind
-    raise TypeError(f"EngineConfig field of type {annotation!r} has no command-line form")
+    raise TypeError(f"config field of type {annotation!r} has no command-line form")
 
 
 def _argparse_options(f: Field, annotation: Any) -> dict[str, Any]:
@@ -74,18 +75,32 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
         parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                             help=EngineConfig.__dataclass_fields__["model"].metadata["help"])
     group = parser.add_argument_group("engine")
+    _add_fields(group, EngineConfig, skip)
     hints = typing.get_type_hints(EngineConfig)
-    for f in fields(EngineConfig):
+    for old, name in _DEPRECATED_FLAGS.items():
+        if name not in skip:
+            group.add_argument(old, dest=name, type=_value_type(hints[name]), default=argparse.SUPPRESS,
+                               action=_DeprecatedFlag, help=argparse.SUPPRESS)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig field (`ironlm serve`)."""
+    _add_fields(parser.add_argument_group("server"), ServerConfig, ())
+
+
+def _add_fields(group: Any, cls: type, skip: Collection[str]) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
         if f.name in skip:
             continue
         opts = _argparse_options(f, hints[f.name])
         if f.name == "served_model_name":  # serve answers to several names; the engine reports the first
             opts["nargs"] = "+"
         group.add_argument(flag_name(f.name), dest=f.name, **opts)
-    for old, name in _DEPRECATED_FLAGS.items():
-        if name not in skip:
-            group.add_argument(old, dest=name, type=_value_type(hints[name]), default=argparse.SUPPRESS,
-                               action=_DeprecatedFlag, help=argparse.SUPPRESS)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in fields(ServerConfig) if hasattr(args, f.name)})
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

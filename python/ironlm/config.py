@@ -1,9 +1,11 @@
-"""Engine configuration: every engine setting, its one default and its help text.
+"""Engine and server configuration: every setting, its one default and its help text.
 
 `EngineConfig` is the single source: `LLM(**kwargs)` accepts exactly its fields and `ironlm serve/generate/
 chat` derive one flag per field from it (ironlm.cli_args), so a new field needs no edit anywhere else. Defaults
 that depend on the device (token budget, context cap, CPU KV pool) live here too, as `resolve_*` methods, so
 the engine never carries a number of its own. Help text goes in `field(metadata={"help": ...})`.
+
+`ServerConfig` is the same for `ironlm serve`'s HTTP/gRPC settings: one flag per field, generated the same way.
 """
 
 from __future__ import annotations
@@ -145,3 +147,27 @@ class EngineConfig:
         if size is None and device_type == "cpu":
             return _CPU_KV_CACHE_BYTES
         return size
+
+
+@dataclass
+class ServerConfig:
+    """Settings of the HTTP/gRPC front end (`ironlm serve`), not of the engine: one flag per field."""
+
+    host: str = _opt("127.0.0.1", "address to bind (loopback by default)")
+    port: int = _opt(8000, "HTTP port")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (default: $IRONLM_API_KEY)")
+    grpc_port: int | None = _opt(None, "also serve gRPC on this port")
+    drain_timeout: float = _opt(30.0, "seconds in-flight requests get to finish after SIGTERM")
+    health_stall_timeout: float = _opt(300.0, "/health answers 503 once one engine step has run this many seconds",
+                                       metavar="S")
+    log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        for name in ("port", "grpc_port"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= 65535):
+                raise _invalid(name, f"must be a port number in [0, 65535], got {value!r}")
+        for name in ("drain_timeout", "health_stall_timeout"):
+            if not getattr(self, name) > 0:
+                raise _invalid(name, f"must be > 0, got {getattr(self, name)!r}")

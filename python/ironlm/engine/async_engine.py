@@ -42,7 +42,7 @@ _MAX_CONSECUTIVE_STEP_FAILURES = 3
 # A step running longer than this (a hung kernel, a deadlock) makes /health answer 503 "engine_stalled", so an
 # orchestrator restarts the process. Far above any real step: a full prefill budget on a laptop CPU takes
 # seconds. The one home of the default: `ironlm serve --health-stall-timeout` reads it from here.
-STALL_TIMEOUT_S = 300.0
+STALL_TIMEOUT_S = 300.0  # ServerConfig.health_stall_timeout is the flag's default
 # The keyword arguments of StepEngine.add_request a caller may pass through `add_request(**kwargs)`.
 # add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) also
 # bounds its wait in the queue.

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app: `build_app(engine, served_model_name=..., api_key=...)`."""
+"""The OpenAI-compatible HTTP app: `build_app(engine, served_model_name=..., api_key=..., config=...)`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ironlm import __version__
+from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient
 from ironlm.server.auth import APIKeyMiddleware
 from ironlm.server.errors import APIError, install_exception_handlers
@@ -29,7 +30,11 @@ from ironlm.server.serving_completions import CompletionHandler
 
 
 def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None = None,
-              api_key: str | list[str] | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
+              api_key: str | list[str] | None = None, metrics: ServerMetrics | None = None,
+              config: ServerConfig | None = None) -> FastAPI:
+    """`config`: the front end's settings (ServerConfig's defaults when None); `api_key` wins over its key."""
+    config = config or ServerConfig()
+    api_key = api_key if api_key is not None else config.api_key
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [engine.model_name]
     model = names[0]  # the name responses carry
@@ -40,6 +45,7 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
     started_at = time.monotonic()
     app = FastAPI(title="ironlm", version=__version__)
     app.state.engine, app.state.metrics, app.state.served_model_names = engine, metrics, names
+    app.state.config = config
     install_exception_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_keys=api_key)
