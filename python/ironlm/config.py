@@ -161,8 +161,43 @@ class ServerConfig:
     health_stall_timeout: float = _opt(300.0, "/health answers 503 once one engine step has run this many seconds",
                                        metavar="S")
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    # Overload and faults (server/breaker.py, server/shedding.py, the engine loop's restart).
+    circuit_breaker: bool = _opt(True, "refuse new requests (503) for a cool-down when too many recent ones failed")
+    circuit_breaker_threshold: float = _opt(
+        0.05, "server-side error rate (5xx, not 503) over the last --circuit-breaker-window requests that opens it")
+    circuit_breaker_window: int = _opt(100, "requests the breaker's error rate is measured over")
+    circuit_breaker_min_requests: int = _opt(20, "finished requests the window needs before the breaker may open")
+    circuit_breaker_cooldown: float = _opt(10.0, "seconds the open breaker refuses requests before probing",
+                                           metavar="S")
+    circuit_breaker_probes: int = _opt(3, "requests let through half-open; all succeed: closed, one fails: open")
+    shed_max_wait: float | None = _opt(
+        None, "refuse (503) a request without its own timeout whose estimated queue wait exceeds this; requests "
+        "with a timeout are refused when the estimate exceeds it", metavar="S")
+    shed_priority_waiting: int | None = _opt(
+        None, "refuse (503) a request when this many requests of a better priority are waiting (default: half of "
+        "--max-queue-len when that is set, else off)")
+    engine_restart_after_failures: int = _opt(
+        3, "failed engine steps in a row that restart the engine loop (failing its in-flight requests)")
+    engine_max_restarts: int = _opt(
+        2, "loop restarts in a row without a good step before the engine is declared dead (/health 503)")
 
     def __post_init__(self) -> None:
+        for name in ("circuit_breaker_window", "circuit_breaker_min_requests", "circuit_breaker_probes",
+                     "engine_restart_after_failures", "shed_priority_waiting"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise _invalid(name, f"must be a positive integer, got {value!r}")
+        if not isinstance(self.engine_max_restarts, int) or self.engine_max_restarts < 0:
+            raise _invalid("engine_max_restarts", f"must be an integer >= 0, got {self.engine_max_restarts!r}")
+        if not 0.0 <= self.circuit_breaker_threshold < 1.0:
+            raise _invalid("circuit_breaker_threshold", f"must be in [0, 1), got {self.circuit_breaker_threshold!r}")
+        if self.circuit_breaker_min_requests > self.circuit_breaker_window:
+            raise _invalid("circuit_breaker_min_requests", f"must be <= circuit_breaker_window "
+                           f"({self.circuit_breaker_window}), got {self.circuit_breaker_min_requests}")
+        for name in ("circuit_breaker_cooldown", "shed_max_wait"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise _invalid(name, f"must be > 0, got {value!r}")
         for name in ("port", "grpc_port"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)

@@ -24,6 +24,7 @@ __all__ = [
     "DuplicateRequestError",
     "EngineDeadError",
     "EngineOverloadedError",
+    "EngineRestartedError",
     "EngineStepError",
     "InvalidArgumentError",
     "LlamaCppNotBuilt",
@@ -60,3 +61,8 @@ class PerplexityArgumentError(InvalidArgumentError):
 
 class LlamaCppNotBuilt(FileNotFoundError):
     """A llama.cpp binary the benchmark baseline needs is not built; the message says how to build it."""
+
+
+class EngineRestartedError(EngineStepError):
+    """Steps kept failing, so the engine loop restarted (fresh scheduler and KV pool); the requests that were in
+    flight were failed with this (HTTP 500)."""

@@ -21,11 +21,18 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from ironlm import _core
+from ironlm.engine import faults
 from ironlm.engine.outputs import RequestOutput
 from ironlm.engine.prompts import PromptType
 from ironlm.engine.protocol import OutputObserver, StepEngine
 from ironlm.engine.request_stream import Outbox, RequestStream
-from ironlm.exceptions import EngineDeadError, EngineOverloadedError, EngineStepError, InvalidArgumentError
+from ironlm.exceptions import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineRestartedError,
+    EngineStepError,
+    InvalidArgumentError,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,8 +44,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ironlm.async_engine")
 
 # A step that raises (the engine already turns forward errors into per-request errors, so this means
-# its own bookkeeping failed) fails the requests in flight; this many in a row and the engine is dead.
-_MAX_CONSECUTIVE_STEP_FAILURES = 3
+# its own bookkeeping failed) fails the requests in flight; this many in a row and the loop restarts the engine
+# (`StepEngine.reset`, when it has one; without one the engine is dead).
+MAX_STEP_FAILURES = 3
+# Restarts in a row with no successful step in between before the engine is declared dead: restarting did not
+# help, so /health turns 503 and the orchestrator gets to restart the process.
+MAX_RESTARTS = 2
 # A step running longer than this (a hung kernel, a deadlock) makes /health answer 503 "engine_stalled", so an
 # orchestrator restarts the process. Far above any real step: a full prefill budget on a laptop CPU takes
 # seconds. The one home of the default: `ironlm serve --health-stall-timeout` reads it from here.
@@ -54,10 +65,17 @@ Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[st
 
 class AsyncLLMEngine:
     def __init__(self, engine: StepEngine, *, observer: OutputObserver | None = None, start: bool = True,
-                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float = STALL_TIMEOUT_S, max_step_failures: int = MAX_STEP_FAILURES,
+                 max_restarts: int = MAX_RESTARTS) -> None:
         if not stall_timeout_s > 0:
             raise InvalidArgumentError(f"stall_timeout_s must be > 0, got {stall_timeout_s}",
                                        param="stall_timeout_s")
+        for name, value, low in (("max_step_failures", max_step_failures, 1), ("max_restarts", max_restarts, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}", param=name)
+        self.max_step_failures, self.max_restarts = max_step_failures, max_restarts
+        self.num_restarts = 0
+        self._faults = faults.from_env()  # None unless a test sets IRONLM_FAULT
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
         self.step_started_at: float | None = None  # set by the engine thread while a step runs
@@ -134,8 +152,9 @@ class AsyncLLMEngine:
         return self.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def stats(self) -> dict[str, Any]:
-        """The engine's stats as of the end of the last step (a snapshot: LLMEngine is single-threaded)."""
-        return self._stats
+        """The engine's stats as of the end of the last step (a snapshot: LLMEngine is single-threaded), and
+        `num_engine_restarts`, the loop's restarts so far."""
+        return {**self._stats, "num_engine_restarts": self.num_restarts}
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -231,7 +250,7 @@ class AsyncLLMEngine:
 
     def _run_loop(self) -> None:
         engine = self.engine
-        failures = 0
+        failures = restarts = 0  # failed steps in a row; restarts since the last good step
         outbox = Outbox()
         while True:
             with self._cv:
@@ -247,14 +266,18 @@ class AsyncLLMEngine:
             if engine.has_unfinished_requests():
                 self.step_started_at = time.monotonic()
                 try:
+                    if self._faults is not None:
+                        self._faults.check("step")
                     outputs = engine.step()
-                    failures = 0
+                    failures = restarts = 0
                 except Exception as exc:
                     failures += 1
                     logger.exception("engine step raised (%d in a row)", failures)
-                    if failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
-                        raise
-                    self._fail_all(EngineStepError(f"engine step failed: {exc!r}"), outbox)
+                    if failures >= self.max_step_failures or not self._fail_step(exc, outbox):
+                        if restarts >= self.max_restarts or not callable(getattr(engine, "reset", None)):
+                            raise  # restarting did not help (or cannot be done): the engine is dead
+                        self._restart(exc, failures, outbox)
+                        failures, restarts = 0, restarts + 1
                 else:
                     self.last_step_time = now = time.monotonic()
                     self._route(outputs, outbox)
@@ -302,6 +325,34 @@ class AsyncLLMEngine:
             self.engine.abort_request(live)
             if self.observer is not None:
                 self._observe(self.observer.on_aborted, live)
+
+    def _fail_step(self, exc: Exception, outbox: Outbox) -> bool:
+        """Fail the requests in flight after a step raised; False if aborting them raised too (restart then)."""
+        try:
+            self._fail_all(EngineStepError(f"engine step failed: {exc!r}"), outbox)
+        except Exception:
+            logger.exception("aborting the failed step's requests raised too")
+            return False
+        return True
+
+    def _restart(self, exc: Exception, failures: int, outbox: Outbox) -> None:
+        """Restart the loop's engine state (not the process): fail every request in flight with a clear error,
+        then `engine.reset()` (fresh scheduler and KV block pool). If that raises, the loop dies (/health 503)."""
+        error = EngineRestartedError(f"the engine loop restarted after {failures} failed steps in a row (last: "
+                                     f"{exc!r}); requests in flight were failed")
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            outbox.add(stream, "error", error)
+        logger.error("restarting the engine loop after %d failed steps in a row; failing %d requests",
+                     failures, len(streams))
+        if self.observer is not None and streams:
+            self._observe(self.observer.on_aborted, [s.request_id for s in streams])
+        if self._faults is not None:
+            self._faults.check("restart")
+        self.engine.reset()  # type: ignore[attr-defined] - optional StepEngine method, checked by the caller
+        self.num_restarts += 1
+        outbox.flush()  # the failures go out now; the restart itself may take a while
 
     def _fail_all(self, exc: BaseException, outbox: Outbox) -> None:
         streams = list(self._streams.values())

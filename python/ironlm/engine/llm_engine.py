@@ -16,6 +16,7 @@ import torch
 
 from ironlm import _core
 from ironlm.config import EngineConfig
+from ironlm.engine import faults
 from ironlm.engine.model_runner import ModelRunner
 from ironlm.engine.outputs import RequestMetrics, RequestOutput
 from ironlm.engine.prompts import PromptType, apply_chat_template, encode_prompt
@@ -37,7 +38,20 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.runner = runner = ModelRunner(config)
+        self.runner = ModelRunner(config)
+        self.faults = faults.from_env()  # None unless a test sets IRONLM_FAULT
+        self._new_state()
+        self.timer = StepTimer()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        self._ids = itertools.count()
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d", self.model_name,
+                    self.device, self.dtype, self.num_blocks, config.block_size, self.max_model_len)
+
+    def _new_state(self) -> None:
+        """A fresh scheduler (empty queue, every KV block free, empty prefix cache), sampler and sequence table."""
+        config, runner = self.config, self.runner
         self.scheduler = _core.Scheduler(
             num_blocks=runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=runner.token_budget, max_model_len=runner.max_model_len,
@@ -47,13 +61,17 @@ class LLMEngine:
         self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
                                seed=config.seed)
         self.table = SequenceTable(self.sampler, runner.tokenizer)
-        self.timer = StepTimer()
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.num_steps = 0
-        self._ids = itertools.count()
-        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d", self.model_name,
-                    self.device, self.dtype, self.num_blocks, config.block_size, self.max_model_len)
+
+    def reset(self) -> list[str]:
+        """Drop every request and rebuild the request state; returns the dropped request ids.
+
+        What AsyncLLMEngine's loop restart calls after repeated step failures: the old scheduler and tables may be
+        inconsistent, so nothing is aborted through them, they are replaced. The model and its KV tensors stay
+        (a fresh block pool with an empty prefix cache never reads what the old blocks hold).
+        """
+        dropped = list(self.table.requests)
+        self._new_state()
+        return dropped
 
     # ---- what the model runner loaded (read by the CLI, the server and the benchmarks) --------------
     @property
@@ -151,6 +169,8 @@ class LLMEngine:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = cached
         try:
+            if self.faults is not None:
+                self.faults.check("forward")
             logits = self.runner.execute(plan, timer)
             with torch.inference_mode():  # the sampler edits the (inference-mode) logits in place
                 sampled = self.sampler.sample(logits, plan.sample_slots, plan.sample_output_lens,

@@ -13,9 +13,10 @@ from ironlm import __version__
 from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient
 from ironlm.server.auth import APIKeyMiddleware
+from ironlm.server.breaker import BreakerCollector, BreakerMiddleware, CircuitBreaker
 from ironlm.server.errors import APIError, install_exception_handlers
 from ironlm.server.health import health_report
-from ironlm.server.metrics import ServerMetrics
+from ironlm.server.metrics import ObserverGroup, ServerMetrics
 from ironlm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,6 +28,7 @@ from ironlm.server.protocol import (
 from ironlm.server.serving_chat import ChatHandler
 from ironlm.server.serving_common import parse_body
 from ironlm.server.serving_completions import CompletionHandler
+from ironlm.server.shedding import LoadTracker, ShedCollector, Shedder, engine_setting
 
 
 def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None = None,
@@ -40,16 +42,26 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
     model = names[0]  # the name responses carry
     if metrics is None:
         metrics = ServerMetrics(engine.stats, lambda: engine.is_healthy, model)
+    shedder = _shedder(engine, config)
+    metrics.registry.register(ShedCollector(shedder, model))
     if engine.observer is None:
-        engine.observer = metrics
+        engine.observer = ObserverGroup(metrics, shedder.tracker)
+    breaker = None
+    if config.circuit_breaker:
+        breaker = CircuitBreaker(window=config.circuit_breaker_window, threshold=config.circuit_breaker_threshold,
+                                 min_requests=config.circuit_breaker_min_requests,
+                                 cooldown_s=config.circuit_breaker_cooldown, probes=config.circuit_breaker_probes)
+        metrics.registry.register(BreakerCollector(breaker, model))
     started_at = time.monotonic()
     app = FastAPI(title="ironlm", version=__version__)
     app.state.engine, app.state.metrics, app.state.served_model_names = engine, metrics, names
-    app.state.config = config
+    app.state.config, app.state.breaker, app.state.shedder = config, breaker, shedder
     install_exception_handlers(app)
+    if breaker is not None:  # added before the key check, so it runs inside it: refusals need a valid key
+        app.add_middleware(BreakerMiddleware, breaker=breaker)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_keys=api_key)
-    completions, chat = CompletionHandler(engine, model), ChatHandler(engine, model)
+    completions, chat = CompletionHandler(engine, model, shedder), ChatHandler(engine, model, shedder)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names:
@@ -108,7 +120,7 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok, body = health_report(engine, model, started_at)
+        ok, body = health_report(engine, model, started_at, breaker)
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -116,6 +128,15 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _shedder(engine: EngineClient, config: ServerConfig) -> Shedder:
+    priority_waiting = config.shed_priority_waiting
+    max_queue_len = engine_setting(engine, "max_queue_len")
+    if priority_waiting is None and max_queue_len:
+        priority_waiting = max(1, max_queue_len // 2)
+    return Shedder(engine, LoadTracker(), max_wait_s=config.shed_max_wait, priority_waiting=priority_waiting,
+                   priority_policy=engine_setting(engine, "scheduling_policy") == "priority")
 
 
 def _vocab_size(engine: EngineClient) -> int:

@@ -21,9 +21,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.headers = headers  # e.g. Retry-After on a 503
         self.code = code if code is not None else status
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
@@ -34,8 +35,9 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
                       "param": param, "code": code if code is not None else status}}
 
 
-def error_response(status: int, message: str, **kw: object) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+def error_response(status: int, message: str, headers: dict[str, str] | None = None, **kw: object) -> JSONResponse:
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(error_body(status, message, **kw), status_code=status, headers=headers)  # type: ignore[arg-type]
 
 
@@ -66,7 +68,7 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
 def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, type=exc.type)
+        return error_response(exc.status, exc.message, exc.headers, param=exc.param, code=exc.code, type=exc.type)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from ironlm.engine import EngineClient
+from ironlm.server.breaker import CircuitBreaker
 
 
 def device_memory(device: Any) -> dict[str, Any]:
@@ -29,7 +30,8 @@ def device_memory(device: Any) -> dict[str, Any]:
     return {"device": str(device), "free_bytes": info.get("MemAvailable"), "total_bytes": info.get("MemTotal")}
 
 
-def health_report(engine: EngineClient, model_name: str, started_at: float) -> tuple[bool, dict[str, Any]]:
+def health_report(engine: EngineClient, model_name: str, started_at: float,
+                  breaker: CircuitBreaker | None = None) -> tuple[bool, dict[str, Any]]:
     stats = engine.stats()
     if engine.dead_error is not None:
         status = "engine_dead"
@@ -52,6 +54,11 @@ def health_report(engine: EngineClient, model_name: str, started_at: float) -> t
                      "blocks_cached": stats.get("blocks_cached"),
                      "usage_perc": stats.get("kv_cache_usage_perc")},
     }
+    if breaker is not None:
+        # Reported, never a 503: an open breaker means the engine is alive and being protected from load; a 503
+        # here would make the orchestrator restart (or stop routing to) a pod that only needs the cool-down.
+        body["circuit_breaker"] = breaker.snapshot()
+    body["engine_restarts"] = stats.get("num_engine_restarts", 0)
     if engine.dead_error is not None:
         body["error"] = repr(engine.dead_error)
     if status == "engine_stalled":

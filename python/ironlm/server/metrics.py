@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ironlm.engine.outputs import RequestOutput
+from ironlm.engine.protocol import OutputObserver
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0)
@@ -38,6 +39,7 @@ _COUNTERS = (
     ("prompt_tokens", "prompt_tokens_total", "Prompt tokens of all requests added."),
     ("generation_tokens", "generation_tokens_total", "Tokens generated."),
     ("num_preemptions", "num_preemptions", "Requests preempted (recomputed) for lack of KV blocks."),
+    ("engine_restarts", "num_engine_restarts", "Engine loop restarts after repeated step failures."),
 )
 
 
@@ -62,6 +64,21 @@ class _StatsCollector(Collector):
         up = GaugeMetricFamily("ironlm:engine_healthy", "1 while the engine loop is alive.", labels=["model_name"])
         up.add_metric([self._model], 1.0 if self._healthy() else 0.0)
         yield up
+
+
+class ObserverGroup:
+    """Several output observers behind the engine's one hook (metrics, the shedder's load tracker), in order."""
+
+    def __init__(self, *observers: OutputObserver) -> None:
+        self.observers = observers
+
+    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        for observer in self.observers:
+            observer.on_outputs(outputs, now)
+
+    def on_aborted(self, request_ids: list[str]) -> None:
+        for observer in self.observers:
+            observer.on_aborted(request_ids)
 
 
 class ServerMetrics:

@@ -35,11 +35,12 @@ from ironlm.server.serving_common import (
     start_streams,
     usage,
 )
+from ironlm.server.shedding import Shedder
 
 
 class ChatHandler:
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: EngineClient, model_name: str, shedder: Shedder | None = None) -> None:
+        self.engine, self.model_name, self.shedder = engine, model_name, shedder
 
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         try:
@@ -58,7 +59,8 @@ class ChatHandler:
                   "logprobs": (req.top_logprobs or 0) if req.logprobs else None}
         params = sampling_params(kwargs)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages")
+        streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages",
+                                      shedder=self.shedder)
         if req.stream:
             return EngineStreamingResponse(self._stream(req, rid, streams[0]), streams)
         (out,) = await final_outputs(streams, request)

@@ -23,10 +23,13 @@ from ironlm.exceptions import (
     QueueFullError,
     RequestTooLargeError,
 )
+from ironlm.server.breaker import note_stream_error
 from ironlm.server.errors import APIError, error_body, validation_error
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from ironlm.server.shedding import Shedder
 
 M = TypeVar("M", bound=BaseModel)
 _MAX_BODY = 64 * 1024 * 1024
@@ -77,16 +80,24 @@ def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
 
 
 async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[str | list[int]], params: Any,
-                        req: Any, prompt_param: str = "prompt") -> list[RequestStream]:
-    """Add one engine request per prompt; on any failure abort those already added."""
+                        req: Any, prompt_param: str = "prompt", shedder: Shedder | None = None) -> list[RequestStream]:
+    """Add one engine request per prompt; on any failure abort those already added. `shedder` may refuse the
+    whole request first (503 + Retry-After) and learns each admitted prompt's priority."""
+    if shedder is not None:
+        shedder.check(len(prompts), req.priority, req.timeout)
     streams: list[RequestStream] = []
+    rid = base_id
     try:
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            if shedder is not None:
+                shedder.tracker.admitted(rid, req.priority)
             streams.append(await engine.add_request(
                 rid, prompt, params, priority=req.priority, timeout=req.timeout, deadline=req.deadline,
                 cache_salt=req.cache_salt))
     except BaseException as exc:
+        if shedder is not None:
+            shedder.tracker.forget(rid)
         for s in streams:
             s.close()
         if isinstance(exc, Exception):
@@ -209,4 +220,5 @@ class EngineStreamingResponse(StreamingResponse):
 
 def sse_error(exc: BaseException) -> str:
     err = exc if isinstance(exc, APIError) else engine_error(exc)
+    note_stream_error(err.status)
     return sse(error_body(err.status, err.message, code=err.code, type=err.type))

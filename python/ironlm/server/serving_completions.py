@@ -27,17 +27,18 @@ from ironlm.server.serving_common import (
     start_streams,
     usage,
 )
+from ironlm.server.shedding import Shedder
 
 
 class CompletionHandler:
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: EngineClient, model_name: str, shedder: Shedder | None = None) -> None:
+        self.engine, self.model_name, self.shedder = engine, model_name, shedder
 
     async def __call__(self, req: CompletionRequest, request: Request) -> Response:
         params = sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens or 16,
                                   "logprobs": req.logprobs})
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-        streams = await start_streams(self.engine, rid, req.prompts(), params, req)
+        streams = await start_streams(self.engine, rid, req.prompts(), params, req, shedder=self.shedder)
         if req.stream:
             return EngineStreamingResponse(self._stream(req, rid, streams), streams)
         outputs = await final_outputs(streams, request)

@@ -1,0 +1,167 @@
+"""Load shedding: refuse at once (503 + Retry-After) a request the server cannot serve in time.
+
+The estimate. Requests wait only while the running batch is full (or the KV pool is), and then the queue moves at
+the rate running requests finish: a new request's wait is about `ahead / completion_rate`, where `ahead` is the
+number of waiting requests that will be scheduled before it and `completion_rate` the measured finishes per second
+over the last `_RATE_WINDOW_S`. `ahead` is the engine's own waiting count, and under the `priority` policy only
+those of them with a priority at least as good (lower value) as the new request's, which the tracker below knows
+from the requests it admitted and not yet saw produce a token. Before enough requests have finished to measure a
+rate, nothing is shed by estimate (the queue-full limit still holds).
+
+Shed when
+- the estimate exceeds the request's own `timeout` (or `shed_max_wait`, for requests without one): it would time
+  out in the queue, after holding a place there;
+- at least `shed_priority_waiting` requests of a strictly better priority are waiting: under pressure the worse
+  priorities go first, so the better ones keep the queue.
+Retry-After says when the queue ahead would have drained enough, at least 1 s.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ironlm.engine import EngineClient
+from ironlm.engine.outputs import RequestOutput
+from ironlm.server.errors import APIError
+
+_RATE_WINDOW_S = 30.0  # finishes older than this say little about the current load
+_RATE_MIN_FINISHES = 4
+REASONS = ("wait", "priority")
+
+
+@dataclass
+class ShedDecision:
+    reason: str  # one of REASONS
+    retry_after: int
+    message: str
+
+
+class LoadTracker:
+    """Observes the engine's outputs (an OutputObserver, engine thread) and the server's admissions (event loop):
+    the priorities of admitted requests that have not produced a token yet, and recent finish times."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self._pending: dict[str, int] = {}  # request id -> priority
+        self._finishes: deque[float] = deque(maxlen=256)
+        self._lock = threading.Lock()
+
+    def admitted(self, request_id: str, priority: int) -> None:
+        """Called before the request goes to the engine, so its first output cannot come before this."""
+        with self._lock:
+            self._pending[request_id] = priority
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
+
+    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        t = self.clock()
+        with self._lock:
+            for out in outputs:
+                if out.finished:
+                    self._finishes.append(t)
+                    self._pending.pop(out.request_id, None)
+                elif any(c.token_ids for c in out.outputs):
+                    self._pending.pop(out.request_id, None)
+
+    def on_aborted(self, request_ids: list[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                self._pending.pop(rid, None)
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def pending_better_than(self, priority: int, inclusive: bool) -> int:
+        with self._lock:
+            if inclusive:
+                return sum(p <= priority for p in self._pending.values())
+            return sum(p < priority for p in self._pending.values())
+
+    def completion_rate(self) -> float | None:
+        """Finished requests per second over the last `_RATE_WINDOW_S`; None before there are enough of them."""
+        now = self.clock()
+        with self._lock:
+            recent = [t for t in self._finishes if now - t <= _RATE_WINDOW_S]
+        if len(recent) < _RATE_MIN_FINISHES:
+            return None
+        span = now - recent[0]
+        return len(recent) / span if span > 0 else None
+
+
+class Shedder:
+    def __init__(self, engine: EngineClient, tracker: LoadTracker, *, max_wait_s: float | None = None,
+                 priority_waiting: int | None = None, priority_policy: bool = False) -> None:
+        """`priority_policy`: the engine orders its queue by priority, so better priorities wait behind fewer."""
+        self.engine, self.tracker = engine, tracker
+        self.max_wait_s, self.priority_waiting, self.priority_policy = max_wait_s, priority_waiting, priority_policy
+        self.shed = dict.fromkeys(REASONS, 0)
+
+    def decide(self, num_requests: int, priority: int, timeout: float | None) -> ShedDecision | None:
+        waiting = int(self.engine.stats().get("num_requests_waiting", 0))
+        if not waiting:
+            return None  # nothing queued: a new request is scheduled at the next step
+        if self.priority_waiting is not None:
+            better = min(waiting, self.tracker.pending_better_than(priority, inclusive=False))
+            if better >= self.priority_waiting:
+                rate = self.tracker.completion_rate()
+                return ShedDecision("priority", _seconds(better / rate if rate else 1.0),
+                                    f"{better} requests of a better priority than {priority} are waiting")
+        limit = timeout if timeout is not None else self.max_wait_s
+        rate = self.tracker.completion_rate()
+        if limit is None or rate is None:
+            return None
+        ahead = waiting
+        if self.priority_policy:
+            ahead = min(waiting, self.tracker.pending_better_than(priority, inclusive=True))
+        wait = (ahead + num_requests - 1) / rate
+        if wait <= limit:
+            return None
+        return ShedDecision("wait", _seconds(wait - limit),
+                            f"the estimated queue wait ({wait:.1f} s: {ahead} requests ahead, {rate:.2f} finish per "
+                            f"second) exceeds the request's {'timeout' if timeout is not None else 'wait limit'} "
+                            f"({limit:g} s)")
+
+    def check(self, num_requests: int, priority: int, timeout: float | None) -> None:
+        """Raise a 503 APIError with Retry-After if the request should be shed."""
+        decision = self.decide(num_requests, priority, timeout)
+        if decision is None:
+            return
+        self.shed[decision.reason] += 1
+        raise APIError(503, f"the server is overloaded: {decision.message}; retry in {decision.retry_after} s",
+                       code="overloaded", headers={"Retry-After": str(decision.retry_after)})
+
+
+def _seconds(value: float) -> int:
+    return max(1, math.ceil(value))
+
+
+class ShedCollector(Collector):
+    """`ironlm:requests_shed_total{reason}`: requests refused at once by the shedder."""
+
+    def __init__(self, shedder: Shedder, model_name: str) -> None:
+        self.shedder, self.model = shedder, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        shed = CounterMetricFamily("ironlm:requests_shed", "Requests refused at once (503) by load shedding.",
+                                   labels=["model_name", "reason"])
+        for reason, count in self.shedder.shed.items():
+            shed.add_metric([self.model, reason], float(count))
+        yield shed
+
+
+def engine_setting(engine: EngineClient, name: str) -> Any:
+    """An EngineConfig value of the engine behind the async one (None for engines without a config: test doubles)."""
+    config = getattr(getattr(engine, "engine", None), "config", None)
+    return getattr(config, name, None)
