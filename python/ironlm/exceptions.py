@@ -26,6 +26,7 @@ __all__ = [
     "EngineOverloadedError",
     "EngineRestartedError",
     "EngineStepError",
+    "InjectedFault",
     "InvalidArgumentError",
     "LlamaCppNotBuilt",
     "PerplexityArgumentError",
@@ -66,3 +67,7 @@ class LlamaCppNotBuilt(FileNotFoundError):
 class EngineRestartedError(EngineStepError):
     """Steps kept failing, so the engine loop restarted (fresh scheduler and KV pool); the requests that were in
     flight were failed with this (HTTP 500)."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an `IRONLM_FAULT` fault-injection rule (engine/faults.py; tests only, never by real code)."""

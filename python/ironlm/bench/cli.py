@@ -114,6 +114,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sv.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s, or inf (default)")
     sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     sv.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    sv.add_argument("--max-retries", type=int, default=3,
+                    help="retries of a request answered 503 or refused a connection (Retry-After honoured)")
     sv.add_argument("--goodput", type=_slo, nargs="+", default=[], metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:2000 tpot:200")
     sv.add_argument("--vocab-size", type=int, help="token id range of random prompts (default: the model's)")
@@ -242,7 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         goodput=dict(args.goodput), vocab_size=args.vocab_size, seed=args.seed, server_args=args.server_arg,
         baseline=None if args.baseline == "none" else args.baseline, threads=args.threads, warmup=args.warmup,
-        progress=not args.no_progress)
+        progress=not args.no_progress, max_retries=args.max_retries)
     report = sv.run(config)
     return _finish(report, args, sv.summary_text(report), sv.plot)
 

@@ -7,6 +7,10 @@ Poisson, < 1 burstier, > 1 more regular; `inf` sends everything at once), option
 Per request: TTFT (send to first token chunk), E2E latency, TPOT = (E2E − TTFT) / (output tokens − 1) and
 the inter-token gaps (ITL) between token chunks. Output tokens are the server's own `usage` count.
 
+A 503 (overloaded, shed, circuit breaker open) or a refused connection is retried up to `max_retries` times, after
+the server's Retry-After or else an exponential backoff, as a production client would; TTFT and E2E then count
+from the first attempt (what the user waited) and the report counts the retries.
+
 `baseline="llama.cpp"` runs the same requests, with the same payloads, arrivals and concurrency, through
 llama-server on the same GGUF file afterwards. Each server first gets the same untimed warm-up pass
 (`datasets.warmup_dataset`: by default the whole workload drawn with the next seed).
@@ -52,6 +56,7 @@ class ServeConfig:
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
     progress: bool = True
+    max_retries: int = 3  # of a request answered 503 or refused a connection
 
 
 def quick(config: ServeConfig) -> ServeConfig:
@@ -72,6 +77,7 @@ class RequestResult:
     start: float = 0.0
     end: float = 0.0
     error: str = ""
+    retries: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -110,16 +116,51 @@ def completion_payload(req: BenchRequest, model: str | None = None) -> dict[str,
     return payload
 
 
-async def _one_request(client, url: str, model: str | None, req: BenchRequest, timeout: float) -> RequestResult:
+RETRY_BACKOFF_S = 0.5  # the first retry's wait without a Retry-After; it doubles with each retry
+RETRY_AFTER_CAP_S = 30.0  # a Retry-After beyond this is waited only this long
+
+
+def retry_delay(attempt: int, retry_after: str | None) -> float:
+    """Seconds before retry number `attempt` (0-based): the server's Retry-After (seconds), else the backoff."""
+    if retry_after is not None:
+        try:
+            seconds = float(retry_after)
+        except ValueError:  # an HTTP date: not sent by ironlm; fall back to the backoff
+            seconds = math.nan
+        if math.isfinite(seconds) and seconds >= 0:
+            return min(seconds, RETRY_AFTER_CAP_S)
+    return RETRY_BACKOFF_S * 2**attempt
+
+
+async def _one_request(client, url: str, model: str | None, req: BenchRequest, timeout: float,
+                       max_retries: int = 3) -> RequestResult:
     res = RequestResult(req.prompt_len, req.output_len)
     payload = completion_payload(req, model)
-    res.start = last = time.perf_counter()
+    res.start = time.perf_counter()
+    for attempt in range(max_retries + 1):
+        retry, retry_after = await _attempt(client, url, payload, res, timeout)
+        if not retry or attempt == max_retries:
+            break
+        res.retries += 1
+        await asyncio.sleep(retry_delay(attempt, retry_after))
+    if not res.end:
+        res.end = time.perf_counter()
+    return res
+
+
+async def _attempt(client, url: str, payload: dict[str, Any], res: RequestResult,
+                   timeout: float) -> tuple[bool, str | None]:
+    """One try of the request into `res`: (whether to retry it, the server's Retry-After header if any)."""
+    import httpx
+
+    res.error = ""
+    last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=payload, timeout=timeout) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {body[:300]}"
-                return res
+                return resp.status_code == 503, resp.headers.get("retry-after")
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -127,9 +168,9 @@ async def _one_request(client, url: str, model: str | None, req: BenchRequest, t
                 if data == "[DONE]":
                     break
                 obj = json.loads(data)
-                if "error" in obj:
+                if "error" in obj:  # mid-stream: tokens may have been sent already, so never retried
                     res.error = str(obj["error"])[:300]
-                    return res
+                    return False, None
                 now = time.perf_counter()
                 usage = obj.get("usage")
                 if usage:
@@ -149,12 +190,13 @@ async def _one_request(client, url: str, model: str | None, req: BenchRequest, t
         res.success = res.token_chunks > 0
         if not res.success:
             res.error = "no tokens streamed"
+    except httpx.ConnectError as exc:  # refused (a restarting server): nothing was sent, so retrying is safe
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+        return True, None
     except (OSError, ValueError, KeyError, TypeError, asyncio.TimeoutError, _http_errors()) as exc:
         # a failed request is counted as failed, never fatal to the benchmark
         res.error = f"{type(exc).__name__}: {exc}"[:300]
-    if not res.end:
-        res.end = time.perf_counter()
-    return res
+    return False, None
 
 
 async def _drive(config: ServeConfig, base_url: str, model_name: str | None, ds: Dataset,
@@ -175,10 +217,11 @@ async def _drive(config: ServeConfig, base_url: str, model_name: str | None, ds:
             if delay > 0:
                 await asyncio.sleep(delay)
             if sem is None:
-                res = await _one_request(client, url, model_name, req, config.request_timeout_s)
+                res = await _one_request(client, url, model_name, req, config.request_timeout_s, config.max_retries)
             else:
                 async with sem:
-                    res = await _one_request(client, url, model_name, req, config.request_timeout_s)
+                    res = await _one_request(client, url, model_name, req, config.request_timeout_s,
+                                             config.max_retries)
             bar.update(1)
             return res
 
@@ -229,6 +272,8 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
         "itl_ms": _stats_ms([g for r in ok for g in r.itl]), "e2el_ms": _stats_ms([r.latency for r in ok]),
         "ttft_p99_over_median": ttft["p99"] / ttft["median"] if ttft["median"] else 0.0,
         "busy_fraction": busy_fraction(results, duration),
+        "retries": sum(r.retries for r in results),
+        "retried_requests": sum(r.retries > 0 for r in results),
         "errors": sorted({r.error for r in results if r.error})[:10],
     }
     if slo:
@@ -344,6 +389,8 @@ def _summary_lines(s: dict[str, Any], cfg: dict[str, Any], label: str) -> list[s
             for name, key in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("itl", "itl_ms"), ("e2e", "e2el_ms"))]
     lines.append(format_table(["ms", "mean", "median", "p90", "p99"], rows))
     lines.append(f"TTFT p99 / median = {s['ttft_p99_over_median']:.2f}")
+    if s.get("retries"):
+        lines.append(f"retries (503 or connection refused): {s['retries']} over {s['retried_requests']} requests")
     if "goodput" in s:
         g = s["goodput"]
         lines.append(f"goodput {g['slo_ms']}: {g['good_requests']} requests, {g['requests_per_s']:.3f} req/s")

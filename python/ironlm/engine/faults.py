@@ -22,15 +22,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ironlm.exceptions import InvalidArgumentError
+from ironlm.exceptions import InjectedFault, InvalidArgumentError
 
 ENV_VAR = "IRONLM_FAULT"
 SITES = ("step", "forward", "restart")
 _OPTIONS = ("every", "after", "times")
-
-
-class InjectedFault(RuntimeError):
-    """Raised by an `IRONLM_FAULT` rule (never by real code)."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Load shedding: refuse at once (503 + Retry-After) a request the server cannot serve in time.
 
 The estimate. Requests wait only while the running batch is full (or the KV pool is), and then the queue moves at
-the rate running requests finish: a new request's wait is about `ahead / completion_rate`, where `ahead` is the
+the rate running requests finish: a new request is admitted at about the (ahead + 1)-th finish from now, so its
+wait is `(ahead + 1) / completion_rate` (the last of a k-prompt request's: `ahead + k`), where `ahead` is the
 number of waiting requests that will be scheduled before it and `completion_rate` the measured finishes per second
 over the last `_RATE_WINDOW_S`. `ahead` is the engine's own waiting count, and under the `priority` policy only
 those of them with a priority at least as good (lower value) as the new request's, which the tracker below knows
@@ -125,7 +126,7 @@ class Shedder:
         ahead = waiting
         if self.priority_policy:
             ahead = min(waiting, self.tracker.pending_better_than(priority, inclusive=True))
-        wait = (ahead + num_requests - 1) / rate
+        wait = (ahead + num_requests) / rate
         if wait <= limit:
             return None
         return ShedDecision("wait", _seconds(wait - limit),
