@@ -170,6 +170,7 @@ class ServerConfig:
     circuit_breaker_cooldown: float = _opt(10.0, "seconds the open breaker refuses requests before probing",
                                            metavar="S")
     circuit_breaker_probes: int = _opt(3, "requests let through half-open; all succeed: closed, one fails: open")
+    load_shedding: bool = _opt(True, "refuse (503 + Retry-After) at once requests the queue cannot serve in time")
     shed_max_wait: float | None = _opt(
         None, "refuse (503) a request without its own timeout whose estimated queue wait exceeds this; requests "
         "with a timeout are refused when the estimate exceeds it", metavar="S")

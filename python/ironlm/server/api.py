@@ -42,10 +42,11 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
     model = names[0]  # the name responses carry
     if metrics is None:
         metrics = ServerMetrics(engine.stats, lambda: engine.is_healthy, model)
-    shedder = _shedder(engine, config)
-    metrics.registry.register(ShedCollector(shedder, model))
+    shedder = _shedder(engine, config) if config.load_shedding else None
+    if shedder is not None:
+        metrics.registry.register(ShedCollector(shedder, model))
     if engine.observer is None:
-        engine.observer = ObserverGroup(metrics, shedder.tracker)
+        engine.observer = metrics if shedder is None else ObserverGroup(metrics, shedder.tracker)
     breaker = None
     if config.circuit_breaker:
         breaker = CircuitBreaker(window=config.circuit_breaker_window, threshold=config.circuit_breaker_threshold,
