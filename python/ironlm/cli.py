@@ -50,7 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     aengine = AsyncLLMEngine(engine, stall_timeout_s=server.health_stall_timeout,
                              max_step_failures=server.engine_restart_after_failures,
-                             max_restarts=server.engine_max_restarts)
+                             max_restarts=server.engine_max_restarts, dedupe=server.dedupe_requests,
+                             result_cache_size=server.result_cache_size)
     names = args.served_model_name or [engine.model_name]
     app = build_app(aengine, served_model_name=names, api_key=api_key, config=server)
     logger.info("phase engine loop + app: %.2fs (model %s, max_model_len %d)", time.perf_counter() - t0,

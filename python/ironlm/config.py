@@ -181,6 +181,11 @@ class ServerConfig:
         3, "failed engine steps in a row that restart the engine loop (failing its in-flight requests)")
     engine_max_restarts: int = _opt(
         2, "loop restarts in a row without a good step before the engine is declared dead (/health 503)")
+    # Request dedupe (engine/dedupe.py): off by default, since shared requests no longer count one queue place each.
+    dedupe_requests: bool = _opt(
+        False, "identical deterministic requests (greedy, or the same seed) in flight share one engine sequence")
+    result_cache_size: int = _opt(
+        0, "finished deterministic results kept (LRU) to answer identical later requests without the engine; 0 = off")
 
     def __post_init__(self) -> None:
         for name in ("circuit_breaker_window", "circuit_breaker_min_requests", "circuit_breaker_probes",
@@ -188,6 +193,9 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise _invalid(name, f"must be a positive integer, got {value!r}")
+        if not isinstance(self.result_cache_size, int) or isinstance(self.result_cache_size, bool) \
+                or self.result_cache_size < 0:
+            raise _invalid("result_cache_size", f"must be an integer >= 0, got {self.result_cache_size!r}")
         if not isinstance(self.engine_max_restarts, int) or self.engine_max_restarts < 0:
             raise _invalid("engine_max_restarts", f"must be an integer >= 0, got {self.engine_max_restarts!r}")
         if not 0.0 <= self.circuit_breaker_threshold < 1.0:

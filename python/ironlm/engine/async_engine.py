@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ironlm import _core
 from ironlm.engine import faults
+from ironlm.engine.dedupe import Deduper, RequestKey, request_key
 from ironlm.engine.outputs import RequestOutput
 from ironlm.engine.prompts import PromptType
 from ironlm.engine.protocol import OutputObserver, StepEngine
@@ -66,7 +67,9 @@ Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[st
 class AsyncLLMEngine:
     def __init__(self, engine: StepEngine, *, observer: OutputObserver | None = None, start: bool = True,
                  stall_timeout_s: float = STALL_TIMEOUT_S, max_step_failures: int = MAX_STEP_FAILURES,
-                 max_restarts: int = MAX_RESTARTS) -> None:
+                 max_restarts: int = MAX_RESTARTS, dedupe: bool = False, result_cache_size: int = 0) -> None:
+        """`dedupe`: identical deterministic requests in flight share one sequence; `result_cache_size`: finished
+        deterministic results kept for identical later requests (engine/dedupe.py). Both off by default."""
         if not stall_timeout_s > 0:
             raise InvalidArgumentError(f"stall_timeout_s must be > 0, got {stall_timeout_s}",
                                        param="stall_timeout_s")
@@ -89,6 +92,8 @@ class AsyncLLMEngine:
         self._draining = False
         self._stats: dict[str, Any] = dict(engine.stats())
         self._thread: threading.Thread | None = None
+        deduper = Deduper(share_inflight=dedupe, result_cache_size=result_cache_size)
+        self._dedupe = deduper if deduper.enabled else None  # engine thread only
         if start:
             self.start()
 
@@ -154,7 +159,8 @@ class AsyncLLMEngine:
     def stats(self) -> dict[str, Any]:
         """The engine's stats as of the end of the last step (a snapshot: LLMEngine is single-threaded), and
         `num_engine_restarts`, the loop's restarts so far."""
-        return {**self._stats, "num_engine_restarts": self.num_restarts}
+        dedupe = self._dedupe.stats() if self._dedupe is not None else {}
+        return {**self._stats, **dedupe, "num_engine_restarts": self.num_restarts}
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -257,7 +263,10 @@ class AsyncLLMEngine:
                 while not self._commands and not engine.has_unfinished_requests():
                     self._cv.wait()  # idle: sleep until `_submit` notifies
                 commands, self._commands = self._commands, []
-            stop = self._apply_commands(commands, outbox)
+            answered: list[RequestOutput] = []
+            stop = self._apply_commands(commands, outbox, answered)
+            if answered and self.observer is not None:
+                self._observe(self.observer.on_outputs, answered, time.monotonic())
             # Acceptances and add errors go out now, not after the step: a step can take a while.
             orphans = outbox.flush()
             if stop:
@@ -280,16 +289,16 @@ class AsyncLLMEngine:
                         failures, restarts = 0, restarts + 1
                 else:
                     self.last_step_time = now = time.monotonic()
-                    self._route(outputs, outbox)
+                    routed = self._route(outputs, outbox)
                     if self.observer is not None:
-                        self._observe(self.observer.on_outputs, outputs, now)
+                        self._observe(self.observer.on_outputs, routed, now)
                 finally:
                     self.step_started_at = None
             self._stats = engine.stats()
             self._abort(outbox.flush())
 
-    def _apply_commands(self, commands: list[Command], outbox: Outbox) -> bool:
-        """Returns True on a stop command."""
+    def _apply_commands(self, commands: list[Command], outbox: Outbox, answered: list[RequestOutput]) -> bool:
+        """Returns True on a stop command. Requests answered without the engine (result cache) go to `answered`."""
         for command in commands:
             if command[0] == "stop":
                 return True
@@ -299,6 +308,11 @@ class AsyncLLMEngine:
             stream = command[1]
             if stream.closed:  # the client left before the request even reached the engine
                 continue
+            key: RequestKey | None = None
+            if self._dedupe is not None:
+                key = request_key(self.engine.model_name, stream.prompt, stream.params, stream.engine_kwargs)
+                if self._dedupe_add(stream, key, outbox, answered):
+                    continue
             kwargs = {_ENGINE_KWARGS[k]: v for k, v in stream.engine_kwargs.items()
                       if k in _ENGINE_KWARGS and v is not None}
             try:
@@ -307,10 +321,37 @@ class AsyncLLMEngine:
                 outbox.add(stream, "error", exc)
                 continue
             self._streams[stream.request_id] = stream
+            if self._dedupe is not None:
+                self._dedupe.lead(key, stream.request_id, stream.engine_kwargs["arrival_time"])
             outbox.add(stream, "accept", None)
         return False
 
-    def _route(self, outputs: list[RequestOutput], outbox: Outbox) -> None:
+    def _dedupe_add(self, stream: RequestStream, key: RequestKey | None, outbox: Outbox,
+                    answered: list[RequestOutput]) -> bool:
+        """Answer the request from the result cache or attach it to an identical running sequence; False when it
+        needs a sequence of its own."""
+        assert self._dedupe is not None
+        rid, arrival = stream.request_id, stream.engine_kwargs["arrival_time"]
+        cached = self._dedupe.cached(key, rid, arrival, _core.monotonic())
+        if cached is not None:
+            outbox.add(stream, "accept", None)
+            outbox.add(stream, "output", cached)
+            answered.append(cached)
+            return True
+        joined, latest = self._dedupe.join(key, rid, arrival)
+        if not joined:
+            return False
+        self._streams[rid] = stream
+        outbox.add(stream, "accept", None)
+        if latest is not None:  # a late joiner gets the tokens so far at once, not after the next step
+            outbox.add(stream, "output", latest)
+        return True
+
+    def _route(self, outputs: list[RequestOutput], outbox: Outbox) -> list[RequestOutput]:
+        """Hand each output to its stream (a shared sequence's to every listener, under its own id); returns
+        what was handed out, one output per request."""
+        if self._dedupe is not None:
+            outputs = [out for output in outputs for out in self._dedupe.fan_out(output)]
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -318,11 +359,15 @@ class AsyncLLMEngine:
             if output.finished:
                 del self._streams[output.request_id]
             outbox.add(stream, "output", output)
+        return outputs
 
     def _abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
         if live:
-            self.engine.abort_request(live)
+            # A shared sequence is aborted only once its last listener left.
+            engine_ids = live if self._dedupe is None else self._dedupe.release(live)
+            if engine_ids:
+                self.engine.abort_request(engine_ids)
             if self.observer is not None:
                 self._observe(self.observer.on_aborted, live)
 
@@ -342,6 +387,8 @@ class AsyncLLMEngine:
                                      f"{exc!r}); requests in flight were failed")
         streams = list(self._streams.values())
         self._streams.clear()
+        if self._dedupe is not None:
+            self._dedupe.drop_inflight()
         for stream in streams:
             outbox.add(stream, "error", error)
         logger.error("restarting the engine loop after %d failed steps in a row; failing %d requests",

@@ -32,6 +32,7 @@ _GAUGES = (
                                                     "cached-but-evictable blocks are not counted.")),
     ("model_weight_bytes", "model_weight_bytes", ("Resident bytes of the model weights as stored (quantized "
                                                   "blocks or dense tensors).")),
+    ("result_cache_size", "result_cache_size", "Finished results held by the result cache (--result-cache-size)."),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -40,6 +41,8 @@ _COUNTERS = (
     ("generation_tokens", "generation_tokens_total", "Tokens generated."),
     ("num_preemptions", "num_preemptions", "Requests preempted (recomputed) for lack of KV blocks."),
     ("engine_restarts", "num_engine_restarts", "Engine loop restarts after repeated step failures."),
+    ("dedupe_hits", "dedupe_hits_total", "Requests that joined an identical running request's sequence."),
+    ("result_cache_hits", "result_cache_hits_total", "Requests answered from the result cache, without the engine."),
 )
 
 
