@@ -150,6 +150,27 @@ def test_shedder_refuses_what_would_time_out_in_the_queue_and_worse_priorities_f
     assert tracker.completion_rate() is None and shedder.decide(1, 0, timeout=0.01) is None
 
 
+def test_shedder_adds_the_requests_own_service_time_to_its_wait():
+    clock, engine = Clock(), StubEngine()
+    tracker = LoadTracker(clock)
+    shedder = Shedder(engine, tracker, max_wait_s=10.0)  # type: ignore[arg-type]
+    for i in range(4):  # 4 finishes over 2 s: 2 per s; each: 0.2 s of prefill, then 0.1 s per token
+        out = finished(f"r{i}")
+        out.outputs[0].token_ids = [5] * 11
+        out.metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=1.0, first_token_time=1.2,
+                                     last_token_time=2.2)
+        tracker.on_outputs([out], 0.0)
+        clock.t += 0.5
+    assert tracker.service_time(1) == pytest.approx(0.2) and tracker.service_time(21) == pytest.approx(2.2)
+    engine.waiting = 1  # admitted at the 2nd finish: 1 s of waiting
+    assert shedder.decide(1, 0, timeout=3.2, max_tokens=21) is None  # 1 + 2.2 s
+    decision = shedder.decide(1, 0, timeout=3.0, max_tokens=21)
+    assert decision is not None and "+ 2.2 s for 21 tokens" in decision.message and decision.retry_after == 1
+    assert shedder.decide(1, 0, timeout=None, max_tokens=1000) is None  # no timeout: only the wait (1 s <= 10 s)
+    engine.waiting = 0
+    assert shedder.decide(1, 0, timeout=0.5, max_tokens=1000) is None  # idle: its timeout is the client's choice
+
+
 # ---- servers with their own engine and settings -------------------------------------------------------------
 @pytest.fixture
 def make_server(tmp_path_factory, monkeypatch):

@@ -84,7 +84,7 @@ async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[st
     """Add one engine request per prompt; on any failure abort those already added. `shedder` may refuse the
     whole request first (503 + Retry-After) and learns each admitted prompt's priority."""
     if shedder is not None:
-        shedder.check(len(prompts), req.priority, req.timeout)
+        shedder.check(len(prompts), req.priority, req.timeout, getattr(params, "max_tokens", None))
     streams: list[RequestStream] = []
     rid = base_id
     try:

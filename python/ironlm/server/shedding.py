@@ -9,9 +9,13 @@ those of them with a priority at least as good (lower value) as the new request'
 from the requests it admitted and not yet saw produce a token. Before enough requests have finished to measure a
 rate, nothing is shed by estimate (the queue-full limit still holds).
 
-Shed when
-- the estimate exceeds the request's own `timeout` (or `shed_max_wait`, for requests without one): it would time
-  out in the queue, after holding a place there;
+Its own service then takes about `prefill + (max_tokens - 1) * tpot`, both the means of recently finished requests
+(measured under the current load, so the batch's slowdown is in them).
+
+Shed, while requests are waiting (an idle server takes every request: a timeout is the client's to choose), when
+- the estimated wait plus service exceeds the request's own `timeout`: it would time out, in the queue or with a
+  partial answer, after holding a place others could have used; or the estimated wait exceeds `shed_max_wait`
+  for a request without a timeout;
 - at least `shed_priority_waiting` requests of a strictly better priority are waiting: under pressure the worse
   priorities go first, so the better ones keep the queue.
 Retry-After says when the queue ahead would have drained enough, at least 1 s.
@@ -20,6 +24,7 @@ Retry-After says when the queue ahead would have drained enough, at least 1 s.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -54,6 +59,7 @@ class LoadTracker:
         self.clock = clock
         self._pending: dict[str, int] = {}  # request id -> priority
         self._finishes: deque[float] = deque(maxlen=256)
+        self._service: deque[tuple[float, float]] = deque(maxlen=64)  # recent (prefill s, s per output token)
         self._lock = threading.Lock()
 
     def admitted(self, request_id: str, priority: int) -> None:
@@ -72,8 +78,26 @@ class LoadTracker:
                 if out.finished:
                     self._finishes.append(t)
                     self._pending.pop(out.request_id, None)
+                    self._measure(out)
                 elif any(c.token_ids for c in out.outputs):
                     self._pending.pop(out.request_id, None)
+
+    def _measure(self, out: RequestOutput) -> None:
+        m = out.metrics
+        tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        if m.first_scheduled_time is None or m.first_token_time is None or m.last_token_time is None or tokens < 2:
+            return
+        self._service.append((m.first_token_time - m.first_scheduled_time,
+                              (m.last_token_time - m.first_token_time) / (tokens - 1)))
+
+    def service_time(self, max_tokens: int) -> float:
+        """Expected seconds from being scheduled to the last of `max_tokens` tokens (0 before any measurement)."""
+        with self._lock:
+            samples = list(self._service)
+        if not samples:
+            return 0.0
+        prefill = statistics.fmean(p for p, _ in samples)
+        return prefill + (max_tokens - 1) * statistics.fmean(t for _, t in samples)
 
     def on_aborted(self, request_ids: list[str]) -> None:
         with self._lock:
@@ -109,7 +133,8 @@ class Shedder:
         self.max_wait_s, self.priority_waiting, self.priority_policy = max_wait_s, priority_waiting, priority_policy
         self.shed = dict.fromkeys(REASONS, 0)
 
-    def decide(self, num_requests: int, priority: int, timeout: float | None) -> ShedDecision | None:
+    def decide(self, num_requests: int, priority: int, timeout: float | None,
+               max_tokens: int | None = None) -> ShedDecision | None:
         waiting = int(self.engine.stats().get("num_requests_waiting", 0))
         if not waiting:
             return None  # nothing queued: a new request is scheduled at the next step
@@ -127,16 +152,19 @@ class Shedder:
         if self.priority_policy:
             ahead = min(waiting, self.tracker.pending_better_than(priority, inclusive=True))
         wait = (ahead + num_requests) / rate
-        if wait <= limit:
+        service = self.tracker.service_time(max_tokens) if timeout is not None and max_tokens else 0.0
+        if wait + service <= limit:
             return None
-        return ShedDecision("wait", _seconds(wait - limit),
-                            f"the estimated queue wait ({wait:.1f} s: {ahead} requests ahead, {rate:.2f} finish per "
-                            f"second) exceeds the request's {'timeout' if timeout is not None else 'wait limit'} "
-                            f"({limit:g} s)")
+        what = f"queue wait {wait:.1f} s ({ahead} requests ahead, {rate:.2f} finish per second)"
+        if service:
+            what += f" + {service:.1f} s for {max_tokens} tokens"
+        return ShedDecision("wait", _seconds(min(wait, wait + service - limit)),
+                            f"the estimated {what} exceeds the request's "
+                            f"{'timeout' if timeout is not None else 'wait limit'} ({limit:g} s)")
 
-    def check(self, num_requests: int, priority: int, timeout: float | None) -> None:
+    def check(self, num_requests: int, priority: int, timeout: float | None, max_tokens: int | None = None) -> None:
         """Raise a 503 APIError with Retry-After if the request should be shed."""
-        decision = self.decide(num_requests, priority, timeout)
+        decision = self.decide(num_requests, priority, timeout, max_tokens)
         if decision is None:
             return
         self.shed[decision.reason] += 1
