@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.structured.params import StructuredOutputsParams
 
 # Every invalid field raises InvalidArgumentError (a ValueError, not a TypeError even for a wrong type, as
 # vLLM does) with the field in `param`: callers such as the HTTP layer map exactly that to a 400 response.
@@ -53,6 +54,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias added to the logit, clamped to [-100, 100]
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         self._check_int("n", self.n, low=1)
@@ -98,6 +100,8 @@ class SamplingParams:
             if self.logprobs > MAX_LOGPROBS:
                 raise _invalid("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         self._check_logit_bias()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _invalid("structured_outputs", f"must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         if not self.detokenize and self.stop_strings:
             # Stop strings are matched on text; without detokenization there is no text to match.
             raise _invalid("stop", "strings are only supported when detokenize is True")
