@@ -1,0 +1,145 @@
+"""One engine replica: an AsyncLLMEngine and the same FastAPI app `ironlm serve` runs (build_app), driven over
+ASGI by requests the ingress forwards, so every route, streaming, auth and /metrics behave as in `ironlm serve`.
+
+A response streams back as ("head", status, headers, first body) and then body chunks. The head waits for the
+first non-empty body chunk (the first token of a stream), so a replica that dies before it has sent the client
+nothing and the ingress may retry the request elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from ironlm.config import EngineConfig, ServerConfig
+from ironlm.ray.routing import RouteHint
+
+logger = logging.getLogger("ironlm.ray")
+
+REPLICA_HEADER = "x-ironlm-replica"
+
+
+@dataclass(frozen=True)
+class ForwardedRequest:
+    """An HTTP request as the ingress received it (body read in full: requests are small JSON)."""
+
+    method: str
+    path: str
+    query_string: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    client: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class EngineReplica:
+    """The Ray Serve deployment class of an engine replica (see app.py for its options)."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, threads: int = 1,
+                 served_model_names: list[str] | None = None) -> None:
+        import torch
+        from ray import serve
+
+        from ironlm.engine import AsyncLLMEngine, LLMEngine
+        from ironlm.server.api import build_app
+
+        # Ray reserves logical CPUs only; without this torch would start one thread per core of the machine
+        # in every replica and the replicas would fight over the cores.
+        torch.set_num_threads(threads)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        t0 = time.perf_counter()
+        server = server_config
+        self.engine = AsyncLLMEngine(LLMEngine(engine_config), stall_timeout_s=server.health_stall_timeout,
+                                     max_step_failures=server.engine_restart_after_failures,
+                                     max_restarts=server.engine_max_restarts, dedupe=server.dedupe_requests,
+                                     result_cache_size=server.result_cache_size)
+        self.drain_timeout = server.drain_timeout
+        names = served_model_names or [self.engine.model_name]
+        self.app = build_app(self.engine, served_model_name=names, config=server)
+        logger.info("replica %s ready in %.2fs", self.replica_id, time.perf_counter() - t0)
+
+    async def handle_http(self, request: ForwardedRequest,
+                          route: RouteHint | None = None) -> AsyncIterator[ResponseHead | bytes]:
+        """Run one request through the app; `route` is read by the router only."""
+        messages: asyncio.Queue[MutableMapping[str, Any] | None] = asyncio.Queue()
+        disconnected = asyncio.Event()
+        body_sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": request.body, "more_body": False}
+            await disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            await messages.put(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
+            "scheme": "http", "path": request.path, "raw_path": request.path.encode(), "root_path": "",
+            "query_string": request.query_string, "headers": request.headers, "client": request.client,
+            "server": None,
+        }
+        task = asyncio.ensure_future(self.app(scope, receive, send))
+        task.add_done_callback(lambda _: messages.put_nowait(None))
+        try:
+            status, headers, pending = 500, [], b""
+            started = False
+            while True:
+                message = await messages.get()
+                if message is None:  # the app returned (or raised) without finishing a response
+                    if not task.cancelled() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+                    break
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                    headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.replica_id.encode())]
+                    continue
+                if message["type"] != "http.response.body":
+                    continue
+                chunk, more = message.get("body", b""), message.get("more_body", False)
+                if not started:
+                    pending += chunk
+                    if pending or not more:
+                        started = True
+                        yield ResponseHead(status, headers, pending)
+                elif chunk:
+                    yield chunk
+                if not more:
+                    break
+        finally:
+            disconnected.set()  # a client gone mid-stream: the app sees the disconnect and aborts the request
+            if not task.done():
+                await asyncio.wait({task}, timeout=5.0)
+                task.cancel()
+
+    def metrics_text(self) -> tuple[str, str]:
+        """(replica id, this replica's /metrics exposition), for the ingress's broadcast."""
+        return self.replica_id, self.app.state.metrics.render().decode()
+
+    def check_health(self) -> None:
+        """Ray Serve calls this every health_check_period: raising marks the replica unhealthy and replaces it."""
+        if self.engine.dead_error is not None:
+            raise RuntimeError(f"engine dead: {self.engine.dead_error!r}")
+        if not self.engine.is_healthy:
+            raise RuntimeError("engine loop stopped")
+        stalled = self.engine.stalled_for
+        if stalled is not None:
+            raise RuntimeError(f"engine step stuck for {stalled:.0f} s")
+
+    async def __del__(self) -> None:
+        # Ray Serve has already drained this replica (graceful_shutdown_timeout_s = drain_timeout) before calling
+        # this; what remains in flight past that is aborted here.
+        await self.engine.shutdown(drain_timeout=min(5.0, self.drain_timeout))
