@@ -39,6 +39,48 @@ class InvalidArgumentError(ValueError):
     param: str | None
     def __init__(self, message: str, param: str | None = None) -> None: ...
 
+class GrammarError(InvalidArgumentError):
+    """A structured-output grammar (JSON schema, regex, choice, Lark) that does not compile, or not within its
+    size and time limits. ``param`` names the request field, ``structured_outputs`` by default."""
+
+    def __init__(self, message: str, param: str | None = "structured_outputs") -> None: ...
+
+@final
+class CompiledGrammar:
+    """A grammar compiled for one tokenizer; pass it to ``Scheduler.add_request(grammar=...)``.
+    Immutable and shared: any number of requests may use the same one."""
+
+    @property
+    def mask_words(self) -> int:
+        """32-bit words per row of its token bitmask (``ceil(vocab_size / 32)``)."""
+
+@final
+class GrammarCompiler:
+    """Compiles structured-output grammars for one tokenizer; build it once per model."""
+
+    def __new__(
+        cls,
+        token_bytes: list[bytes | None],
+        *,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        special_token_ids: Sequence[int] | None = None,
+        timeout: float = 10.0,
+        max_grammar_size: int | None = None,
+        initial_lexer_fuel: int | None = None,
+        step_lexer_fuel: int | None = None,
+        max_lexer_states: int | None = None,
+    ) -> Self:
+        """``token_bytes[id]``: the token's bytes (None: no text, never allowed); ids up to ``vocab_size`` (the
+        logits width) past the list have none. ``special_token_ids`` are produced only by grammars that name them.
+        The limits bound each compilation (None: llguidance's defaults)."""
+    def compile(self, text: str, *, param: str = "structured_outputs") -> CompiledGrammar:
+        """Compile grammar text (llguidance's TopLevelGrammar JSON, or a Lark grammar) with the GIL released.
+        Raises ``GrammarError`` (``.param`` = ``param``) if it does not compile within the limits."""
+    @property
+    def vocab_size(self) -> int:
+        """The logits width its masks cover."""
+
 def monotonic() -> float:
     """The core's clock, in seconds."""
 
@@ -298,6 +340,8 @@ class SchedulerPlan:
     sample_slots: npt.NDArray[np.int64]  # [S] sequence handle receiving each sampled token
     sample_output_lens: npt.NDArray[np.int64]  # [S] tokens each row's sequence generated so far
     sample_ban_stop: npt.NDArray[np.bool_]  # [S] stop token ids must not be sampled yet (min_tokens)
+    # [R] sample rows of grammar-constrained sequences (ascending); row i of take_bitmask()'s bits is mask_rows[i]
+    mask_rows: npt.NDArray[np.int64]
     cow_pairs: npt.NDArray[np.int64]  # [K, 2] (src, dst) block copies to run before the forward
     new_request_ids: list[str]  # admitted for the first time this step
     # [len(new_request_ids)] prompt tokens each one's first admission found in the prefix cache (full blocks)
@@ -361,8 +405,13 @@ class Scheduler:
         queue_timeout: float | None = None,
         namespace: str | None = None,
         arrival_time: float | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> list[int]:
         """Queue a request; returns its ``n`` sequence slots (stable handles until finished).
+
+        ``grammar``: constrain each sequence's output to it (each gets its own matcher); it finishes
+        with ``stop`` when the grammar is complete, or at EOS (allowed once the grammar accepts),
+        stop tokens or max_tokens as usual; ``min_tokens`` does not hold it back.
 
         ``deadline``: TTFT deadline, seconds after arrival (policy ``deadline``).
         ``queue_timeout``: seconds after arrival after which a still-waiting request
@@ -386,6 +435,20 @@ class Scheduler:
         InvalidArgumentError if the length is not ``plan.num_samples`` or no plan is waiting for an
         update.
         """
+    def take_bitmask(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]] | None:
+        """The last plan's token bitmask ``(rows, bits)``: ``bits`` is int32 ``[len(rows), ceil(vocab_size / 32)]``
+        (bit ``t % 32`` of word ``t // 32`` set: token ``t`` allowed) for the sample rows ``rows``
+        (= ``plan.mask_rows``); None when the plan has no constrained row or they were taken. Computed on a
+        worker thread since ``schedule()``: call it after the forward so the two overlap; waits with the GIL
+        released."""
+    def mask_stats(self) -> dict[str, float]:
+        """Mask computation so far: ``steps``, ``rows``, ``compute_s`` (worker time) and ``wait_s`` (time
+        ``take_bitmask`` waited, i.e. what did not overlap the forward)."""
+    @property
+    def mask_threads(self) -> int:
+        """Threads one step's mask computation may use (default: the machine's CPUs)."""
+    @mask_threads.setter
+    def mask_threads(self, n: int) -> None: ...
     def finish(self, slot: int) -> bool:
         """Finish one sequence now (a stop string matched); frees its blocks.
 

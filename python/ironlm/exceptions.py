@@ -13,6 +13,7 @@ from __future__ import annotations
 from ironlm._core import (
     CoreError,
     DuplicateRequestError,
+    GrammarError,
     InvalidArgumentError,
     QueueFullError,
     RequestTooLargeError,
@@ -26,6 +27,7 @@ __all__ = [
     "EngineOverloadedError",
     "EngineRestartedError",
     "EngineStepError",
+    "GrammarError",
     "InjectedFault",
     "InvalidArgumentError",
     "LlamaCppNotBuilt",

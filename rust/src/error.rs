@@ -16,6 +16,9 @@ pub enum CoreError {
     OutOfBlocks,
     /// A call that makes no sense in the current state. Python: `CoreError`.
     InvalidState(String),
+    /// A grammar that does not compile, or not within its limits. Python: `GrammarError`
+    /// (an `InvalidArgumentError`, `.param == "structured_outputs"` unless the caller says).
+    Grammar(String),
 }
 
 impl CoreError {
@@ -38,6 +41,7 @@ impl fmt::Display for CoreError {
             CoreError::InvalidArgument { name, reason } => write!(f, "{name}: {reason}"),
             CoreError::OutOfBlocks => f.write_str("no free KV cache block"),
             CoreError::InvalidState(msg) => f.write_str(msg),
+            CoreError::Grammar(msg) => f.write_str(msg),
         }
     }
 }

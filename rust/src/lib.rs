@@ -10,6 +10,7 @@ pub mod quant;
 pub mod radix;
 
 pub mod error;
+pub mod grammar;
 pub mod parallel;
 pub mod plan;
 pub mod queue;

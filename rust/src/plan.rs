@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use crate::grammar::SeqMatcher;
 use crate::sequence::Finished;
 
 #[derive(Debug, Default, Clone)]
@@ -25,6 +26,9 @@ pub struct Plan {
     pub sample_output_lens: Vec<i64>,
     /// Sample rows whose stop tokens must not be sampled yet (min_tokens not reached).
     pub sample_ban_stop: Vec<bool>,
+    /// Sample rows of grammar-constrained sequences, ascending: row `i` of the step's token
+    /// bitmask (`Scheduler::take_bitmask`) is for sample row `mask_rows[i]`.
+    pub mask_rows: Vec<i64>,
     /// [K * 2], (src, dst) pairs.
     pub cow_pairs: Vec<i64>,
     pub new_request_ids: Vec<Arc<str>>,
@@ -45,6 +49,8 @@ pub struct Plan {
     pub(crate) sample_gens: Vec<u32>,
     /// Generation of each batch row's sequence.
     pub(crate) row_gens: Vec<u32>,
+    /// The matcher of each `mask_rows` entry.
+    pub(crate) mask_matchers: Vec<SeqMatcher>,
 }
 
 impl Plan {
@@ -61,6 +67,8 @@ impl Plan {
         self.sample_slots.clear();
         self.sample_output_lens.clear();
         self.sample_ban_stop.clear();
+        self.mask_rows.clear();
+        self.mask_matchers.clear();
         self.cow_pairs.clear();
         self.new_request_ids.clear();
         self.new_request_cached_tokens.clear();

@@ -14,6 +14,7 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 use crate::error::CoreError as RsCoreError;
 
 mod attn;
+mod grammar;
 // Classes only the Python tests use: built with the `test-bindings` feature (`make install` /
 // `make develop`), left out of the wheel.
 #[cfg(feature = "test-bindings")]
@@ -43,6 +44,7 @@ create_exception!(
 static REQUEST_TOO_LARGE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static DUPLICATE_REQUEST: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static INVALID_ARGUMENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static GRAMMAR_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 /// `InvalidArgumentError` needs a constructor that takes the parameter name and a `__reduce__`
 /// that keeps it across pickling (exceptions pickle as `type(*args)`), which neither
@@ -112,6 +114,41 @@ fn invalid_argument(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
         .map(|t| t.bind(py))
 }
 
+/// A grammar that does not compile is a bad argument value: the server answers 400 naming the
+/// request field (`param`) the grammar came from.
+const GRAMMAR_ERROR_SRC: &CStr = c"
+class GrammarError(InvalidArgumentError):
+    '''A structured-output grammar (JSON schema, regex, choice, Lark) that does not compile, or not
+    within its size and time limits. ``param`` names the request field, ``structured_outputs`` by default.'''
+
+    __module__ = 'ironlm._core'
+
+    def __init__(self, message, param='structured_outputs'):
+        super().__init__(message, param)
+";
+
+pub(crate) fn grammar_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    GRAMMAR_ERROR
+        .get_or_try_init(py, || {
+            let scope = PyDict::new(py);
+            scope.set_item("InvalidArgumentError", invalid_argument(py)?)?;
+            py.run(GRAMMAR_ERROR_SRC, Some(&scope), None)?;
+            let ty = scope
+                .get_item("GrammarError")?
+                .ok_or_else(|| PyTypeError::new_err("GrammarError was not defined"))?;
+            Ok(ty.cast_into::<PyType>()?.unbind())
+        })
+        .map(|t| t.bind(py))
+}
+
+/// `GrammarError(message, param)`.
+pub(crate) fn grammar_error(message: String, param: &str) -> PyErr {
+    Python::attach(|py| match grammar_error_type(py) {
+        Ok(t) => PyErr::from_type(t.clone(), (message, param.to_owned())),
+        Err(err) => err,
+    })
+}
+
 /// `InvalidArgumentError(message, param=name)`.
 fn invalid_argument_err(name: &str, message: String) -> PyErr {
     Python::attach(|py| match invalid_argument(py) {
@@ -135,6 +172,7 @@ impl From<RsCoreError> for PyErr {
                 Err(err) => err,
             }),
             RsCoreError::OutOfBlocks | RsCoreError::InvalidState(_) => CoreError::new_err(msg),
+            RsCoreError::Grammar(_) => grammar_error(msg, "structured_outputs"),
         }
     }
 }
@@ -235,6 +273,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RequestTooLargeError", request_too_large(py)?)?;
     m.add("DuplicateRequestError", duplicate_request(py)?)?;
     m.add("InvalidArgumentError", invalid_argument(py)?)?;
+    m.add("GrammarError", grammar_error_type(py)?)?;
     m.add_function(wrap_pyfunction!(monotonic, m)?)?;
     m.add_function(wrap_pyfunction!(attn::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(attn::parallel_runtime, m)?)?;
@@ -251,6 +290,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_class::<kv::PyRadixCache>()?;
         m.add_class::<queue::PyRequestQueue>()?;
     }
+    m.add_class::<grammar::PyGrammarCompiler>()?;
+    m.add_class::<grammar::PyCompiledGrammar>()?;
     m.add_class::<sched::PyScheduler>()?;
     m.add_class::<sched::PySchedulerPlan>()?;
     Ok(())

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use crate::block::{BlockAllocator, BlockUsage};
 use crate::error::{CoreError, CoreResult};
+use crate::grammar::{MaskJob, TokenBitmask};
 use crate::plan::Plan;
 use crate::queue::{monotonic, OrdF64, Policy, QueueParams, RequestQueue};
 use crate::radix::RadixCache;
@@ -119,6 +120,23 @@ pub struct Scheduler {
     num_finished: u64,
     scratch_slots: Vec<Slot>,
     scratch_gens: Vec<u32>,
+    /// The last plan's token masks, being computed since `schedule` (see `take_bitmask`).
+    masks: Option<MaskJob>,
+    mask_threads: usize,
+    mask_stats: MaskStats,
+}
+
+/// Where the mask computation's time went, summed over steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MaskStats {
+    /// Steps with at least one constrained sample row.
+    pub steps: u64,
+    /// Mask rows computed.
+    pub rows: u64,
+    /// Wall-clock time the worker spent computing masks.
+    pub compute_ns: u64,
+    /// Time `take_bitmask` callers waited for them: what did not overlap the forward.
+    pub wait_ns: u64,
 }
 
 impl Scheduler {
@@ -148,6 +166,9 @@ impl Scheduler {
             num_finished: 0,
             scratch_slots: Vec::new(),
             scratch_gens: Vec::new(),
+            masks: None,
+            mask_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            mask_stats: MaskStats::default(),
             cfg,
         })
     }
@@ -285,6 +306,7 @@ impl Scheduler {
             s.min_len = prompt.len() + params.min_tokens;
             s.max_len = max_len;
             s.victim_key = (prio_key, OrdF64(arrival), add_seq, k as u32);
+            s.grammar = params.grammar.as_ref().map(|g| g.new_matcher());
             slots.push(slot);
         }
         let id: Arc<str> = request_id.into();
@@ -303,6 +325,50 @@ impl Scheduler {
         });
         self.req_ids.insert(id, idx);
         Ok(slots)
+    }
+
+    /// The token masks of the last plan's constrained sample rows (`plan.mask_rows`), waiting
+    /// for their computation to end if needed. None if the plan has none or they were taken.
+    pub fn take_bitmask(&mut self) -> Option<TokenBitmask> {
+        let job = self.masks.take()?;
+        let t0 = std::time::Instant::now();
+        let m = job.join();
+        self.mask_stats.wait_ns += t0.elapsed().as_nanos() as u64;
+        self.mask_stats.compute_ns += m.compute_ns;
+        Some(m)
+    }
+
+    /// Threads the mask computation of one step may use (default: the machine's CPUs).
+    pub fn set_mask_threads(&mut self, n: usize) {
+        self.mask_threads = n.max(1);
+    }
+
+    pub fn mask_threads(&self) -> usize {
+        self.mask_threads
+    }
+
+    pub fn mask_stats(&self) -> MaskStats {
+        self.mask_stats
+    }
+
+    /// Start computing the new plan's masks on a worker thread.
+    fn start_masks(&mut self) {
+        let p = &mut self.plan;
+        if p.mask_rows.is_empty() {
+            return;
+        }
+        let words = p.mask_matchers[0].mask_words();
+        let (rows, matchers) = (p.mask_rows.clone(), std::mem::take(&mut p.mask_matchers));
+        self.mask_stats.steps += 1;
+        self.mask_stats.rows += rows.len() as u64;
+        self.masks = Some(MaskJob::start(rows, matchers, words, self.mask_threads));
+    }
+
+    /// Drop the masks of a plan that is over, after their worker ends (it holds the matchers).
+    fn discard_masks(&mut self) {
+        if let Some(job) = self.masks.take() {
+            self.mask_stats.compute_ns += job.join().compute_ns;
+        }
     }
 
     /// Finish one live sequence now (e.g. a stop string matched); frees its blocks (its
@@ -519,6 +585,7 @@ impl Scheduler {
         let s = &mut self.seqs[slot as usize];
         s.gen = s.gen.wrapping_add(1);
         s.insert_pending = false;
+        s.grammar = None;
         let idx = s.req;
         self.seq_free.push(slot);
         let r = self.reqs[idx as usize].as_mut().expect("known request");

@@ -710,6 +710,7 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
                     queue_timeout: rng.chance(20).then(|| rng.below(20) as f64),
                     namespace: namespaces[nsi].map(String::from),
                     arrival_time: Some(now),
+                    grammar: None,
                 };
                 let min_tokens = p.min_tokens;
                 match s.add_request(&id, &prompt, p) {

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use crate::block::BlockId;
+use crate::grammar::{CompiledGrammar, SeqMatcher};
 use crate::queue::{OrdF64, QueueParams};
 use crate::radix::{NodeId, RadixCache};
 
@@ -107,6 +108,8 @@ pub struct RequestParams {
     pub namespace: Option<String>,
     /// Defaults to the core's clock at `add_request`.
     pub arrival_time: Option<f64>,
+    /// Constrain every sequence's output to this grammar (structured outputs).
+    pub grammar: Option<CompiledGrammar>,
 }
 
 impl Default for RequestParams {
@@ -123,6 +126,7 @@ impl Default for RequestParams {
             queue_timeout: None,
             namespace: None,
             arrival_time: None,
+            grammar: None,
         }
     }
 }
@@ -205,6 +209,8 @@ pub(crate) struct Sequence {
     /// Length at which it finishes with `length` (max_tokens or max_model_len).
     pub max_len: usize,
     pub victim_key: VictimKey,
+    /// Its grammar state, if its request is constrained; advanced by `update`.
+    pub grammar: Option<SeqMatcher>,
 }
 
 impl Sequence {
@@ -228,6 +234,7 @@ impl Sequence {
             min_len: 0,
             max_len: 0,
             victim_key: (0, OrdF64(0.0), 0, 0),
+            grammar: None,
         }
     }
 
@@ -236,6 +243,13 @@ impl Sequence {
     /// and `update` does not stop on them there either.
     pub fn may_stop(&self) -> bool {
         self.tokens.len() >= self.min_len
+    }
+
+    /// Whether the sampler must mask its stop tokens for the next token. Never under a
+    /// grammar: the grammar decides when the output ends, and banning EOS where the grammar
+    /// allows nothing else would leave no token to sample.
+    pub fn ban_stop(&self) -> bool {
+        !self.may_stop() && self.grammar.is_none()
     }
 
     /// The stop rules for `token`, just appended; `may_stop` is `may_stop()` from before.

@@ -4,6 +4,7 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use super::grammar::PyCompiledGrammar;
 use super::{as_i64_array, count_arg, time_arg, token_ids, value_error};
 use crate::queue::Policy;
 use crate::scheduler::{Finished, Scheduler, SchedulerConfig};
@@ -41,6 +42,8 @@ pub struct PySchedulerPlan {
     sample_output_lens: Py<PyAny>,
     #[pyo3(get)]
     sample_ban_stop: Py<PyAny>,
+    #[pyo3(get)]
+    mask_rows: Py<PyAny>,
     #[pyo3(get)]
     cow_pairs: Py<PyAny>,
     #[pyo3(get)]
@@ -151,6 +154,7 @@ fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
         sample_ban_stop: PyArray1::from_slice(py, &p.sample_ban_stop)
             .into_any()
             .unbind(),
+        mask_rows: array_i64(py, &p.mask_rows),
         cow_pairs: cow_pairs.into_any().unbind(),
         new_request_ids: ids(&p.new_request_ids)?,
         new_request_cached_tokens: array_i64(py, &p.new_request_cached_tokens),
@@ -237,6 +241,7 @@ impl PyScheduler {
         queue_timeout = None,
         namespace = None,
         arrival_time = None,
+        grammar = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -254,6 +259,7 @@ impl PyScheduler {
         queue_timeout: Option<f64>,
         namespace: Option<String>,
         arrival_time: Option<f64>,
+        grammar: Option<PyRef<'_, PyCompiledGrammar>>,
     ) -> PyResult<Vec<Slot>> {
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
         let ids = |o: Option<&Bound<'_, PyAny>>, name| match o {
@@ -272,6 +278,7 @@ impl PyScheduler {
             queue_timeout: time_arg("queue_timeout", queue_timeout)?,
             namespace,
             arrival_time: time_arg("arrival_time", arrival_time)?,
+            grammar: grammar.map(|g| g.inner.clone()),
         };
         Ok(self.inner.add_request(request_id, &prompt, params)?)
     }
@@ -289,6 +296,56 @@ impl PyScheduler {
             inner.schedule(now);
         }
         build_plan(py, inner)
+    }
+
+    /// The last plan's token bitmask: ``(rows, bits)`` with ``bits`` int32 ``[len(rows),
+    /// ceil(vocab_size / 32)]`` (bit ``t % 32`` of word ``t // 32``: token ``t`` allowed) for
+    /// the sample rows ``rows`` (= ``plan.mask_rows``), or None when the plan has no
+    /// constrained row (or they were taken). Computed on a worker thread since ``schedule``:
+    /// call it after the forward, so the computation overlaps it; waits with the GIL released.
+    fn take_bitmask<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+        let inner = &mut self.inner;
+        let Some(m) = py.detach(|| inner.take_bitmask()) else {
+            return Ok(None);
+        };
+        let rows = PyArray1::from_slice(py, &m.rows).into_any();
+        // SAFETY: a fresh C-contiguous array owned by nobody else; every element is written.
+        let bits = unsafe { PyArray2::<i32>::new(py, [m.rows.len(), m.words_per_row], false) };
+        if !m.bits.is_empty() {
+            let out = unsafe { bits.as_slice_mut() }.map_err(|e| value_error("bitmask", e))?;
+            for (o, &b) in out.iter_mut().zip(&m.bits) {
+                *o = b as i32;
+            }
+        }
+        Ok(Some((rows, bits.into_any())))
+    }
+
+    /// Where the mask computation's time went: ``steps``, ``rows``, ``compute_s`` (worker
+    /// time) and ``wait_s`` (time ``take_bitmask`` waited: what did not overlap the forward).
+    fn mask_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.mask_stats();
+        let d = PyDict::new(py);
+        d.set_item("steps", s.steps)?;
+        d.set_item("rows", s.rows)?;
+        d.set_item("compute_s", s.compute_ns as f64 * 1e-9)?;
+        d.set_item("wait_s", s.wait_ns as f64 * 1e-9)?;
+        Ok(d)
+    }
+
+    /// Threads one step's mask computation may use (default: the machine's CPUs).
+    #[getter]
+    fn mask_threads(&self) -> usize {
+        self.inner.mask_threads()
+    }
+
+    #[setter]
+    fn set_mask_threads(&mut self, n: i64) -> PyResult<()> {
+        self.inner
+            .set_mask_threads(count_arg("mask_threads", n, 1)?);
+        Ok(())
     }
 
     /// Append one token per ``plan.sample_slots`` row of the last plan; returns

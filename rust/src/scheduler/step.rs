@@ -85,6 +85,7 @@ impl Scheduler {
         if !self.plan.is_empty() {
             self.pending_step = self.step;
         }
+        self.start_masks();
         &self.plan
     }
 
@@ -126,6 +127,8 @@ impl Scheduler {
         }
         // The plan ran: its tokens are in the KV cache now.
         self.pending_step = 0;
+        // Its masks are stale once the matchers advance (the sampler took them, or never will).
+        self.discard_masks();
         for (r, &token) in sampled.iter().enumerate() {
             let slot = self.plan.sample_slots[r] as Slot;
             let s = &self.seqs[slot as usize];
@@ -142,7 +145,15 @@ impl Scheduler {
             let s = &mut self.seqs[slot as usize];
             let may_stop = s.may_stop();
             s.tokens.push(token);
-            if let Some(reason) = s.check_stop(token, may_stop) {
+            let mut stop = s.check_stop(token, may_stop);
+            if let Some(g) = &s.grammar {
+                // A complete grammar (or a token it rejects) ends the sequence: "stop",
+                // unless a stop token already said so.
+                if g.advance(token) && !matches!(stop, Some(FinishReason::Stop(_))) {
+                    stop = Some(FinishReason::Stop(None));
+                }
+            }
+            if let Some(reason) = stop {
                 let id = self.req(slot).id.clone();
                 self.finish_seq(slot);
                 self.num_finished += 1;
@@ -192,6 +203,7 @@ impl Scheduler {
             slots.extend(self.plan.seq_slots.iter().map(|&s| s as Slot));
             gens.extend_from_slice(&self.plan.row_gens);
         }
+        self.discard_masks();
         self.plan.clear();
         for (&slot, &gen) in slots.iter().zip(&gens) {
             let s = &self.seqs[slot as usize];
@@ -395,7 +407,11 @@ impl Scheduler {
         }
         let row = p.input_ids.len() as i64 - 1;
         p.logits_indices.push(row);
-        let (out_len, ban_stop) = (s.num_generated() as i64, !s.may_stop());
+        let (out_len, ban_stop) = (s.num_generated() as i64, s.ban_stop());
+        if let Some(g) = &s.grammar {
+            p.mask_rows.push(p.sample_slots.len() as i64);
+            p.mask_matchers.push(g.clone());
+        }
         p.sample_slots.push(slot as i64);
         p.sample_gens.push(s.gen);
         p.sample_output_lens.push(out_len);
@@ -404,6 +420,11 @@ impl Scheduler {
         if s.is_fork_parent {
             let r = self.reqs[s.req as usize].as_ref().expect("live request");
             for &c in &r.pending {
+                // Each child has its own matcher, still in the start state like the parent's.
+                if let Some(g) = &self.seqs[c as usize].grammar {
+                    p.mask_rows.push(p.sample_slots.len() as i64);
+                    p.mask_matchers.push(g.clone());
+                }
                 p.logits_indices.push(row);
                 p.sample_slots.push(c as i64);
                 p.sample_gens.push(self.seqs[c as usize].gen);

@@ -1,0 +1,142 @@
+//! `GrammarCompiler` and `CompiledGrammar` for Python (structured outputs).
+
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+
+use super::{count_arg, grammar_error, token_ids, value_error};
+use crate::error::CoreError;
+use crate::grammar::{CompiledGrammar, GrammarCompiler, GrammarLimits, Vocab};
+
+/// A grammar compiled for one tokenizer; pass it to ``Scheduler.add_request(grammar=...)``.
+/// Immutable and shared: any number of requests may use the same one.
+#[pyclass(name = "CompiledGrammar", module = "ironlm._core", frozen)]
+pub struct PyCompiledGrammar {
+    pub(crate) inner: CompiledGrammar,
+}
+
+#[pymethods]
+impl PyCompiledGrammar {
+    /// 32-bit words per row of its token bitmask (``ceil(vocab_size / 32)``).
+    #[getter]
+    fn mask_words(&self) -> usize {
+        self.inner.mask_words()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("CompiledGrammar(mask_words={})", self.inner.mask_words())
+    }
+}
+
+/// Compiles structured-output grammars for one tokenizer; build it once per model.
+#[pyclass(name = "GrammarCompiler", module = "ironlm._core", frozen)]
+pub struct PyGrammarCompiler {
+    inner: GrammarCompiler,
+}
+
+#[pymethods]
+impl PyGrammarCompiler {
+    /// ``token_bytes[id]``: the token's bytes (None: no text, never allowed); ids up to
+    /// ``vocab_size`` (the logits width) past the list have none. ``special_token_ids`` are
+    /// produced only by grammars that name them. The limits bound each compilation.
+    #[new]
+    #[pyo3(signature = (
+        token_bytes,
+        *,
+        eos_token_ids,
+        vocab_size,
+        special_token_ids = None,
+        timeout = 10.0,
+        max_grammar_size = None,
+        initial_lexer_fuel = None,
+        step_lexer_fuel = None,
+        max_lexer_states = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        token_bytes: &Bound<'_, PyList>,
+        eos_token_ids: &Bound<'_, PyAny>,
+        vocab_size: i64,
+        special_token_ids: Option<&Bound<'_, PyAny>>,
+        timeout: f64,
+        max_grammar_size: Option<i64>,
+        initial_lexer_fuel: Option<i64>,
+        step_lexer_fuel: Option<i64>,
+        max_lexer_states: Option<i64>,
+    ) -> PyResult<Self> {
+        let tokens = token_bytes
+            .iter()
+            .map(|t| {
+                if t.is_none() {
+                    Ok(None)
+                } else {
+                    t.cast::<PyBytes>()
+                        .map(|b| Some(b.as_bytes().to_vec()))
+                        .map_err(|_| value_error("token_bytes", "expected bytes or None"))
+                }
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let eos = token_ids(eos_token_ids, "eos_token_ids")?;
+        let special = match special_token_ids {
+            Some(o) => token_ids(o, "special_token_ids")?,
+            None => Vec::new(),
+        };
+        let vocab_size = count_arg("vocab_size", vocab_size, 1)?;
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(value_error(
+                "timeout",
+                "must be a positive number of seconds",
+            ));
+        }
+        let d = GrammarLimits::default();
+        let limits = GrammarLimits {
+            timeout: Duration::from_secs_f64(timeout),
+            max_grammar_size: opt_count("max_grammar_size", max_grammar_size)?
+                .unwrap_or(d.max_grammar_size),
+            initial_lexer_fuel: opt_count("initial_lexer_fuel", initial_lexer_fuel)?
+                .map_or(d.initial_lexer_fuel, |v| v as u64),
+            step_lexer_fuel: opt_count("step_lexer_fuel", step_lexer_fuel)?
+                .map_or(d.step_lexer_fuel, |v| v as u64),
+            max_lexer_states: opt_count("max_lexer_states", max_lexer_states)?
+                .unwrap_or(d.max_lexer_states),
+        };
+        // Building the token trie and its slices takes a while on large vocabularies.
+        let inner = py.detach(|| {
+            let vocab = Vocab::new(&tokens, &special, &eos, vocab_size)?;
+            GrammarCompiler::new(vocab, limits)
+        })?;
+        Ok(Self { inner })
+    }
+
+    /// Compile grammar text (llguidance's TopLevelGrammar JSON, or a Lark grammar) with the GIL
+    /// released. Raises ``GrammarError`` (``.param`` = ``param``) if it does not compile within
+    /// the limits.
+    #[pyo3(signature = (text, *, param = "structured_outputs"))]
+    fn compile(&self, py: Python<'_>, text: &str, param: &str) -> PyResult<PyCompiledGrammar> {
+        let inner = &self.inner;
+        match py.detach(|| inner.compile(text)) {
+            Ok(g) => Ok(PyCompiledGrammar { inner: g }),
+            Err(CoreError::Grammar(msg)) => Err(grammar_error(msg, param)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The logits width its masks cover.
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab().vocab_size()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "GrammarCompiler(vocab_size={})",
+            self.inner.vocab().vocab_size()
+        )
+    }
+}
+
+fn opt_count(name: &str, v: Option<i64>) -> PyResult<Option<usize>> {
+    v.map(|v| count_arg(name, v, 1)).transpose()
+}
