@@ -12,6 +12,7 @@ import asyncio
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
@@ -21,9 +22,12 @@ from ironlm.config import ServerConfig
 from ironlm.engine import faults
 from ironlm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ironlm.exceptions import EngineDeadError, EngineRestartedError, EngineStepError, InvalidArgumentError
+from ironlm.grpc import ironlm_pb2 as pb
+from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
 from ironlm.sampling_params import SamplingParams
 from ironlm.server.api import build_app
 from ironlm.server.breaker import CircuitBreaker
+from ironlm.server.grpc_service import start_grpc_server
 from ironlm.server.shedding import LoadTracker, Shedder
 from server_utils import ForwardFaults, LiveServer, tiny_engine, wait_for
 
@@ -297,6 +301,37 @@ def test_circuit_breaker_opens_on_engine_failures_and_closes_after_good_probes(m
     assert metric(server, "ironlm:circuit_breaker_state") == 0
     assert post(server).status_code == 200
     assert wait_for(lambda: idle(server))
+
+
+def test_grpc_shares_the_breaker_and_its_failures_count(make_server):
+    config = ServerConfig(circuit_breaker_window=4, circuit_breaker_min_requests=4, circuit_breaker_cooldown=30)
+    server = make_server("forward:raise:after=4,times=1", config)  # request 3's first forward fails
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    state = server.app.state
+    start = start_grpc_server(server.engine, "127.0.0.1", 0, ["tiny"], shedder=state.shedder, breaker=state.breaker)
+    grpc_server, port = asyncio.run_coroutine_threadsafe(start, loop).result(20)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.GenerationStub(channel)
+    rpc = pb.GenerateRequest(text="abc", sampling=pb.SamplingParameters(max_tokens=2, temperature=0, ignore_eos=True))
+    try:
+        assert stub.Generate(rpc, timeout=30).usage.completion_tokens == 2
+        assert post(server).status_code == 200
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.Generate(rpc, timeout=30)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert post(server).status_code == 200  # 1 failure in 4 (gRPC and HTTP together): open
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.StreamGenerate(rpc, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "circuit breaker" in refused.value.details()
+        assert int(dict(refused.value.trailing_metadata())["retry-after"]) >= 1
+        assert post(server).json()["error"]["code"] == "circuit_open"
+    finally:
+        channel.close()
+        asyncio.run_coroutine_threadsafe(grpc_server.stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
 
 
 def test_an_error_inside_a_stream_counts_as_a_failure(make_server):

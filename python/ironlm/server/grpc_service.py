@@ -18,6 +18,7 @@ from ironlm.engine.outputs import CompletionOutput, RequestOutput
 from ironlm.grpc import ironlm_pb2 as pb
 from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
 from ironlm.server.auth import KeyChecker
+from ironlm.server.breaker import CircuitBreaker, Permit, is_failure
 from ironlm.server.errors import APIError, validation_error
 from ironlm.server.protocol import CompletionRequest
 from ironlm.server.serving_common import (
@@ -28,6 +29,7 @@ from ironlm.server.serving_common import (
     sampling_params,
     start_streams,
 )
+from ironlm.server.shedding import Shedder
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
@@ -62,12 +64,17 @@ def to_completion_request(msg: pb.GenerateRequest) -> CompletionRequest:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, engine: EngineClient, model_names: list[str], api_key: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_names: list[str], api_key: str | None = None,
+                 shedder: Shedder | None = None, breaker: CircuitBreaker | None = None) -> None:
+        """`shedder`, `breaker`: the HTTP app's (app.state), so both front ends share one view of the engine."""
         self.engine, self.model_names = engine, model_names
         self.checker = KeyChecker(api_key) if api_key else None
+        self.shedder, self.breaker = shedder, breaker
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        permit, failed = None, None
         try:
+            permit = self._permit()
             rid, stream = await self._start(request, context)
             last: RequestOutput | None = None
             async with stream:
@@ -75,19 +82,24 @@ class GenerationService(pb_grpc.GenerationServicer):
                     pass
             assert last is not None
             check_failed(last)
+            failed = False
             return pb.GenerateResponse(
                 request_id=rid, finished=True, usage=_usage(last),
                 completions=[self._completion(c, 0, 0) for c in sorted(last.outputs, key=lambda c: c.index)])
-        except APIError as exc:
-            await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
         except Exception as exc:  # noqa: BLE001 - mapped to a gRPC status like HTTP maps it
-            err = engine_error(exc)
-            await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+            err = exc if isinstance(exc, APIError) else engine_error(exc)
+            failed = is_failure(err.status)
+            await _abort(context, err)
+        finally:
+            if permit is not None and self.breaker is not None:
+                self.breaker.record(permit, failed)
         raise AssertionError("unreachable")  # context.abort raises
 
     async def StreamGenerate(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        permit, failed = None, None
         try:
+            permit = self._permit()
             rid, stream = await self._start(request, context)
             sent_text: dict[int, int] = {}
             sent_tokens: dict[int, int] = {}
@@ -109,11 +121,24 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if progressed or out.finished:
                         yield pb.GenerateResponse(request_id=rid, completions=progressed, finished=out.finished,
                                                   usage=_usage(out) if out.finished else None)
-        except APIError as exc:
-            await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
+            failed = False
         except Exception as exc:  # noqa: BLE001 - mapped to a gRPC status like HTTP maps it
-            err = engine_error(exc)
-            await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+            err = exc if isinstance(exc, APIError) else engine_error(exc)
+            failed = is_failure(err.status)
+            await _abort(context, err)
+        finally:  # a cancelled call records nothing
+            if permit is not None and self.breaker is not None:
+                self.breaker.record(permit, failed)
+
+    def _permit(self) -> Permit | None:
+        if self.breaker is None:
+            return None
+        permit = self.breaker.allow()
+        if permit is None:
+            retry = self.breaker.retry_after()
+            raise APIError(503, f"the server is failing too many requests (circuit breaker open); retry in {retry} s",
+                           code="circuit_open", headers={"Retry-After": str(retry)})
+        return permit
 
     async def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> tuple[str, Any]:
         if self.checker is not None:
@@ -126,7 +151,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         params = sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens or 16,
                                   "logprobs": req.logprobs})
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        (stream,) = await start_streams(self.engine, rid, req.prompts()[:1], params, req)
+        (stream,) = await start_streams(self.engine, rid, req.prompts()[:1], params, req, shedder=self.shedder)
         return rid, stream
 
     def _completion(self, c: CompletionOutput, text_from: int, tokens_from: int) -> pb.Completion:
@@ -147,6 +172,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                              stop_reason="" if c.stop_reason is None else str(c.stop_reason), logprobs=logprobs)
 
 
+async def _abort(context: grpc.aio.ServicerContext, err: APIError) -> None:
+    """End the call with the gRPC status of `err`, a 503's Retry-After as `retry-after` trailing metadata
+    (context.abort raises)."""
+    if err.headers and "Retry-After" in err.headers:
+        context.set_trailing_metadata((("retry-after", err.headers["Retry-After"]),))
+    await context.abort(_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+
+
 def _usage(out: RequestOutput) -> pb.Usage:
     return pb.Usage(prompt_tokens=len(out.prompt_token_ids),
                     completion_tokens=sum(len(c.token_ids) for c in out.outputs),
@@ -154,10 +187,12 @@ def _usage(out: RequestOutput) -> pb.Usage:
 
 
 async def start_grpc_server(engine: EngineClient, host: str, port: int, model_names: list[str],
-                            api_key: str | None = None) -> tuple[grpc.aio.Server, int]:
+                            api_key: str | None = None, shedder: Shedder | None = None,
+                            breaker: CircuitBreaker | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the service on the running event loop; returns the server and the bound port."""
     server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(engine, model_names, api_key), server)
+    service = GenerationService(engine, model_names, api_key, shedder, breaker)
+    pb_grpc.add_GenerationServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"gRPC: cannot bind {host}:{port}")

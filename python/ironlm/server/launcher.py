@@ -59,7 +59,9 @@ async def serve_app(engine: EngineClient, app: FastAPI, *, host: str, port: int,
 
         t0 = time.perf_counter()
         grpc_server, bound = await start_grpc_server(engine, host, grpc_port,
-                                                     model_names or [engine.model_name], api_key)
+                                                     model_names or [engine.model_name], api_key,
+                                                     shedder=getattr(app.state, "shedder", None),
+                                                     breaker=getattr(app.state, "breaker", None))
         logger.info("gRPC listening on %s:%d (%.2fs)", host, bound, time.perf_counter() - t0)
     ready = asyncio.ensure_future(_announce_ready(server, host, port, on_ready))
     try:
