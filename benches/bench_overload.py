@@ -24,7 +24,8 @@ import httpx
 
 from ironlm.bench.server_process import ServerProcess
 
-WORDS = "the quick brown fox jumps over a lazy dog while rivers run to the sea and stars fall".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "rivers", "run", "to", "sea",
+         "and", "stars", "fall"]
 OUTPUT_TOKENS = 32
 
 
