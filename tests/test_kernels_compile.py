@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 import ironlm.kernels.cache_write as cw
 import ironlm.kernels.decode_attention as da
 import ironlm.kernels.prefill_attention as pa
+import ironlm.kernels.quant_matmul as qm
 
 assert not da.interpreted(), "compile checks need TRITON_INTERPRET unset"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -34,7 +35,8 @@ TY = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 # Pointer args that always hold int32 metadata / fp32 partials; everything else follows the model dtype.
 INT_PTRS = {"slot_ptr": "*i64", "seq_ids_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
             "block_tables_ptr": "*i32"}
-NOT_DIV16 = {"stride_bt", "num_splits", "stride_lb", "stride_lh"}  # runtime values without a 16-multiple
+# runtime values without a 16-multiple
+NOT_DIV16 = {"stride_bt", "num_splits", "stride_lb", "stride_lh", "M", "N", "K", "stride_sn"}
 
 
 def compile_one(fn, dtype, constexprs, ptr_types=None, options=None):
@@ -79,6 +81,15 @@ for cfg in json.loads(sys.argv[1]):
             results.append(compile_one(pa.prefill_attention_kernel, dtype, {
                 "GROUP": group, "HEAD_DIM": d, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE_SIZE": 16,
                 "COMPUTE_F32": False, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}))
+# The weight-only GEMM: int8 per channel and int4 in groups of 32 / 128, decode (16-row) and prefill (64-row) tiles.
+for dtype in ("fp16", "bf16"):
+    for bits, group in ((8, 0), (4, 32), (4, 128)):
+        for m in (1, 256):
+            block_m, block_n, block_k = qm.tiles(m, group)
+            results.append(compile_one(qm.quant_matmul_kernel, dtype, {
+                "BITS": bits, "GROUP": group, "HAS_BIAS": True, "HAS_RES": True, "BLOCK_M": block_m,
+                "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_PRECISION": "tf32"},
+                {"w_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32"}))
 print("RESULTS " + json.dumps(results))
 """
 
@@ -111,12 +122,13 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 def test_every_kernel_compiles_for_sm90(compiled: list[dict]) -> None:
     expected = sum(len(c["dtypes"]) * len(c["head_dims"]) * (2 + 2 * len(c["groups"]) + 1 + 2) for c in CONFIGS)
-    assert len(compiled) == expected
+    assert len(compiled) == expected + 2 * 3 * 2  # + quant_matmul: 2 dtypes x 3 formats x 2 tile shapes
     kinds = {(r["kernel"], r["dtype"], r.get("HEAD_DIM", "")) for r in compiled}
     for dtype in ("fp16", "bf16"):
         for d in ("64", "128"):
             for kernel in ("decode_attention_kernel", "decode_reduce_kernel", "prefill_attention_kernel"):
                 assert (kernel, dtype, d) in kinds
+        assert ("quant_matmul_kernel", dtype, "") in kinds
     for r in compiled:
         assert r["cubin_bytes"] > 0, r
 

@@ -20,7 +20,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "deadline")
 # Here rather than in ironlm.attention so that config validation and the CLIs need no torch import.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
 _DTYPE_ALIASES = ("fp32", "fp16", "bf16", "half", "float")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -71,7 +71,8 @@ class EngineConfig:
         "native bf16, float32 on other CPUs and with quantized weights", choices=DTYPES)
     quantization: str = _opt(
         "auto", "weight storage: auto = keep what the file has (a GGUF's quantized blocks stay quantized on CPU), "
-        "none = dequantize to dtype, int8 / int4 = quantize the linears at load (CPU)", choices=QUANTIZATIONS)
+        "none = dequantize to dtype, int8 / int4 = quantize the linears at load (CPU kernels of the core, a Triton "
+        "kernel on GPU), fp8 = e4m3 weights on GPUs with FP8 tensor cores (sm_89+)", choices=QUANTIZATIONS)
     quantization_group_size: int | None = _opt(
         None, "weights per scale for int8/int4 (default: per output channel for int8, 32 for int4)",
         choices=QUANT_GROUP_SIZES)

@@ -83,7 +83,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 def _model_dtype(dtype: torch.dtype | str | None, device: torch.device, spec: QuantSpec) -> torch.dtype:
-    if spec.enabled and (dtype is None or dtype == "auto"):
+    if spec.enabled and spec.backend == "core" and (dtype is None or dtype == "auto"):
         return torch.float32
     return resolve_dtype(dtype, device)
 
@@ -126,7 +126,8 @@ def load_model(
             tok_future = pool.submit(gguf_mod.load_gguf_tokenizer, gguf_path)
             net = DecoderLM(config, dtype=dt, device=dev, attn_backend=attn_backend)
             t1 = time.perf_counter()
-            parts = gguf_mod.load_gguf_weights(net, gf, config, spec)
+            # GPU backends quantize the dequantized float weights; only the core keeps the file's blocks.
+            parts = gguf_mod.load_gguf_weights(net, gf, config, spec if spec.backend == "core" else QuantSpec())
             net.finish_loading()
             if spec.enabled:
                 net.quantize_(spec, parts)

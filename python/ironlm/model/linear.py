@@ -16,6 +16,7 @@ import torch
 
 from ironlm import _core
 from ironlm.model.layers import cpu_has_fast_bf16
+from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear
 
 # From this many rows a dense bf16 GEMM on a dequantized copy beats the int8 kernels on CPUs with native bf16 (AMX
 # / AVX512_BF16). Measured per call on a 2-core Sapphire Rapids (benches/bench_quant_matmul.py): int8 400-470 GFLOP/s
@@ -135,4 +136,6 @@ class QuantLinear:
         return out
 
 
-Linear = DenseLinear | QuantLinear
+Linear = DenseLinear | QuantLinear | TritonQuantLinear | Fp8Linear
+QuantizedLinear = QuantLinear | TritonQuantLinear | Fp8Linear
+QUANTIZED_LINEARS = (QuantLinear, TritonQuantLinear, Fp8Linear)

@@ -32,7 +32,7 @@ from ironlm.model.layers import (
     rms_norm,
     silu_and_mul,
 )
-from ironlm.model.linear import DenseLinear, Linear, QuantLinear
+from ironlm.model.linear import QUANTIZED_LINEARS, DenseLinear, Linear, QuantizedLinear, QuantLinear
 from ironlm.model.quantize import QuantSpec, from_float
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ class DecoderLM(nn.Module):
             self.lm_head = _param((config.vocab_size, config.hidden_size), dtype, device)
         self.rotary = RotaryEmbedding(config, dtype, device)
         self.head: Linear | None = None  # the LM head; dense over lm_head unless quantized
-        self.embed_q: QuantLinear | None = None  # a quantized embedding table (the head's blocks when tied)
+        self.embed_q: QuantizedLinear | None = None  # a quantized embedding table (the head's blocks when tied)
         self.quant: QuantSpec = QuantSpec()
         if attn_backend is None:
             attn_backend = _default_backend(device)
@@ -301,6 +301,9 @@ class DecoderLM(nn.Module):
     def quantize_(self, spec: QuantSpec, parts: dict[str, _core.QuantMatrix] | None = None) -> None:
         """Keep the linears block-quantized and drop their dense storage. `parts` are HF-named matrices a
         loader built from the file's own blocks (GGUF); without them the loaded dense weights are quantized."""
+        if spec.backend != "core":
+            self._quantize_gpu(spec)
+            return
         cfg = self.config
         parts = parts or {}
 
@@ -333,6 +336,29 @@ class DecoderLM(nn.Module):
             self.lm_head = self.embed
         self.quant = spec
 
+    def _quantize_gpu(self, spec: QuantSpec) -> None:
+        """int8/int4 (Triton) or fp8 (`_scaled_mm`) linears from the loaded dense weights, fused ones kept fused."""
+        from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear
+
+        def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+            if spec.backend == "fp8":
+                return Fp8Linear.from_float(weight, bias)
+            return TritonQuantLinear.from_float(weight, spec.bits, spec.group_size, bias)
+
+        for module in self.layers:
+            layer: DecoderLayer = module  # type: ignore[assignment]
+            layer.qkv = make(layer.qkv_weight.t(), layer.qkv_bias)
+            layer.o = make(layer.o_weight.t(), layer.o_bias)
+            layer.gate_up = make(layer.gate_up_weight.t())
+            layer.down = make(layer.down_weight.t())
+            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+                setattr(layer, name, _param((0,), self.dtype, self.device))
+        head = make(self.embed if self.config.tie_word_embeddings else self.lm_head)
+        self.head = head
+        self.embed_q = head if self.config.tie_word_embeddings else make(self.embed)
+        self.embed = self.lm_head = _param((0,), self.dtype, self.device)
+        self.quant = spec
+
     def weight_bytes(self) -> int:
         """Resident bytes of the weights as stored (quantized blocks, dense tensors, each counted once)."""
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
@@ -341,7 +367,7 @@ class DecoderLM(nn.Module):
         seen: set[int] = set()
         total = 0
         for lin in linears:
-            if isinstance(lin, QuantLinear) and id(lin) not in seen:
+            if isinstance(lin, QUANTIZED_LINEARS) and id(lin) not in seen:
                 seen.add(id(lin))
                 total += lin.nbytes
         for t in self.parameters():

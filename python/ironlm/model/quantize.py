@@ -3,7 +3,11 @@
 `quantization` (EngineConfig) = `auto` keeps what the file has (a GGUF file's quantized blocks stay quantized on
 the CPU; HF checkpoints stay dense), `none` dequantizes everything (the pre-quantization behaviour, bit-identical
 to transformers on the dequantized weights), `int8` / `int4` quantize an HF checkpoint's (or a GGUF's) linears at
-load: round-to-nearest, one scale per output channel (int8 default) or per group of 32/64/128 weights.
+load: round-to-nearest, one scale per output channel (int8 default) or per group of 32/64/128 weights. `fp8`
+(GPUs with FP8 tensor cores, sm_89+) keeps e4m3 weights with a scale per output channel.
+
+Backends: on the CPU the core's block kernels (`_core.QuantMatrix`, model/linear.py); on a GPU int8/int4 go through
+the Triton dequant-GEMM and fp8 through `torch._scaled_mm` (model/linear_gpu.py).
 
 Quantized linears are the projections (fused q|k|v, o, fused gate|up, down) and the LM head; a tied embedding is
 read from the LM head's blocks (`QuantMatrix.gather`), so the table is stored once. Norms and biases stay dense.
@@ -29,11 +33,13 @@ _PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.
 @dataclass(frozen=True)
 class QuantSpec:
     """How a model's linears are stored: `bits` 0 = dense; `group_size` 0 = one scale per output channel;
-    `source` = "gguf" (the file's own blocks) or "load" (quantized from float weights at load)."""
+    `source` = "gguf" (the file's own blocks) or "load" (quantized from float weights at load); `backend` = "core"
+    (CPU block kernels), "triton" (GPU int8/int4) or "fp8" (GPU `_scaled_mm`)."""
 
     bits: int = 0
     group_size: int = 0
     source: str = "load"
+    backend: str = "core"
 
     @property
     def enabled(self) -> bool:
@@ -43,18 +49,21 @@ class QuantSpec:
 def resolve(quantization: str, group_size: int | None, device: torch.device,
             file_quantized: bool | None) -> QuantSpec:
     """The storage for one load: `auto` follows the file (`file_quantized`: a GGUF whose linears are quantized
-    blocks; None for HF checkpoints), int8/int4 need a CPU (the kernels are the core's)."""
-    if quantization in ("none", "auto") and (quantization == "none" or not file_quantized or device.type != "cpu"):
+    blocks; None for HF checkpoints) on the CPU and dequantizes on a GPU; int8/int4 run on either; fp8 needs a GPU
+    with FP8 tensor cores."""
+    if quantization == "none" or (quantization == "auto" and (not file_quantized or device.type != "cpu")):
         return QuantSpec()
-    if device.type != "cpu":
-        raise InvalidArgumentError(
-            f"quantization: {quantization} runs on the CPU kernels of the core; use quantization='none' "
-            f"(or 'auto') on {device}", "quantization")
     if quantization == "auto":
         return QuantSpec(bits=4, source="gguf")
+    if quantization == "fp8":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+            raise InvalidArgumentError(
+                f"quantization: fp8 needs a GPU with FP8 tensor cores (sm_89+: Ada, Hopper), not {device}; "
+                "use int8 or int4", "quantization")
+        return QuantSpec(bits=8, backend="fp8")
     bits = 8 if quantization == "int8" else 4
     group = (0 if bits == 8 else 32) if group_size is None else group_size
-    return QuantSpec(bits=bits, group_size=group)
+    return QuantSpec(bits=bits, group_size=group, backend="core" if device.type == "cpu" else "triton")
 
 
 def is_quantized_tensor(gguf_name: str) -> bool:
