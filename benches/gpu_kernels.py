@@ -1,12 +1,14 @@
-"""Triton paged-attention kernels at real sizes: correctness against the torch backend, and timing.
+"""Triton paged-attention kernels (and the quantized linears) at real sizes: correctness against torch, timing.
 
-    python benches/gpu_kernels.py [--json PATH] [--dry-run] [--only cache,decode,prefill,mixed]
+    python benches/gpu_kernels.py [--json PATH] [--dry-run] [--only cache,decode,prefill,mixed,quant]
 
 On a CUDA machine: bf16, head_dim 128 (Llama-3-8B attention: 32 query heads, 8 KV heads, pages of 16), decode
 batches up to 256 and contexts up to 32k, prefill/extend chunks with and without a cached prefix, and a mixed
 batch. Every case is checked against ironlm's torch backend (on a random subset of sequences where the full
 batch would be slow) and timed with triton.testing.do_bench (median); decode and cache-write times are turned
 into achieved bandwidth and compared with a device-to-device copy measured first, prefill times into TFLOP/s.
+`quant` times Llama-3-8B's gate|up projection (4096 -> 28672) through the int8 / int4 weight-only Triton GEMM and
+fp8 `_scaled_mm` against torch's bf16 matmul, at decode and prefill row counts (weight GB/s and TFLOP/s).
 
 --dry-run runs every case and check at tiny sizes on CPU through the Triton interpreter (no timing), so the
 script is known to work before device time is spent. Exit status 1 when any check fails.
@@ -39,6 +41,7 @@ from ironlm.attention.triton_backend import TritonAttention
 from ironlm.kernels.cache_write import reshape_and_cache
 from ironlm.kernels.decode_attention import num_kv_splits, paged_decode_attention
 from ironlm.kernels.prefill_attention import paged_prefill_attention
+from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear, dequantize_rows
 
 REL_TOL = 2e-2  # max |triton - torch| / max |torch|, bf16 storage
 
@@ -228,6 +231,40 @@ def run_mixed(cfg: dict, dry: bool, sms: int) -> list[dict]:
     return rows
 
 
+def run_quant(cfg: dict, dry: bool) -> list[dict]:
+    """One projection through each quantized linear vs torch's bf16 matmul on the same (dequantized) weights."""
+    n, k = cfg["quant_shape"]
+    dev, dtype = cfg["model"]["device"], cfg["model"]["dtype"]
+    gen = torch.Generator(device=dev).manual_seed(5)
+    w = torch.randn(n, k, generator=gen, device=dev, dtype=torch.float32) * 0.02
+    dense = w.to(dtype)
+    lins: dict[str, Any] = {"int8": TritonQuantLinear.from_float(w, 8, 0), "int4 g128": TritonQuantLinear.from_float(
+        w, 4, 128)}
+    if dev == "cuda" and torch.cuda.get_device_capability() >= (8, 9):
+        lins["fp8"] = Fp8Linear.from_float(w)
+    rows = []
+    for m in cfg["quant_rows"]:
+        # fp32 activations in the interpreter: it has no bf16 arithmetic
+        x = torch.randn(m, k, generator=gen, device=dev, dtype=torch.float32).to(dtype if dev == "cuda" else
+                                                                                   torch.float32)
+        ms = bench(lambda x=x: torch.mm(x.to(dtype), dense.t()), dry)
+        rows.append({"kernel": "linear bf16", "case": f"M={m} {n}x{k}", "ms": ms,
+                     "GB/s": None if ms is None else dense.numel() * 2 / (ms * 1e-3) / 1e9,
+                     "TFLOP/s": None if ms is None else 2 * m * n * k / (ms * 1e-3) / 1e12, "ok": True})
+        for name, lin in lins.items():
+            out = lin(x).float()
+            ref_w = (dequantize_rows(lin.qweight, lin.scales, lin.bits, lin.group) if isinstance(lin, TritonQuantLinear)
+                     else lin.weight.float() * lin.scale[:, None])
+            ref = x.float() @ ref_w.t()
+            rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            ms = bench(lambda lin=lin, x=x: lin(x), dry)
+            rows.append({"kernel": f"linear {name}", "case": f"M={m} {n}x{k}", "ms": ms,
+                         "GB/s": None if ms is None else lin.nbytes / (ms * 1e-3) / 1e9,
+                         "TFLOP/s": None if ms is None else 2 * m * n * k / (ms * 1e-3) / 1e12, "rel_err": rel,
+                         "ok": bool(rel < (0.1 if name == "fp8" else REL_TOL))})
+    return rows
+
+
 def configs(dry: bool) -> dict:
     if dry:
         return {
@@ -237,6 +274,7 @@ def configs(dry: bool) -> dict:
             "prefill": [("fresh 2x9", [0, 0], [9, 1]), ("prefix 13 + chunk 6", [13], [6])],
             "mixed": [("1 chunk + 2 decodes", [0, 7, 3], [6, 1, 1])],
             "decode_block_n": 16, "prefill_block": 16, "check_seqs": 8,
+            "quant_shape": (72, 192), "quant_rows": [1, 20],
         }
     return {
         # Llama-3-8B attention: GQA 4, head_dim 128, bf16, pages of 16.
@@ -252,6 +290,7 @@ def configs(dry: bool) -> dict:
         ],
         "mixed": [("chunk 2048 + 255 decodes at ~1k", [0] + [1024] * 255, [2048] + [1] * 255)],
         "decode_block_n": 64, "prefill_block": 64, "check_seqs": 6,
+        "quant_shape": (28672, 4096), "quant_rows": [1, 16, 256, 2048],
     }
 
 
@@ -274,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU via the Triton interpreter")
-    ap.add_argument("--only", default="cache,decode,prefill,mixed")
+    ap.add_argument("--only", default="cache,decode,prefill,mixed,quant")
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device (use --dry-run on CPU)", file=sys.stderr)
@@ -292,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_kernels: {report['device']}, torch {torch.__version__}, triton {triton.__version__}, "
           f"copy bandwidth {copy_gbs and round(copy_gbs)} GB/s", flush=True)
     steps = {"cache": lambda: run_cache_write(cfg, args.dry_run), "decode": lambda: run_decode(cfg, args.dry_run, sms),
-             "prefill": lambda: run_prefill(cfg, args.dry_run), "mixed": lambda: run_mixed(cfg, args.dry_run, sms)}
+             "prefill": lambda: run_prefill(cfg, args.dry_run), "mixed": lambda: run_mixed(cfg, args.dry_run, sms),
+             "quant": lambda: run_quant(cfg, args.dry_run)}
     for name in args.only.split(","):
         try:
             new = steps[name]()
