@@ -22,6 +22,8 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
+# ironlm.structured.tool_parsers.PARSERS' names (tests check they agree); here so the CLI needs no import.
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 _DTYPE_ALIASES = ("fp32", "fp16", "bf16", "half", "float")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -187,6 +189,9 @@ class ServerConfig:
         False, "identical deterministic requests (greedy, or the same seed) in flight share one engine sequence")
     result_cache_size: int = _opt(
         0, "finished deterministic results kept (LRU) to answer identical later requests without the engine; 0 = off")
+    tool_call_parser: str = _opt(
+        "auto", "how tool calls are read from chat output with tool_choice auto (auto: from the chat template, then "
+        "the model type)", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         for name in ("circuit_breaker_window", "circuit_breaker_min_requests", "circuit_breaker_probes",
@@ -216,3 +221,6 @@ class ServerConfig:
         for name in ("drain_timeout", "health_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise _invalid(name, f"must be > 0, got {getattr(self, name)!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise _invalid("tool_call_parser", f"must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                           f"got {self.tool_call_parser!r}")

@@ -59,7 +59,7 @@ STALL_TIMEOUT_S = 300.0  # ServerConfig.health_stall_timeout is the flag's defau
 # add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) also
 # bounds its wait in the queue.
 _ENGINE_KWARGS = {"priority": "priority", "deadline": "deadline", "timeout": "queue_timeout",
-                  "arrival_time": "arrival_time", "cache_salt": "cache_salt"}
+                  "arrival_time": "arrival_time", "cache_salt": "cache_salt", "grammar": "grammar"}
 
 Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[str]] | tuple[Literal["stop"], None]
 

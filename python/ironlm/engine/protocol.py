@@ -88,7 +88,8 @@ class EngineClient(Protocol):
         """A torch.device or its name: where /health reads device memory."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> list[int]:
         ...
 
     # ---- health and load

@@ -62,7 +62,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
         app.add_middleware(BreakerMiddleware, breaker=breaker)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_keys=api_key)
-    completions, chat = CompletionHandler(engine, model, shedder), ChatHandler(engine, model, shedder)
+    completions = CompletionHandler(engine, model, shedder)
+    chat = ChatHandler(engine, model, shedder, tool_call_parser=config.tool_call_parser)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names:

@@ -57,10 +57,26 @@ def to_completion_request(msg: pb.GenerateRequest) -> CompletionRequest:
             body[name] = getattr(msg, name)
     if msg.cache_salt:
         body["cache_salt"] = msg.cache_salt
+    if msg.HasField("structured_outputs"):
+        body["structured_outputs"] = _structured_outputs(msg.structured_outputs)
     try:
         return CompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def _structured_outputs(so: pb.StructuredOutputs) -> dict[str, Any]:
+    """Proto -> HTTP's `structured_outputs` object; no kind set reaches validation as none (a 400)."""
+    out: dict[str, Any] = {}
+    kind = so.WhichOneof("kind")
+    if kind == "choice":
+        out["choice"] = list(so.choice.values)
+    elif kind is not None:
+        out[kind] = getattr(so, kind)
+    for name in ("disable_any_whitespace", "whitespace_pattern"):
+        if so.HasField(name):
+            out[name] = getattr(so, name)
+    return out
 
 
 class GenerationService(pb_grpc.GenerationServicer):

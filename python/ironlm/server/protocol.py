@@ -1,27 +1,30 @@
 """Request/response models in the OpenAI shape, plus vLLM's sampling extras.
 
 Types are strict (a string where a number belongs is a 400, as with OpenAI), unknown fields are
-accepted and ignored as vLLM does, but OpenAI features ironlm cannot honour (tools, structured output,
-suffix, ...) are rejected instead of silently ignored: a client relying on them must find out.
+accepted and ignored as vLLM does, but OpenAI features ironlm cannot honour (legacy functions, suffix, ...)
+are rejected instead of silently ignored: a client relying on them must find out.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.structured.params import StructuredOutputsParams
+from ironlm.structured.tools import FunctionTool, ToolChoice, resolve_tool_choice
 
 # Fields that exist in OpenAI/vLLM requests but whose non-default values ironlm cannot honour.
 _UNSUPPORTED = {
-    "tools": "tool calling", "functions": "function calling", "function_call": "function calling",
+    "functions": "legacy function calling (use tools)", "function_call": "legacy function calling (use tools)",
     "suffix": "suffix (insertion)", "audio": "audio output", "prediction": "predicted outputs",
-    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
-    "guided_grammar": "guided decoding", "structured_outputs": "structured outputs",
     "prompt_logprobs": "prompt logprobs", "web_search_options": "web search",
 }
+# vLLM's older request fields for structured outputs -> StructuredOutputsParams fields.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _invalid(param: str, reason: str) -> InvalidArgumentError:
@@ -41,6 +44,36 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise _invalid("response_format", "type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` body field: exactly one of json / regex / choice / grammar / json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    whitespace_pattern: str | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -73,6 +106,8 @@ class _SamplingRequest(_Strict):
     deadline: float | None = Field(None, gt=0)  # TTFT target in seconds (scheduling policy "deadline")
     cache_salt: str | None = None
     request_id: str | None = Field(None, max_length=256)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
@@ -80,9 +115,7 @@ class _SamplingRequest(_Strict):
         for name, what in _UNSUPPORTED.items():
             if extra.get(name) not in (None, [], {}, "", False):
                 raise _invalid(name, f"{what} is not supported by this server")
-        fmt = extra.get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise _invalid("response_format", "only {'type': 'text'} is supported")
+        self.structured()  # a malformed constraint is a 400 here, before anything is queued
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "only allowed when stream is true")
         if self.logit_bias and not all(k.strip().isdigit() for k in self.logit_bias):
@@ -105,7 +138,41 @@ class _SamplingRequest(_Strict):
                 kw[name] = value
         if self.logit_bias:
             kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        kw["structured_outputs"] = self.structured()[0]
         return kw
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint, and the body field that set it (compile errors are reported under it)."""
+        extra = self.model_extra or {}
+        guided = {k: v for k, v in extra.items() if k in _GUIDED and v is not None}
+        given = [name for name, on in (("response_format", self.response_format is not None
+                                        and self.response_format.type != "text"),
+                                       ("structured_outputs", self.structured_outputs is not None),
+                                       *((k, True) for k in guided)) if on]
+        if len(given) > 1:
+            raise _invalid(given[1], f"cannot be combined with {given[0]}")
+        if not given:
+            return None, None
+        source = given[0]
+        try:
+            if source == "response_format":
+                fmt = self.response_format
+                assert fmt is not None
+                if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                    return StructuredOutputsParams(json_object=True), source
+                return StructuredOutputsParams(json=fmt.json_schema.schema_), source
+            if source == "structured_outputs":
+                so = self.structured_outputs
+                assert so is not None
+                kw = so.model_dump(by_alias=True, exclude={"disable_any_whitespace", "whitespace_pattern"})
+                return StructuredOutputsParams(**kw, disable_any_whitespace=so.disable_any_whitespace,
+                                               whitespace_pattern=so.whitespace_pattern), None
+            return StructuredOutputsParams(**{_GUIDED[source]: guided[source]}), source
+        except InvalidArgumentError as exc:
+            # Over HTTP the field is the body's: structured_outputs.json stays, response_format replaces it.
+            if source == "structured_outputs":
+                raise
+            raise _invalid(source, str(exc)) from None
 
     @property
     def include_usage(self) -> bool:
@@ -141,10 +208,48 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    """An earlier assistant turn's tool call, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise _invalid("messages", "only assistant messages carry tool_calls")
+        if self.role == "tool" and self.content is None:
+            raise _invalid("messages", "a tool message needs content (the tool's result)")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as HF chat templates take it: "developer" is OpenAI's new name for "system", which is all
+        templates know; a call's arguments go in as an object, which is what templates iterate over."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": _arguments_object(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -161,26 +266,56 @@ class ChatMessage(_Strict):
         return "".join(parts)
 
 
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments  # not JSON: the template gets the text as it came
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=_I64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # checked by resolve_tool_choice (param tool_choice)
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _invalid("tool_choice", "tool calling is not supported by this server")
         if self.top_logprobs and not self.logprobs:
             raise _invalid("top_logprobs", "requires logprobs to be true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise _invalid("tools", "function names must be unique")
+        choice = self.tool_choice_resolved()
+        if choice.mode in ("required", "named") and self.structured()[0] is not None:
+            raise _invalid("tool_choice", f"{self.tool_choice!r} cannot be combined with another output constraint")
         return self
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's new name for "system"; chat templates only know the latter.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def function_tools(self) -> list[FunctionTool]:
+        return [FunctionTool(t.function.name, t.function.parameters or {}, t.function.description)
+                for t in self.tools or []]
+
+    def tool_choice_resolved(self) -> ToolChoice:
+        return resolve_tool_choice(self.function_tools(), self.tool_choice)
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
 
 
 class TokenizeRequest(_Strict):
@@ -229,7 +364,8 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

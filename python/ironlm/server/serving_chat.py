@@ -28,6 +28,7 @@ from ironlm.server.protocol import (
 from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
+    constraint_error,
     final_outputs,
     sampling_params,
     sse,
@@ -36,17 +37,44 @@ from ironlm.server.serving_common import (
     usage,
 )
 from ironlm.server.shedding import Shedder
+from ironlm.structured.tool_output import ToolOutput
+from ironlm.structured.tool_parsers import ToolParser, get_tool_parser
+from ironlm.structured.tools import forced_call_constraint, template_tools
 
 
 class ChatHandler:
-    def __init__(self, engine: EngineClient, model_name: str, shedder: Shedder | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, shedder: Shedder | None = None,
+                 tool_call_parser: str = "auto") -> None:
         self.engine, self.model_name, self.shedder = engine, model_name, shedder
+        self.tool_call_parser = tool_call_parser
+        self._parser: ToolParser | None = None
+
+    @property
+    def parser(self) -> ToolParser:
+        if self._parser is None:
+            template = getattr(self.engine.tokenizer, "chat_template", None)
+            model_type = getattr(self.engine.model_config, "model_type", None)
+            self._parser = get_tool_parser(self.tool_call_parser, template if isinstance(template, str) else None,
+                                           model_type)
+        return self._parser
 
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         try:
+            if req.tools:
+                # Only with tools: templates without tool support, and engines without the keyword, still work.
+                tools = template_tools(req.function_tools())
+                return self.engine.apply_chat_template(req.message_dicts(), req.add_generation_prompt,
+                                                       tools=tools)
             return self.engine.apply_chat_template(req.message_dicts(), req.add_generation_prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
+
+    def tool_outputs(self, req: ChatCompletionRequest) -> list[ToolOutput] | None:
+        """One per choice when tools shape the answer (None: plain content)."""
+        choice = req.tool_choice_resolved()
+        if choice.mode == "none":
+            return None
+        return [ToolOutput(choice, self.parser if choice.mode == "auto" else None) for _ in range(req.n)]
 
     async def __call__(self, req: ChatCompletionRequest, request: Request) -> Response:
         prompt = self.prompt_ids(req)
@@ -55,21 +83,34 @@ class ChatHandler:
             raise APIError(400, f"messages: the prompt ({len(prompt)} tokens) leaves no room to generate within "
                            f"max_model_len ({self.engine.max_model_len})", param="messages",
                            code="context_length_exceeded")
+        constraint, source = req.structured()
+        forced = forced_call_constraint(req.function_tools(), req.tool_choice_resolved(), req.parallel_tool_calls)
+        if forced is not None:
+            constraint, source = forced, "tools"  # a tool's parameters schema that does not compile
         kwargs = {**req.sampling_kwargs(), "max_tokens": max_tokens,
-                  "logprobs": (req.top_logprobs or 0) if req.logprobs else None}
+                  "logprobs": (req.top_logprobs or 0) if req.logprobs else None, "structured_outputs": constraint}
         params = sampling_params(kwargs)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages",
-                                      shedder=self.shedder)
+        try:
+            streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages",
+                                          shedder=self.shedder)
+        except APIError as err:
+            raise constraint_error(err, source) from None
         if req.stream:
             return EngineStreamingResponse(self._stream(req, rid, streams[0]), streams)
         (out,) = await final_outputs(streams, request)
-        choices = [
-            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                       logprobs=self._logprobs(req, c, 0), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason)
-            for c in sorted(out.outputs, key=lambda c: c.index)
-        ]
+        tools = self.tool_outputs(req)
+        choices = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            if tools is None:
+                message, finish = ChatResponseMessage(content=c.text), c.finish_reason
+            else:
+                m = tools[c.index].final(c.text, c.finish_reason)
+                message = ChatResponseMessage(content=m.content,
+                                              tool_calls=[t.to_openai() for t in m.tool_calls] or None)
+                finish = m.finish_reason
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(req, c, 0),
+                                      finish_reason=finish, stop_reason=c.stop_reason))
         body = ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                       usage=UsageInfo(**usage([out])))
         return JSONResponse(body.model_dump())
@@ -95,6 +136,7 @@ class ChatHandler:
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
         done = [False] * req.n
+        tools = self.tool_outputs(req)
         last: RequestOutput | None = None
         try:
             # The role chunks go out before the first token: the client sees the stream open at once.
@@ -107,6 +149,14 @@ class ChatHandler:
                 for c in out.outputs:
                     i = c.index
                     if done[i]:
+                        continue
+                    if tools is not None:
+                        deltas, finish = tools[i].deltas(c.text, c.finish_reason)
+                        for d in deltas:
+                            yield chunk(i, d)
+                        if finish is not None:
+                            done[i] = True
+                            yield chunk(i, {}, None, finish, c.stop_reason)
                         continue
                     delta = c.text[sent_text[i]:]
                     if delta or len(c.token_ids) > sent_tokens[i]:

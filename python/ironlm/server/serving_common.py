@@ -79,6 +79,14 @@ def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
     return APIError(500, f"the engine failed this request: {exc!r}")
 
 
+def constraint_error(err: APIError, source: str | None) -> APIError:
+    """A grammar that does not compile is reported as structured_outputs.<kind>; when the constraint came from
+    another body field (response_format, tools, guided_json) the 400 names that field instead."""
+    if source is not None and err.param is not None and err.param.startswith("structured_outputs"):
+        err.param = source
+    return err
+
+
 async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[str | list[int]], params: Any,
                         req: Any, prompt_param: str = "prompt", shedder: Shedder | None = None) -> list[RequestStream]:
     """Add one engine request per prompt; on any failure abort those already added. `shedder` may refuse the
