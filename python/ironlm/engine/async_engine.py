@@ -59,7 +59,7 @@ STALL_TIMEOUT_S = 300.0  # ServerConfig.health_stall_timeout is the flag's defau
 # add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) also
 # bounds its wait in the queue.
 _ENGINE_KWARGS = {"priority": "priority", "deadline": "deadline", "timeout": "queue_timeout",
-                  "arrival_time": "arrival_time", "cache_salt": "cache_salt", "grammar": "grammar"}
+                  "arrival_time": "arrival_time", "cache_salt": "cache_salt"}
 
 Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[str]] | tuple[Literal["stop"], None]
 
@@ -152,9 +152,11 @@ class AsyncLLMEngine:
     def num_inflight(self) -> int:
         return len(self._inflight)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Callable from any thread: it only reads the tokenizer, never the engine's state."""
-        return self.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> list[int]:
+        """Callable from any thread: it only reads the tokenizer, never the engine's state. `kwargs` go to the
+        template (e.g. `tools`)."""
+        return self.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats as of the end of the last step (a snapshot: LLMEngine is single-threaded), and
