@@ -1,8 +1,8 @@
 """ironlm on Ray Serve (python/ironlm/ray): a local Ray on CPU, the tiny model, two engine replicas.
 
-One module-scoped deployment serves every test; the replica-death test runs last (it kills a replica and waits
-for Ray Serve to replace it). Pure helpers (the affinity key, the metrics merge, RayConfig) are tested without
-Ray.
+One module-scoped deployment serves every test, in order: the replica-death test kills a replica and waits for
+Ray Serve to replace it, the last one scales down to one replica while streams are in flight. Pure helpers
+(the affinity key, the metrics merge, RayConfig) are tested without Ray.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -20,6 +22,12 @@ from ironlm.exceptions import InvalidArgumentError
 from ironlm.ray.config import RayConfig
 
 BLOCK = 64  # affinity_block of the test deployment, in characters
+
+
+@dataclass
+class Deployment:
+    url: str
+    deploy: Callable[[int], None]  # (re)deploy with this many engine replicas
 
 
 def _free_port() -> int:
@@ -47,12 +55,17 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Any:
         # max_num_seqs 2: a burst leaves requests waiting inside a replica, not yet streaming.
         engine_config = EngineConfig(model=str(tiny_model_path(tmp_path_factory)), device="cpu",
                                      **{**TINY_ENGINE_KW, "max_num_seqs": 2})
-        ray_config = RayConfig(num_replicas=2, replica_cpus=0.5, affinity_block=BLOCK, affinity_margin=8,
-                               max_ongoing_requests=16, health_check_period=1.0, health_check_timeout=10.0)
-        app = build_application(engine_config, ServerConfig(drain_timeout=5.0), ray_config,
-                                served_model_names=["tiny"])
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        server_config = ServerConfig(drain_timeout=20.0)
+
+        def deploy(replicas: int) -> None:
+            ray_config = RayConfig(num_replicas=replicas, replica_cpus=0.5, affinity_block=BLOCK,
+                                   affinity_margin=8, max_ongoing_requests=16, health_check_period=1.0,
+                                   health_check_timeout=10.0)
+            app = build_application(engine_config, server_config, ray_config, served_model_names=["tiny"])
+            serve.run(app, name=APP_NAME, route_prefix="/")
+
+        deploy(2)
+        yield Deployment(f"http://127.0.0.1:{port}", deploy)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -80,10 +93,11 @@ def _cache_hits(url: str) -> dict[str, float]:
     return hits
 
 
-def test_concurrent_requests_succeed_and_spread_over_both_replicas(deployment: str) -> None:
+def test_concurrent_requests_succeed_and_spread_over_both_replicas(deployment: Deployment) -> None:
+    url = deployment.url
     # Distinct prompts shorter than one affinity block: routed by load alone.
     bodies = [_completion(f"request {i}: hello") for i in range(32)]
-    responses = asyncio.run(_post_all(deployment, bodies))
+    responses = asyncio.run(_post_all(url, bodies))
     assert [r.status_code for r in responses] == [200] * 32, [r.text for r in responses if r.status_code != 200]
     assert all(len(r.json()["choices"][0]["text"]) > 0 for r in responses)
     replicas = [r.headers["x-ironlm-replica"] for r in responses]
@@ -91,28 +105,30 @@ def test_concurrent_requests_succeed_and_spread_over_both_replicas(deployment: s
     assert min(replicas.count(r) for r in set(replicas)) >= 4, replicas  # both really took a share
 
 
-def test_metrics_cover_every_replica_and_health(deployment: str) -> None:
-    text = httpx.get(f"{deployment}/metrics", timeout=60).text
+def test_metrics_cover_every_replica_and_health(deployment: Deployment) -> None:
+    url = deployment.url
+    text = httpx.get(f"{url}/metrics", timeout=60).text
     waiting = [line for line in text.splitlines() if line.startswith("ironlm:num_requests_waiting{")]
     assert len(waiting) == 2 and len({line.split('replica="')[1] for line in waiting}) == 2, waiting
-    health = httpx.get(f"{deployment}/health", timeout=60)
+    health = httpx.get(f"{url}/health", timeout=60)
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    bad = httpx.post(f"{deployment}/v1/completions", json={**_completion("x"), "max_tokens": -1}, timeout=60)
+    bad = httpx.post(f"{url}/v1/completions", json={**_completion("x"), "max_tokens": -1}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
-def test_prefix_sharing_requests_land_on_one_replica(deployment: str) -> None:
+def test_prefix_sharing_requests_land_on_one_replica(deployment: Deployment) -> None:
+    url = deployment.url
     shared = "The shared system preamble of a tenant: answer briefly and politely, in English. " * 2
     assert len(shared) >= BLOCK
-    before = _cache_hits(deployment)
+    before = _cache_hits(url)
     replicas = []
-    with httpx.Client(base_url=deployment, timeout=120) as client:
+    with httpx.Client(base_url=url, timeout=120) as client:
         for i in range(8):
             r = client.post("/v1/completions", json=_completion(f"{shared} question {i}?"))
             assert r.status_code == 200, r.text
             replicas.append(r.headers["x-ironlm-replica"])
     assert len(set(replicas)) == 1, replicas
-    after = _cache_hits(deployment)
+    after = _cache_hits(url)
     owner = replicas[0]
     # 7 later requests each find at least the shared prefix's full blocks cached on the owner.
     assert after[owner] - before.get(owner, 0.0) >= 7 * (len(shared) // 8)
@@ -165,11 +181,12 @@ async def _kill_mid_run(url: str) -> list[tuple[str, int, int]]:
         return list(await asyncio.gather(*tasks))
 
 
-def test_killed_replica_loses_no_unstarted_request_and_recovers(deployment: str) -> None:
+def test_killed_replica_loses_no_unstarted_request_and_recovers(deployment: Deployment) -> None:
+    url = deployment.url
     from ray import serve
 
     assert len(_engine_replica_actors()) == 2
-    outcomes = asyncio.run(_kill_mid_run(deployment))
+    outcomes = asyncio.run(_kill_mid_run(url))
     # A request fails only if its replica died after it had streamed tokens; everything else was retried.
     lost = [(outcome, tokens) for outcome, tokens, _ in outcomes if outcome != "done"]
     assert all(outcome == "error" and tokens > 0 for outcome, tokens in lost), outcomes
@@ -186,8 +203,32 @@ def test_killed_replica_loses_no_unstarted_request_and_recovers(deployment: str)
         time.sleep(1)
     else:
         pytest.fail(f"the deployment did not recover: {serve.status()}")
-    responses = asyncio.run(_post_all(deployment, [_completion(f"after {i}: hello") for i in range(8)]))
+    responses = asyncio.run(_post_all(url, [_completion(f"after {i}: hello") for i in range(8)]))
     assert [r.status_code for r in responses] == [200] * 8
+
+
+async def _streams_across_downscale(deployment: Deployment) -> tuple[int, list[tuple[str, int, int]]]:
+    """(streams still running when the downscale began, outcomes)"""
+    async with httpx.AsyncClient(base_url=deployment.url, timeout=180) as client:
+        started = asyncio.Event()
+        bodies = [_completion(f"drain {i}: tell me a story", max_tokens=160, stream=True) for i in range(8)]
+        tasks = [asyncio.ensure_future(_stream(client, b, started)) for b in bodies]
+        await asyncio.wait_for(started.wait(), 120)
+        running = sum(not t.done() for t in tasks)
+        # serve.run returns once the deployment has one replica: the other has drained and stopped meanwhile.
+        await asyncio.to_thread(deployment.deploy, 1)
+        return running, list(await asyncio.gather(*tasks))
+
+
+def test_downscale_drains_in_flight_streams(deployment: Deployment) -> None:
+    from ray import serve
+
+    running, outcomes = asyncio.run(_streams_across_downscale(deployment))
+    assert running == 8
+    assert [o for o, _, _ in outcomes] == ["done"] * 8, outcomes
+    assert all(retries == 0 for _, _, retries in outcomes), outcomes
+    engine = serve.status().applications["ironlm"].deployments["IronlmEngine"]
+    assert engine.replica_states.get("RUNNING", 0) == 1, engine
 
 
 # ---- without Ray ------------------------------------------------------------------------------------------
