@@ -14,6 +14,9 @@ from ironlm.exceptions import InvalidArgumentError
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 PARAM_PREFIX = "structured_outputs."
+# Rust's \d, \w and \s are Unicode classes (\d takes Devanagari and fullwidth digits); users of a regex constraint
+# mean ASCII, as in most regex dialects they know. Nested classes are valid Rust regex, so `[\d-]` works too.
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
 
 
 def _invalid(field: str, reason: str) -> InvalidArgumentError:
@@ -22,11 +25,11 @@ def _invalid(field: str, reason: str) -> InvalidArgumentError:
 
 
 def regex_to_lark(pattern: str) -> str:
-    """The body of a Lark `/.../` terminal matching `pattern` (Rust regex syntax).
+    r"""The body of a Lark `/.../` terminal matching `pattern` (Rust regex syntax).
 
     An unescaped `/` would end the terminal early, and raw newlines would break the grammar's lines. One outer
     `^`/`$` pair is dropped: users write anchored patterns, the grammar already matches the whole output, and
-    llguidance's regex engine has no anchors.
+    llguidance's regex engine has no anchors. `\d`, `\w`, `\s` (and negations) become ASCII classes.
     """
     pattern = pattern.removeprefix("^")
     if pattern.endswith("$") and not _escaped_at(pattern, len(pattern) - 1):
@@ -35,7 +38,11 @@ def regex_to_lark(pattern: str) -> str:
     escaped = False
     for ch in pattern:
         if escaped:
-            out.append("\\" + ch)
+            cls = _ASCII_CLASSES.get(ch.lower())
+            if cls is None:
+                out.append("\\" + ch)
+            else:
+                out.append(f"[{'^' if ch.isupper() else ''}{cls}]")
             escaped = False
         elif ch == "\\":
             escaped = True
