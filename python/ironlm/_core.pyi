@@ -501,3 +501,9 @@ class Scheduler:
         num_preemptions counts sequences; num_timeouts and num_aborted count requests;
         num_finished counts sequences finished by a stop rule or ``finish``; blocks_used are
         held by sequences, blocks_cached only by the prefix cache (evictable)."""
+
+def apply_token_bitmask(
+    logits: npt.NDArray[np.float32], rows: npt.NDArray[np.int64], bits: npt.NDArray[np.int32]
+) -> None:
+    """On each row ``rows[i]`` of ``logits`` (float32 ``[S, V]``, C-contiguous, e.g. a CPU tensor's ``.numpy()``),
+    in place: tokens not set in ``bits[i]`` (``Scheduler.take_bitmask``) become -inf."""

@@ -98,6 +98,10 @@ class EngineConfig:
         "own `timeout` over HTTP/gRPC bounds the whole request, its wait included)", metavar="S")
     attention_backend: str = _opt("auto", "attention implementation", choices=ATTENTION_BACKENDS)
     seed: int = _opt(0, "seed of the engine's sampler (requests may bring their own)")
+    grammar_compile_timeout: float = _opt(
+        10.0, "seconds a structured-output grammar (JSON schema, regex, ...) may take to compile before its request "
+        "fails with a 400", metavar="S")
+    grammar_cache_size: int = _opt(256, "compiled structured-output grammars kept for reuse (LRU)")
     warmup: bool = _opt(True, "run one forward at startup so the first request is not the slow one")
 
     def __post_init__(self) -> None:
@@ -122,6 +126,11 @@ class EngineConfig:
             raise _invalid("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise _invalid("queue_timeout", f"must be > 0, got {self.queue_timeout}")
+        if not self.grammar_compile_timeout > 0:
+            raise _invalid("grammar_compile_timeout", f"must be > 0, got {self.grammar_compile_timeout!r}")
+        gcs = self.grammar_cache_size
+        if not isinstance(gcs, int) or isinstance(gcs, bool) or gcs < 0:
+            raise _invalid("grammar_cache_size", f"must be an integer >= 0, got {gcs!r}")
         parse_bytes(self.kv_cache_memory)
         if self.quantization not in QUANTIZATIONS:
             raise _invalid("quantization", f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")

@@ -290,6 +290,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_class::<kv::PyRadixCache>()?;
         m.add_class::<queue::PyRequestQueue>()?;
     }
+    m.add_function(wrap_pyfunction!(grammar::apply_token_bitmask, m)?)?;
     m.add_class::<grammar::PyGrammarCompiler>()?;
     m.add_class::<grammar::PyCompiledGrammar>()?;
     m.add_class::<sched::PyScheduler>()?;

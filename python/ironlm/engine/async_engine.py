@@ -59,7 +59,7 @@ STALL_TIMEOUT_S = 300.0  # ServerConfig.health_stall_timeout is the flag's defau
 # add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) also
 # bounds its wait in the queue.
 _ENGINE_KWARGS = {"priority": "priority", "deadline": "deadline", "timeout": "queue_timeout",
-                  "arrival_time": "arrival_time", "cache_salt": "cache_salt"}
+                  "arrival_time": "arrival_time", "cache_salt": "cache_salt", "grammar": "grammar"}
 
 Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[str]] | tuple[Literal["stop"], None]
 
@@ -207,6 +207,11 @@ class AsyncLLMEngine:
         if request_id in self._inflight:
             raise InvalidArgumentError(f"request_id: {request_id!r} is already in flight", param="request_id")
         kwargs.setdefault("arrival_time", _core.monotonic())  # the engine's clock: TTFT covers the hand-off
+        compile_grammar = getattr(self.engine, "compile_grammar", None)
+        if params is not None and params.structured_outputs is not None and compile_grammar is not None:
+            # Compiled here, in a worker thread of the caller's loop, before queueing: a slow grammar delays and
+            # fails only its own request, never the engine loop. GrammarError propagates (a 400).
+            kwargs["grammar"] = await asyncio.to_thread(compile_grammar, params.structured_outputs)
         stream = RequestStream(request_id, prompt, params, kwargs, asyncio.get_running_loop(),
                                timeout=kwargs.get("timeout"), on_close=self._on_stream_closed)
         self._inflight[request_id] = stream

@@ -24,11 +24,13 @@ from ironlm.engine.sequence_table import EngineRequest, SequenceTable
 from ironlm.engine.timing import StepTimer
 from ironlm.sampler import Sampler, SamplerOutput
 from ironlm.sampling_params import SamplingParams
+from ironlm.structured.compiler import GrammarCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from ironlm.model.config import ModelConfig
+    from ironlm.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("ironlm.engine")
 
@@ -46,6 +48,12 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self._ids = itertools.count()
+        eos = list(self.model_config.eos_token_ids)
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos = [self.tokenizer.eos_token_id]
+        self._eos_ids = frozenset(self.model_config.eos_token_ids)
+        self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, eos,
+                                     cache_size=config.grammar_cache_size, timeout=config.grammar_compile_timeout)
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d", self.model_name,
                     self.device, self.dtype, self.num_blocks, config.block_size, self.max_model_len)
 
@@ -114,8 +122,13 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams | None = None, *, priority: int = 0,
                     deadline: float | None = None, queue_timeout: float | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    grammar: _core.CompiledGrammar | None = None) -> str:
+        """`grammar`: `params.structured_outputs` compiled already (`compile_grammar`, e.g. in another thread);
+        compiled here when not given."""
         params = params or SamplingParams()
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.compile_grammar(params.structured_outputs)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         text, token_ids = encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
@@ -129,12 +142,16 @@ class LLMEngine:
             stop_token_ids=list(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, deadline=deadline,
             queue_timeout=queue_timeout if queue_timeout is not None else self.config.queue_timeout,
-            namespace=cache_salt, arrival_time=arrival,
+            namespace=cache_salt, arrival_time=arrival, grammar=grammar,
         )
         request = EngineRequest(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival))
         self.table.add(request, slots, self.scheduler.stop_token_ids(slots[0]))
         self.prompt_tokens_total += len(token_ids)
         return request_id
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> _core.CompiledGrammar:
+        """Thread-safe (the GIL is released while compiling); GrammarError naming the offending field."""
+        return self.grammars.compile_params(params)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
@@ -173,8 +190,10 @@ class LLMEngine:
                 self.faults.check("forward")
             logits = self.runner.execute(plan, timer)
             with torch.inference_mode():  # the sampler edits the (inference-mode) logits in place
+                # The masks were computed on the core's worker while the forward ran: this join is ~free.
+                bitmask = self.scheduler.take_bitmask() if len(plan.mask_rows) else None
                 sampled = self.sampler.sample(logits, plan.sample_slots, plan.sample_output_lens,
-                                              plan.sample_ban_stop)
+                                              plan.sample_ban_stop, token_bitmask=bitmask)
             timer.lap("sample")
         except Exception as exc:  # a failed step fails its requests, never the engine
             logger.exception("step failed; failing the %d sequences in it", plan.num_seqs)
@@ -206,7 +225,9 @@ class LLMEngine:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
             top = None if top_ids is None or top_lps is None else (top_ids[row], top_lps[row])
-            stop_token = slot in finished and finished[slot][0] == "stop"  # never reaches the text
+            # A stop token never reaches the text; the last token of a completed grammar (also "stop") does.
+            reason, tok = finished.get(slot, (None, None))
+            stop_token = reason == "stop" and (tok is not None or tokens[row] in self._eos_ids)
             stop = seq.append(tokens[row], logprobs[row], top, self.tokenizer, stop_token)
             touched[request.request_id] = request
             if stop is not None:  # a stop string: the detokenizer's to match, the core's to release

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.sampler.bitmask import F_GRAMMAR, apply_token_bitmask
 from ironlm.sampler.filters import TokenDraw
 from ironlm.sampler.penalties import SeenTokens, penalize
 from ironlm.sampler.scratch import Scratch
@@ -69,10 +70,14 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, slots: np.ndarray, output_lens: np.ndarray,
-               ban_stop: np.ndarray | None = None) -> SamplerOutput:
+               ban_stop: np.ndarray | None = None,
+               token_bitmask: tuple[np.ndarray, np.ndarray] | None = None) -> SamplerOutput:
         """One token per row of `logits` [S, V]. Row i belongs to `slots[i]`, whose sequence has generated
         `output_lens[i]` tokens so far; where `ban_stop[i]`, its stop tokens are masked (the plan's
-        `sample_slots`, `sample_output_lens` and `sample_ban_stop`)."""
+        `sample_slots`, `sample_output_lens` and `sample_ban_stop`). `token_bitmask` = (rows, bits), the core's
+        `Scheduler.take_bitmask()`: on row `rows[i]` only the tokens set in `bits[i]` (packed int32, bit t % 32 of
+        word t // 32) may be sampled. Masks and bans apply before temperature / top-k / top-p; logprobs stay
+        those of the raw model distribution."""
         slots = np.asarray(slots, dtype=np.int64)
         positions = np.asarray(output_lens, dtype=np.int64)
         S, V = logits.shape
@@ -96,9 +101,13 @@ class Sampler:
             flags = np.where(ban, flags, flags & ~F_MIN_TOKENS)
         batch = int(np.bitwise_or.reduce(flags))
         dev = self.device
+        if token_bitmask is not None and len(token_bitmask[0]):
+            batch |= F_GRAMMAR
+        else:
+            token_bitmask = None
 
         top_ids = top_lp = None
-        if not batch & (F_RANDOM | F_PENALTY | F_BIAS | F_MIN_TOKENS):
+        if not batch & (F_RANDOM | F_PENALTY | F_BIAS | F_MIN_TOKENS | F_GRAMMAR):
             # Plain greedy: one max gives the token and the normaliser's shift; the argmax's logit is the max.
             raw_max, tokens = logits.max(dim=-1)
             lse = self._logsumexp(logits, raw_max[:, None])
@@ -106,7 +115,7 @@ class Sampler:
         else:
             raw_max = logits.amax(dim=-1, keepdim=True)
             lse = self._logsumexp(logits, raw_max)
-            proc = self._process(logits, slots, flags, batch)
+            proc = self._process(logits, slots, flags, batch, token_bitmask)
             tokens = torch.empty(S, dtype=torch.long, device=dev)
             rnd = (flags & F_RANDOM) != 0
             if not batch & F_RANDOM:
@@ -130,10 +139,11 @@ class Sampler:
             self._seen.record(st.pen_row[slots[pen]], token_ids[pen])
         return SamplerOutput(token_ids, chosen.cpu().numpy(), top_ids, top_lp)
 
-    def _process(self, logits: torch.Tensor, slots: np.ndarray, flags: np.ndarray, batch: int) -> torch.Tensor:
-        """logit_bias, the min_tokens ban and penalties, on a copy (the raw logits are still needed for
-        logprobs)."""
-        if not batch & (F_BIAS | F_MIN_TOKENS | F_PENALTY):
+    def _process(self, logits: torch.Tensor, slots: np.ndarray, flags: np.ndarray, batch: int,
+                 token_bitmask: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+        """logit_bias, the min_tokens ban, penalties and grammar masks, on a copy (the raw logits are still
+        needed for logprobs)."""
+        if not batch & (F_BIAS | F_MIN_TOKENS | F_PENALTY | F_GRAMMAR):
             return logits
         proc = self._scratch.get("proc", *logits.shape).copy_(logits)
         dev, st = self.device, self.state
@@ -152,6 +162,8 @@ class Sampler:
             proc[r[:, None].expand_as(ids), ids] = float("-inf")
         if batch & F_PENALTY:
             penalize(proc, slots, flags, st, self._seen)
+        if token_bitmask is not None:
+            apply_token_bitmask(proc, *token_bitmask)
         return proc
 
     def _logsumexp(self, x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:

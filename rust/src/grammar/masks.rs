@@ -164,3 +164,30 @@ fn fill(out: &mut [u32], matchers: &[SeqMatcher], words: usize) {
         m.fill_mask(row);
     }
 }
+
+/// On each row `rows[i]` of `logits` (row-major, `vocab` columns), set every token not allowed
+/// by mask row `i` of `bits` (`words` words a row) to -inf. Panics on out-of-range rows: the
+/// caller checks them.
+pub fn apply_bitmask(logits: &mut [f32], vocab: usize, rows: &[i64], bits: &[u32], words: usize) {
+    for (i, &r) in rows.iter().enumerate() {
+        let row = &mut logits[r as usize * vocab..(r as usize + 1) * vocab];
+        let mask = &bits[i * words..(i + 1) * words];
+        for (chunk, &w) in row.chunks_mut(32).zip(mask) {
+            match w {
+                u32::MAX => {}
+                0 => chunk.fill(f32::NEG_INFINITY),
+                _ => {
+                    // Branch-free, so it vectorises.
+                    for (b, x) in chunk.iter_mut().enumerate() {
+                        let keep = w >> b & 1 == 1;
+                        *x = if keep { *x } else { f32::NEG_INFINITY };
+                    }
+                }
+            }
+        }
+        // Columns past the mask's words (a narrower mask) are not allowed either.
+        if words * 32 < vocab {
+            row[words * 32..].fill(f32::NEG_INFINITY);
+        }
+    }
+}

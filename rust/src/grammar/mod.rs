@@ -16,7 +16,7 @@ mod masks;
 mod vocab;
 
 pub use compile::{CompiledGrammar, GrammarCompiler, GrammarLimits};
-pub use masks::{MaskJob, SeqMatcher, TokenBitmask};
+pub use masks::{apply_bitmask, MaskJob, SeqMatcher, TokenBitmask};
 pub use vocab::Vocab;
 
 #[cfg(test)]

@@ -2,12 +2,13 @@
 
 use std::time::Duration;
 
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
 use super::{count_arg, grammar_error, token_ids, value_error};
 use crate::error::CoreError;
-use crate::grammar::{CompiledGrammar, GrammarCompiler, GrammarLimits, Vocab};
+use crate::grammar::{apply_bitmask, CompiledGrammar, GrammarCompiler, GrammarLimits, Vocab};
 
 /// A grammar compiled for one tokenizer; pass it to ``Scheduler.add_request(grammar=...)``.
 /// Immutable and shared: any number of requests may use the same one.
@@ -139,4 +140,39 @@ impl PyGrammarCompiler {
 
 fn opt_count(name: &str, v: Option<i64>) -> PyResult<Option<usize>> {
     v.map(|v| count_arg(name, v, 1)).transpose()
+}
+
+/// On each row ``rows[i]`` of ``logits`` (float32 ``[S, V]``, C-contiguous, e.g. a CPU tensor's
+/// ``.numpy()``), in place: tokens not set in ``bits[i]`` (``Scheduler.take_bitmask``) become -inf.
+#[pyfunction]
+pub fn apply_token_bitmask(
+    py: Python<'_>,
+    logits: &Bound<'_, PyArray2<f32>>,
+    rows: &Bound<'_, PyArray1<i64>>,
+    bits: &Bound<'_, PyArray2<i32>>,
+) -> PyResult<()> {
+    let (s, v) = (logits.shape()[0], logits.shape()[1]);
+    let (r, w) = (bits.shape()[0], bits.shape()[1]);
+    let rows_ro = rows.readonly();
+    let rows = rows_ro.as_slice().map_err(|e| value_error("rows", e))?;
+    if rows.len() != r {
+        return Err(value_error(
+            "rows",
+            format!("{} rows for {r} bitmask rows", rows.len()),
+        ));
+    }
+    if let Some(bad) = rows.iter().find(|&&x| x < 0 || x as usize >= s) {
+        return Err(value_error(
+            "rows",
+            format!("row {bad} out of range ({s} rows)"),
+        ));
+    }
+    let bits_ro = bits.readonly();
+    let bits = bits_ro.as_slice().map_err(|e| value_error("bits", e))?;
+    // SAFETY: i32 and u32 have the same size and alignment; the bits are only reinterpreted.
+    let bits: &[u32] = unsafe { std::slice::from_raw_parts(bits.as_ptr().cast(), bits.len()) };
+    let mut out = logits.readwrite();
+    let out = out.as_slice_mut().map_err(|e| value_error("logits", e))?;
+    py.detach(|| apply_bitmask(out, v, rows, bits, w));
+    Ok(())
 }
