@@ -1,4 +1,4 @@
-"""`ironlm bench {throughput,serve,latency,scheduler,perplexity}`: argument parsing and output (table, --json, --plot).
+"""`ironlm bench {throughput,serve,latency,scheduler,perplexity,soak}`: argument parsing and output (table, --json, --plot).
 
 Heavy imports (torch, transformers, httpx) happen only when a subcommand runs.
 """
@@ -31,6 +31,17 @@ def _slo(value: str) -> tuple[str, float]:
     if not sep or key not in ("ttft", "tpot", "e2el"):
         raise argparse.ArgumentTypeError(f"expected ttft:MS, tpot:MS or e2el:MS, got {value!r}")
     return key, float(ms)
+
+
+def _load(value: str) -> float:
+    """`2x` or `2`: a positive multiple of the measured capacity."""
+    try:
+        load = float(value[:-1] if value.lower().endswith("x") else value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a multiple such as 2x, got {value!r}") from None
+    if not (load > 0 and math.isfinite(load)):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
+    return load
 
 
 def _plot_path(value: str) -> str:
@@ -82,8 +93,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, perplexity")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,latency,scheduler,perplexity}")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, perplexity, soak")
+    sub = bench.add_subparsers(dest="bench_command",
+                               metavar="{throughput,serve,latency,scheduler,perplexity,soak}")
     sub.required = True
 
     tp = sub.add_parser("throughput", help="offline throughput via LLM.generate (optionally vs transformers)",
@@ -166,6 +178,35 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _threads(pp, "ironlm and llama-perplexity")
     pp.add_argument("--json", metavar="PATH", help="write every figure, the configuration and the machine here")
     pp.set_defaults(func=cmd_perplexity, plot=None)  # a table of five numbers needs no plot
+
+    so = sub.add_parser("soak", help="minutes of mixed traffic at a multiple of the measured capacity; leak check",
+                        description="Measures capacity (closed loop), then drives open-loop Poisson traffic at "
+                                    "--load x capacity for --minutes: completions and chat, streamed or not, client "
+                                    "disconnects and aborts, a few bad requests. Reports completed, shed (503), "
+                                    "timed out, failed, leaked requests and KV blocks after the drain, and the "
+                                    "server's RSS growth. Exit 1 if anything leaked or failed.",
+                        formatter_class=HelpFormatter)
+    so.add_argument("model", nargs="?", default=None, help="model for the server (default: built-in)")
+    so.add_argument("--url", help="soak a running server instead of starting `ironlm serve`")
+    so.add_argument("--server-pid", type=int, help="with --url: the server process whose RSS to follow")
+    so.add_argument("--minutes", type=float, default=10.0)
+    so.add_argument("--load", type=_load, default=2.0, help="offered rate as a multiple of capacity, e.g. 2x")
+    so.add_argument("--capacity-seconds", type=float, default=30.0, help="length of the closed-loop capacity run")
+    so.add_argument("--capacity-concurrency", type=int, default=16, help="clients of the capacity run")
+    so.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[32, 256],
+                    help="prompt tokens of completions")
+    so.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[16, 128])
+    so.add_argument("--request-timeout", type=float, default=30.0,
+                    help="each request's own `timeout` (s), so the server can shed what it cannot serve in time")
+    so.add_argument("--vocab-size", type=int, help="token id range of random prompts (default: the model's)")
+    so.add_argument("--seed", type=int, default=0)
+    so.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for `ironlm serve` (repeatable), e.g. --server-arg=--dedupe-requests")
+    _threads(so, "the server")
+    so.add_argument("--json", metavar="PATH", help="write every figure, the configuration and the machine here")
+    so.add_argument("--quick", action="store_true", help="seconds, not minutes: small requests, short phases")
+    so.add_argument("--no-progress", action="store_true", help="no progress lines")
+    so.set_defaults(func=cmd_soak, plot=None)
     return bench
 
 
@@ -287,6 +328,22 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         config.text_path = Path(args.text)
     report = pp.run(config)
     return _finish(report, args, pp.summary_text(report), None)
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from ironlm.bench import soak
+
+    config = soak.SoakConfig(
+        model=args.model, url=args.url, server_pid=args.server_pid, minutes=args.minutes, load=args.load,
+        capacity_seconds=args.capacity_seconds, capacity_concurrency=args.capacity_concurrency,
+        input_len=tuple(args.input_len), output_len=tuple(args.output_len), request_timeout=args.request_timeout,
+        vocab_size=args.vocab_size, seed=args.seed, server_args=args.server_arg, threads=args.threads,
+        progress=not args.no_progress)
+    if args.quick:
+        config = soak.quick(config)
+    report = soak.run(config)
+    _finish(report, args, soak.summary_text(report), None)
+    return 0 if soak.passed(report) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
