@@ -269,11 +269,12 @@ def test_restarts_that_do_not_help_kill_the_engine(tmp_path_factory, monkeypatch
 
 
 def test_circuit_breaker_opens_on_engine_failures_and_closes_after_good_probes(make_server):
-    config = ServerConfig(circuit_breaker_window=10, circuit_breaker_min_requests=5, circuit_breaker_cooldown=0.5,
+    config = ServerConfig(circuit_breaker_window=10, circuit_breaker_min_requests=5, circuit_breaker_cooldown=30,
                           circuit_breaker_probes=2)
     # Two forwards per request: requests 1-3 succeed, the forwards of requests 4 and 5 fail (those requests
     # only: a forward failure is per request), then every forward works again.
     server = make_server("forward:raise:after=6,times=2", config)
+    clock = server.app.state.breaker.clock = Clock()  # the cool-down ends when the test says so
     for _ in range(3):
         assert post(server).status_code == 200
         bad_request = post(server, {**COMPLETION, "max_tokens": -1})  # 4xx: the client's fault, not counted
@@ -293,7 +294,9 @@ def test_circuit_breaker_opens_on_engine_failures_and_closes_after_good_probes(m
     assert metric(server, "ironlm:circuit_breaker_trips_total") == 1
     assert metric(server, "ironlm:circuit_breaker_state") == 2
     assert httpx.get(f"{server.base_url}/models").status_code == 200  # only generation is gated
-    time.sleep(0.6)
+    clock.t += 29.5
+    assert post(server).json()["error"]["code"] == "circuit_open"
+    clock.t += 0.5
     assert httpx.get(f"{server.url}/health").json()["circuit_breaker"]["state"] == "half_open"
     for _ in range(2):  # the probes
         assert post(server).status_code == 200
@@ -383,7 +386,7 @@ def test_a_request_that_would_time_out_in_the_queue_is_shed_at_once(make_server)
     try:
         t0 = time.monotonic()
         shed = post(server, {**COMPLETION, "timeout": 0.1})  # 4 ahead at <= 5/s: at least 0.8 s of waiting
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 5.0  # not left to wait in the queue (a loose bound: a shared machine)
         assert shed.status_code == 503 and shed.json()["error"]["code"] == "overloaded", shed.text
         assert "estimated queue wait" in shed.json()["error"]["message"]
         assert int(shed.headers["Retry-After"]) >= 1
