@@ -24,6 +24,7 @@ from ironlm.server.protocol import CompletionRequest
 from ironlm.server.serving_common import (
     check_failed,
     clamp_logprob,
+    constraint_error,
     decode,
     engine_error,
     sampling_params,
@@ -167,7 +168,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         params = sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens or 16,
                                   "logprobs": req.logprobs})
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
-        (stream,) = await start_streams(self.engine, rid, req.prompts()[:1], params, req, shedder=self.shedder)
+        try:
+            (stream,) = await start_streams(self.engine, rid, req.prompts()[:1], params, req, shedder=self.shedder)
+        except APIError as err:
+            raise constraint_error(err, None) from None
         return rid, stream
 
     def _completion(self, c: CompletionOutput, text_from: int, tokens_from: int) -> pb.Completion:

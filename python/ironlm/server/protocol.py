@@ -230,7 +230,7 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _check_tool_fields(self) -> ChatMessage:
-        if self.tool_calls and self.role != "assistant":
+        if self.tool_calls is not None and self.role != "assistant":
             raise _invalid("messages", "only assistant messages carry tool_calls")
         if self.role == "tool" and self.content is None:
             raise _invalid("messages", "a tool message needs content (the tool's result)")

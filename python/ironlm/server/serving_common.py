@@ -81,9 +81,11 @@ def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
 
 def constraint_error(err: APIError, source: str | None) -> APIError:
     """A grammar that does not compile is reported as structured_outputs.<kind>; when the constraint came from
-    another body field (response_format, tools, guided_json) the 400 names that field instead."""
-    if source is not None and err.param is not None and err.param.startswith("structured_outputs"):
-        err.param = source
+    another body field (`source`: response_format, tools, guided_json) the 400 names that field instead."""
+    if err.param is not None and err.param.startswith("structured_outputs"):
+        err.param = source or err.param
+        if not err.message.startswith(err.param):
+            err.message = f"{err.param}: {err.message}"  # gRPC clients get only the message
     return err
 
 

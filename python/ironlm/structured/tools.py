@@ -17,7 +17,8 @@ from ironlm.exceptions import InvalidArgumentError
 from ironlm.structured.params import StructuredOutputsParams
 
 Mode = Literal["none", "auto", "required", "named"]
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: a function without `parameters` takes none, so its forced call is exactly `{}`.
+_NO_ARGS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass
@@ -78,11 +79,11 @@ def forced_call_constraint(tools: list[FunctionTool], choice: ToolChoice,
     """The constraint that makes the output a call (None for none/auto)."""
     if choice.mode == "named":
         tool = next(t for t in tools if t.name == choice.name)
-        return StructuredOutputsParams(json=tool.parameters or _ANY_OBJECT)
+        return StructuredOutputsParams(json=tool.parameters or _NO_ARGS)
     if choice.mode != "required":
         return None
     branches = [{"type": "object",
-                 "properties": {"name": {"const": t.name}, "parameters": t.parameters or _ANY_OBJECT},
+                 "properties": {"name": {"const": t.name}, "parameters": t.parameters or _NO_ARGS},
                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": branches[0] if len(branches) == 1 else {"anyOf": branches}}
@@ -115,7 +116,7 @@ def template_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
     """The tools in the shape HF chat templates expect (OpenAI's request shape)."""
     out = []
     for t in tools:
-        fn: dict[str, Any] = {"name": t.name, "parameters": t.parameters or _ANY_OBJECT}
+        fn: dict[str, Any] = {"name": t.name, "parameters": t.parameters or _NO_ARGS}
         if t.description is not None:
             fn["description"] = t.description
         out.append({"type": "function", "function": fn})
