@@ -142,7 +142,7 @@ class StructuredOutputsParams:
         """llguidance's TopLevelGrammar JSON for this constraint (what the core's GrammarCompiler takes)."""
         kind = self.kind
         if kind in ("json", "json_object"):
-            schema = dict(self.json) if isinstance(self.json, dict) else {"type": "object"}
+            schema: dict[str, Any] = dict(self.json) if isinstance(self.json, dict) else {"type": "object"}
             schema["x-guidance"] = self._json_options(schema.get("x-guidance"))
             return json.dumps({"grammars": [{"json_schema": schema}]})
         if kind == "regex":

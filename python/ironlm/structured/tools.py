@@ -59,7 +59,7 @@ def resolve_tool_choice(tools: list[FunctionTool], tool_choice: object) -> ToolC
     if tool_choice in ("none", "auto", "required"):
         if tool_choice != "none" and not tools:
             raise InvalidArgumentError(f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
-        return ToolChoice(tool_choice)  # type: ignore[arg-type]
+        return ToolChoice(tool_choice)
     name = None
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         fn = tool_choice.get("function")
