@@ -22,6 +22,7 @@ from ironlm.exceptions import (
     PerplexityArgumentError,
     QueueFullError,
     RequestTooLargeError,
+    TensorParallelError,
     UnsupportedModelError,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "RequestOutput",
     "RequestTooLargeError",
     "SamplingParams",
+    "TensorParallelError",
     "UnsupportedModelError",
     "__version__",
 ]

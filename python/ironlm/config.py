@@ -19,6 +19,7 @@ from ironlm.exceptions import InvalidArgumentError
 SCHEDULING_POLICIES = ("fcfs", "priority", "deadline")
 # Here rather than in ironlm.attention so that config validation and the CLIs need no torch import.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+DISTRIBUTED_BACKENDS = ("mp", "torchrun")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
@@ -103,6 +104,13 @@ class EngineConfig:
         "fails with a 400", metavar="S")
     grammar_cache_size: int = _opt(256, "compiled structured-output grammars kept for reuse (LRU)")
     warmup: bool = _opt(True, "run one forward at startup so the first request is not the slow one")
+    tensor_parallel_size: int = _opt(1, "ranks the model is sharded over (Megatron-style; gloo on CPU, nccl on GPU)")
+    distributed_executor_backend: str = _opt(
+        "mp", "how tensor-parallel ranks start: mp = ironlm spawns them on this node, torchrun = launched by "
+        "torchrun (rank 0 serves, the others run the worker loop)", choices=DISTRIBUTED_BACKENDS)
+    distributed_timeout: float = _opt(
+        120.0, "seconds a tensor-parallel collective may wait for the other ranks before the engine is declared "
+        "dead", metavar="S")
 
     def __post_init__(self) -> None:
         positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
@@ -132,6 +140,14 @@ class EngineConfig:
         if not isinstance(gcs, int) or isinstance(gcs, bool) or gcs < 0:
             raise _invalid("grammar_cache_size", f"must be an integer >= 0, got {gcs!r}")
         parse_bytes(self.kv_cache_memory)
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise _invalid("tensor_parallel_size", f"must be a positive integer, got {tp!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
+            raise _invalid("distributed_executor_backend", f"must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
+                           f"got {self.distributed_executor_backend!r}")
+        if not self.distributed_timeout > 0:
+            raise _invalid("distributed_timeout", f"must be > 0, got {self.distributed_timeout!r}")
         if self.quantization not in QUANTIZATIONS:
             raise _invalid("quantization", f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         group = self.quantization_group_size

@@ -34,12 +34,17 @@ __all__ = [
     "PerplexityArgumentError",
     "QueueFullError",
     "RequestTooLargeError",
+    "TensorParallelError",
     "UnsupportedModelError",
 ]
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; nothing will run any more (HTTP 503)."""
+
+
+class TensorParallelError(EngineDeadError):
+    """A tensor-parallel rank died or a collective timed out: the sharded model cannot run another step."""
 
 
 class EngineOverloadedError(RuntimeError):

@@ -286,6 +286,8 @@ class AsyncLLMEngine:
                         self._faults.check("step")
                     outputs = engine.step()
                     failures = restarts = 0
+                except EngineDeadError:
+                    raise  # e.g. a tensor-parallel rank died: restarting the loop cannot bring it back
                 except Exception as exc:
                     failures += 1
                     logger.exception("engine step raised (%d in a row)", failures)

@@ -22,6 +22,7 @@ from ironlm.engine.outputs import RequestMetrics, RequestOutput
 from ironlm.engine.prompts import PromptType, apply_chat_template, encode_prompt
 from ironlm.engine.sequence_table import EngineRequest, SequenceTable
 from ironlm.engine.timing import StepTimer
+from ironlm.exceptions import TensorParallelError
 from ironlm.sampler import Sampler, SamplerOutput
 from ironlm.sampling_params import SamplingParams
 from ironlm.structured.compiler import GrammarCache
@@ -202,6 +203,8 @@ class LLMEngine:
         finished = {slot: (reason, tok) for _, slot, reason, tok in self.scheduler.update(sampled.token_ids)}
         timer.lap("update")
         self._postprocess(plan, sampled, finished, touched)
+        except TensorParallelError:  # a rank of the sharded model is gone: no later step can run either
+            raise
         timer.lap("detokenize")
         outputs = self._collect(touched)
         timer.lap("output")

@@ -3,6 +3,10 @@
 This is the only engine file that touches the device. It loads the model, sizes the KV pool (on a
 GPU by profiling a forward over the full token budget), allocates it, and per step moves the plan's
 numpy arrays to the device, runs the copy-on-write block copies and the forward.
+
+With `tensor_parallel_size > 1` rank 0's runner starts the other ranks (ironlm.distributed.executor), each of
+which builds a runner over its own shard and KV pool; every step rank 0 broadcasts the plan's arrays, all ranks
+run the forward, and only rank 0 gets the logits.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from ironlm.attention import AttentionMetadata, get_backend
 from ironlm.config import EngineConfig
+from ironlm.distributed.plan_codec import StepArrays
 from ironlm.engine.kv_cache import KVCaches, allocate_kv_caches, copy_blocks, num_kv_blocks
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.model import load_model, resolve_device
@@ -23,6 +28,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from ironlm import _core
+    from ironlm.distributed.executor import TPExecutor
+    from ironlm.distributed.group import TPGroup
     from ironlm.engine.timing import StepTimer
     from ironlm.model.config import ModelConfig
 
@@ -37,18 +44,34 @@ class CausalLM(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+        """`tp`: this process is a tensor-parallel worker rank of that group (see ironlm.distributed.worker)."""
         self.config = config
+        self._ready = False  # from here on rank 0 announces its forwards to the workers
         t0 = time.perf_counter()
-        self.device = resolve_device(config.device)
+        self.executor: TPExecutor | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            from ironlm.distributed.executor import TPExecutor
+
+            self.executor = TPExecutor.start(config)
+            tp = self.executor.group
+        self.tp = tp
+        self.device = resolve_device(config.device) if tp is None else tp.device
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, dtype=config.dtype, device=self.device,
-                            attn_backend=get_backend(config.attention_backend, self.device),
-                            quantization=config.quantization,
-                            quantization_group_size=config.quantization_group_size)
+        try:
+            loaded = load_model(config.model, dtype=config.dtype, device=self.device,
+                                attn_backend=get_backend(config.attention_backend, self.device),
+                                quantization=config.quantization,
+                                quantization_group_size=config.quantization_group_size, tp=tp)
+        except BaseException:
+            self.shutdown()
+            raise
         self.dtype = loaded.model.dtype  # auto resolves with the weights' storage (see load_model)
         self.model: CausalLM = loaded.model
         self.model_config: ModelConfig = loaded.config
+        self.shard_config: ModelConfig = loaded.model.config  # = model_config unless tensor parallel
+        if tp is not None:  # loading times differ between ranks; the forwards' collectives have a timeout
+            tp.barrier()
         self.tokenizer: PreTrainedTokenizerBase = loaded.tokenizer
         self.model_name = config.served_model_name or loaded.name
         self.model_path = loaded.path
@@ -58,9 +81,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.token_budget = config.resolve_max_num_batched_tokens(self.device.type)
         self.kv_caches: KVCaches | None = None  # profiling on a GPU runs before the pool exists
-        self.num_blocks = num_kv_blocks(config, self.model_config, self.dtype, self.device,
+        self.num_blocks = num_kv_blocks(config, self.shard_config, self.dtype, self.device,
                                         lambda: self.profile(self.token_budget))
-        self.kv_caches = allocate_kv_caches(self.model_config, self.num_blocks, config.block_size, self.dtype,
+        if self.tp is not None:  # one scheduler for all ranks: every rank's pool has the same number of blocks
+            self.num_blocks = self.tp.min_int(self.num_blocks)
+        self.kv_caches = allocate_kv_caches(self.shard_config, self.num_blocks, config.block_size, self.dtype,
                                             self.device)
         self.max_model_len = self._max_model_len(self.num_blocks * config.block_size)
         self.startup_timings["kv_cache"] = time.perf_counter() - t0
@@ -68,12 +93,31 @@ class ModelRunner:
             t0 = time.perf_counter()
             self.profile(min(self.token_budget, 64))
             self.startup_timings["warmup"] = time.perf_counter() - t0
+        self._ready = True
 
     def execute(self, plan: _core.SchedulerPlan, timer: StepTimer | None = None) -> torch.Tensor:
         """Logits [plan.num_samples, vocab] (float32) for the plan's `logits_indices` rows.
 
         The result is an inference-mode tensor: modify it in place only under `torch.inference_mode()`.
+        Under tensor parallelism the time spent in collectives (plan broadcast, all-reduces, logits gather) is
+        taken out of the prepare / forward phases into its own `tp_comm` phase.
         """
+        arrays = StepArrays.of(plan)
+        tp = self.tp
+        c0 = c1 = 0.0 if tp is None else tp.comm_s
+        if self.executor is not None:
+            self.executor.step(arrays)
+            c1 = self.executor.group.comm_s
+        logits = self.run(arrays, timer)
+        if timer is not None and tp is not None:
+            sent, forward = c1 - c0, tp.comm_s - c1
+            timer.totals["prepare"] -= sent
+            timer.totals["forward"] -= forward
+            timer.totals["tp_comm"] += sent + forward
+        return logits
+
+    def run(self, plan: StepArrays, timer: StepTimer | None = None) -> torch.Tensor:
+        """The forward over one plan's arrays (every rank runs it; rank 0's result is the logits)."""
         assert self.kv_caches is not None
         device = self.device
         if len(plan.cow_pairs):
@@ -93,6 +137,11 @@ class ModelRunner:
             timer.lap("forward", sync=device)
         return logits
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op without tensor parallelism)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
     def profile(self, num_tokens: int) -> None:
         """A forward over `num_tokens` fresh tokens: compiles kernels / warms allocators / measures peak memory.
 
@@ -110,6 +159,8 @@ class ModelRunner:
             seq_lens=np.array([n], dtype=np.int64), context_lens=np.zeros(1, dtype=np.int64),
             block_tables=np.arange(nblocks, dtype=np.int32)[None, :], max_query_len=n, max_seq_len=n,
             device=self.device)
+        if self.executor is not None and self._ready:  # the workers run the same forward on their shards
+            self.executor.profile(num_tokens)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         with torch.inference_mode():

@@ -27,6 +27,7 @@ from ironlm.model.quantize import QuantSpec
 
 if TYPE_CHECKING:
     from ironlm.attention import AttentionBackend
+    from ironlm.distributed.group import TPGroup
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -82,6 +83,10 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
         raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}") from None
 
 
+def _local(config: ModelConfig, tp: TPGroup | None) -> ModelConfig:
+    return config if tp is None else tp.bind(config)
+
+
 def _model_dtype(dtype: torch.dtype | str | None, device: torch.device, spec: QuantSpec) -> torch.dtype:
     if spec.enabled and spec.backend == "core" and (dtype is None or dtype == "auto"):
         return torch.float32
@@ -96,12 +101,16 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
     quantization: str = "none",
     quantization_group_size: int | None = None,
+    tp: TPGroup | None = None,
 ) -> LoadedModel:
     """Load a local HF folder or GGUF file (None = the built-in default model) onto `device` in `dtype`.
 
     `quantization` as EngineConfig's (auto / none / int8 / int4; see ironlm.model.quantize). With quantized
     linears, dtype `auto` means float32 activations: the int8 kernels take float32 and the bf16 conversions at
     every linear would cost more than bf16 saves on the norms and the attention.
+
+    With `tp` (tensor parallelism) the model holds this rank's shard; `LoadedModel.config` stays the whole
+    model's, `LoadedModel.model.config` is the shard's.
     """
     from ironlm.model import gguf as gguf_mod
     from ironlm.model import loader, quantize
@@ -124,7 +133,7 @@ def load_model(
             dt = _model_dtype(dtype, dev, spec)
             # Tokenizer conversion is Python-bound, dequantization is torch (GIL released): overlap them.
             tok_future = pool.submit(gguf_mod.load_gguf_tokenizer, gguf_path)
-            net = DecoderLM(config, dtype=dt, device=dev, attn_backend=attn_backend)
+            net = DecoderLM(_local(config, tp), dtype=dt, device=dev, attn_backend=attn_backend, tp=tp)
             t1 = time.perf_counter()
             # GPU backends quantize the dequantized float weights; only the core keeps the file's blocks.
             parts = gguf_mod.load_gguf_weights(net, gf, config, spec if spec.backend == "core" else QuantSpec())
@@ -140,7 +149,7 @@ def load_model(
             spec = quantize.resolve(quantization, quantization_group_size, dev, None)
             dt = _model_dtype(dtype, dev, spec)
             tok_future = pool.submit(loader.load_hf_tokenizer, path)
-            net = DecoderLM(config, dtype=dt, device=dev, attn_backend=attn_backend)
+            net = DecoderLM(_local(config, tp), dtype=dt, device=dev, attn_backend=attn_backend, tp=tp)
             t1 = time.perf_counter()
             loader.load_hf_weights(net, path)
             if spec.enabled:

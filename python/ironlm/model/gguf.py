@@ -21,7 +21,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ import torch
 from ironlm import _core
 from ironlm.model.config import ModelConfig, UnsupportedModelError, unsupported_architecture
 from ironlm.model.quantize import GGML_QUANTIZED, QuantSpec, from_float, is_quantized_tensor
+
+if TYPE_CHECKING:
+    from ironlm.distributed.sharding import ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +368,7 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
     """
     permute = gf.get("general.architecture") in _PERMUTED_QK
     parts: dict[str, Any] = {}
+    shard: ShardSpec | None = None if model.tp is None else model.tp.shard  # tensor parallel: dequantize, slice
     for name, info in gf.tensors.items():
         target_name = hf_name(name)
         if target_name is None:
@@ -373,25 +377,29 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
             heads = 0
             if permute and (".attn_q." in name or ".attn_k." in name):
                 heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-            parts[target_name] = from_gguf(gf, name, spec, heads)
+            parts[target_name] = from_gguf(gf, name, spec, heads, shard)
             model.mark_loaded(target_name)
             continue
         dest = model.weight_target(target_name)
         if dest is None:
             continue
-        if tuple(dest.shape) != info.shape:
+        if shard is None and tuple(dest.shape) != info.shape:
             raise ValueError(f"GGUF tensor {name}: shape {info.shape} != expected {tuple(dest.shape)}")
         raw = gf.raw(info)
         is_qk = ".attn_q." in name or ".attn_k." in name
         n_head = config.num_heads if ".attn_q." in name else config.num_kv_heads
         with torch.no_grad():
             numpy_ok = info.ggml_type in _NUMPY_DEQUANT and dest.device.type == "cpu" and dest.dtype == torch.float32
-            if numpy_ok and dest.is_contiguous() and not (permute and is_qk):
+            if numpy_ok and dest.is_contiguous() and not (permute and is_qk) and shard is None:
                 _NUMPY_DEQUANT[info.ggml_type](raw, out=dest.detach().numpy().reshape(-1))  # in place, no temp
             else:
                 w = dequantize(raw, info.ggml_type, info.shape)
                 if permute and is_qk:
                     w = unpermute_qk(w, n_head)
+                if shard is not None:
+                    w = shard.take(target_name, w, tuple(w.shape))
+                if tuple(dest.shape) != tuple(w.shape):
+                    raise ValueError(f"GGUF tensor {name}: shape {tuple(w.shape)} != expected {tuple(dest.shape)}")
                 dest.copy_(w)
         model.mark_loaded(target_name)
     return parts
@@ -402,20 +410,35 @@ def has_quantized_linears(gf: GGUFFile) -> bool:
     return any(info.ggml_type in GGML_QUANTIZED for name, info in gf.tensors.items() if is_quantized_tensor(name))
 
 
-def from_gguf(gf: GGUFFile, name: str, spec: QuantSpec, unpermute_heads: int = 0) -> _core.QuantMatrix:
+def from_gguf(gf: GGUFFile, name: str, spec: QuantSpec, unpermute_heads: int = 0,
+              shard: ShardSpec | None = None) -> _core.QuantMatrix:
     """A GGUF tensor as a QuantMatrix: quantized types keep their blocks (rows re-ordered for llama Q/K without
     dequantizing: a block never spans rows); float tensors are quantized per `spec` (int8, groups of 32 when the
-    file decides)."""
+    file decides). With a tensor-parallel `shard`, only this rank's part: a row slice keeps the blocks (zero bytes
+    are zero weights in every kept type, so vocab padding rows are zero blocks); a column slice (o, down) cuts
+    through blocks, so those are dequantized, sliced and quantized again to int8."""
     info = gf.tensors[name]
     rows, cols = info.shape
-    if info.ggml_type in GGML_QUANTIZED and spec.source == "gguf":
+    hf = hf_name(name) or name
+    cut = None if shard is None else shard.cut(hf)
+    if info.ggml_type in GGML_QUANTIZED and spec.source == "gguf" and (cut is None or cut.dim == 0):
         raw = np.asarray(gf.raw(info)).reshape(rows, -1)
         if unpermute_heads:
             raw = unpermute_qk(torch.from_numpy(raw.copy()), unpermute_heads).numpy()
+        if cut is not None:
+            part = raw[cut.start:min(cut.stop, rows)]
+            pad = (cut.stop - cut.start) - len(part)
+            raw = np.concatenate([part, np.zeros((pad, raw.shape[1]), raw.dtype)]) if pad else part
+            rows = cut.stop - cut.start
         return _core.QuantMatrix.from_ggml(np.ascontiguousarray(raw).reshape(-1), info.ggml_type, rows, cols)
     w = dequantize(gf.raw(info), info.ggml_type, info.shape)
     if unpermute_heads:
         w = unpermute_qk(w, unpermute_heads)
+    if shard is not None:
+        if cut is not None and info.ggml_type in GGML_QUANTIZED and spec.source == "gguf":
+            logger.info("tensor parallel: %s is split across its quantized blocks; this rank dequantizes its "
+                        "columns and keeps them as int8", name)
+        w = shard.take(hf, w, tuple(w.shape))
     return from_float(w, spec if spec.source == "load" else QuantSpec(bits=8, group_size=32))
 
 

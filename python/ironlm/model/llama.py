@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from ironlm.model.quantize import QuantSpec, from_float
 
 if TYPE_CHECKING:
     from ironlm.attention import AttentionBackend, AttentionMetadata
+    from ironlm.distributed.group import TPGroup
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Decode batches of up to this many tokens take the lean CPU step: there per-op dispatch, not the matmuls' work,
@@ -78,8 +79,12 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> None:
         super().__init__()
+        # Tensor parallel: o and down yield partial sums that one all-reduce each completes; only rank 0 adds the
+        # residual (and o's bias) into its partial, so the sum carries it exactly once.
+        self.tp = tp
+        self.owns_residual = tp is None or tp.rank == 0
         h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = q, kv
@@ -149,10 +154,15 @@ class DecoderLayer(nn.Module):
         if select is not None:  # last layer: only the rows whose logits are wanted go on
             attn = attn.index_select(0, select)
             h = h.index_select(0, select)
-        h = self.o(attn, residual=h)  # residual add fused into the GEMM
+        h = self.o(attn, residual=h if self.owns_residual else None)  # residual add fused into the GEMM
+        if self.tp is not None:
+            self.tp.all_reduce(h)
         x = rms_norm(h, self.post_norm, self.eps)
         x = silu_and_mul(self.gate_up(x))
-        return self.down(x, residual=h)
+        h = self.down(x, residual=h if self.owns_residual else None)
+        if self.tp is not None:
+            self.tp.all_reduce(h)
+        return h
 
 
     def lean_forward(self, ws: _LeanBuffers, k_cache: np.ndarray, v_cache: np.ndarray, step: _LeanStep) -> None:
@@ -166,11 +176,19 @@ class DecoderLayer(nn.Module):
         _core.decode_attention_qkv(
             ws.qkv_np, k_cache, v_cache, step.block_tables, step.seq_lens, step.slots, step.rope.positions,
             step.rope.table, self.scale, ws.attn_np, self.num_heads, step.dtype, step.threads)
+        if not self.owns_residual:
+            ws.h.zero_()
         self.o.accumulate(ws.attn, ws.h, ws.attn_np, ws.h_np)
+        if self.tp is not None:
+            self.tp.all_reduce(ws.h)
         _core.rms_norm(ws.h_np, self._norms_np[1], self.eps, ws.x_np, step.dtype, step.threads)
         self.gate_up.into(ws.x, ws.gate_up, ws.x_np, ws.gate_up_np)
         _core.silu_and_mul(ws.gate_up_np, ws.act_np, step.dtype, step.threads)
+        if not self.owns_residual:
+            ws.h.zero_()
         self.down.accumulate(ws.act, ws.h, ws.act_np, ws.h_np)
+        if self.tp is not None:
+            self.tp.all_reduce(ws.h)
 
 
 class DecoderLM(nn.Module):
@@ -183,14 +201,17 @@ class DecoderLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         attn_backend: AttentionBackend | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
+        """`config` is this rank's share of the model under tensor parallelism (`tp`; see ironlm.distributed)."""
         super().__init__()
         device = torch.device(device)
         self.config = config
+        self.tp = tp
         self.dtype = dtype
         self.device = device
         self.embed = _param((config.vocab_size, config.hidden_size), dtype, device)
-        self.layers = nn.ModuleList([DecoderLayer(config, dtype, device) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, dtype, device, tp) for _ in range(config.num_layers)])
         self.norm = _param((config.hidden_size,), dtype, device)
         if config.tie_word_embeddings:
             self.lm_head = self.embed
@@ -270,11 +291,16 @@ class DecoderLM(nn.Module):
         return simple.get(rest)
 
     @torch.no_grad()
-    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        """Copy one HF-named tensor into place (cast to the model dtype/device). False if ironlm ignores it."""
+    def load_weight(self, name: str, tensor: Any, shape: tuple[int, ...] | None = None) -> bool:
+        """Copy one HF-named tensor into place (cast to the model dtype/device). False if ironlm ignores it.
+
+        Under tensor parallelism `tensor` is the whole weight, or a safetensors slice of full `shape` (only this
+        rank's part is then read), and this rank's part is copied."""
         target = self.weight_target(name)
         if target is None:
             return False
+        if self.tp is not None:
+            tensor = self.tp.shard.take(name, tensor, tuple(tensor.shape) if shape is None else shape)
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
         target.copy_(tensor)
@@ -377,9 +403,24 @@ class DecoderLM(nn.Module):
         return total
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            return self._embed_parallel(input_ids, self.tp)
         if self.embed_q is not None:
             return self.embed_q.embed(input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed)
+
+    def _embed_parallel(self, input_ids: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank fills the rows of its ids, zeros elsewhere; the all-reduce joins them."""
+        local = input_ids - tp.shard.vocab_start
+        outside = (local < 0) | (local >= self.config.vocab_size)
+        local = local.masked_fill(outside, 0)
+        if self.embed_q is not None:
+            h = self.embed_q.embed(local).to(self.dtype)
+        else:
+            h = F.embedding(local, self.embed)
+        h.masked_fill_(outside[:, None], 0)
+        tp.all_reduce(h)
+        return h
 
     # ---- forward -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -413,7 +454,11 @@ class DecoderLM(nn.Module):
         """Final norm and LM head over the rows whose logits are wanted: float32 [rows, vocab]."""
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
         assert self.head is not None
-        return self.head(h).float()
+        logits = self.head(h).float()
+        if self.tp is not None:  # vocab-parallel head: rank 0 gets every rank's columns, the others nothing
+            gathered = self.tp.gather_vocab(logits)
+            return logits if gathered is None else gathered
+        return logits
 
     def _lean_forward(
         self,
@@ -441,7 +486,9 @@ class DecoderLM(nn.Module):
             self._kv_np = (kv_caches, [(as_numpy(k), as_numpy(v)) for k, v in kv_caches])
         step = _LeanStep(CORE_DTYPES[self.dtype], torch.get_num_threads(), plan.block_tables, plan.seq_lens,
                          plan.slots, rope)
-        if self.embed_q is not None and ws.h.dtype == torch.float32:
+        if self.tp is not None:
+            ws.h.copy_(self._embed(input_ids))
+        elif self.embed_q is not None and ws.h.dtype == torch.float32:
             self.embed_q.embed(input_ids, out=ws.h)
         elif self.embed_q is not None:
             ws.h.copy_(self.embed_q.embed(input_ids))

@@ -81,9 +81,25 @@ def iter_weights(files: list[Path]):
 
 
 def load_hf_weights(model: DecoderLM, path: Path) -> None:
-    for name, tensor in iter_weights(weight_files(path)):
-        model.load_weight(name, tensor)
+    files = weight_files(path)
+    if model.tp is not None and all(f.suffix == ".safetensors" for f in files):
+        _load_shard(model, files)
+    else:
+        for name, tensor in iter_weights(files):
+            model.load_weight(name, tensor)
     model.finish_loading()
+
+
+def _load_shard(model: DecoderLM, files: list[Path]) -> None:
+    """Tensor parallel: read only this rank's slice of each weight (safetensors slices are lazy)."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                if model.weight_target(name) is not None:
+                    part = sf.get_slice(name)
+                    model.load_weight(name, part, tuple(part.get_shape()))
 
 
 def load_hf_tokenizer(path: Path) -> Any:
