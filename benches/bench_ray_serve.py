@@ -39,7 +39,8 @@ def _free_port() -> int:
 
 def scrape(url: str) -> dict[str, dict[str, float]]:
     """{replica: {series: value}} of the counters this benchmark reads."""
-    wanted = {"ironlm:prefix_cache_hits_total", "ironlm:prefix_cache_queries_total", "ironlm:request_success_total"}
+    wanted = {"ironlm:prefix_cache_hits_total", "ironlm:prefix_cache_queries_total", "ironlm:request_success_total",
+              "ironlm:num_preemptions_total"}
     out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
         for s in family.samples:
@@ -81,7 +82,8 @@ def measure(label: str, replicas: int, routing: str, args: argparse.Namespace, u
     ray_config = RayConfig(num_replicas=replicas, routing=routing, replica_cpus=args.replica_cpus,
                            affinity_margin=args.affinity_margin)
     t0 = time.perf_counter()
-    serve.run(build_application(EngineConfig(), ServerConfig(), ray_config), name=APP_NAME, route_prefix="/")
+    engine = EngineConfig(num_kv_blocks=args.num_kv_blocks)
+    serve.run(build_application(engine, ServerConfig(), ray_config), name=APP_NAME, route_prefix="/")
     startup = time.perf_counter() - t0
     try:
         before = scrape(url)
@@ -100,6 +102,9 @@ def measure(label: str, replicas: int, routing: str, args: argparse.Namespace, u
         "label": label, "replicas": replicas, "routing": routing, "startup_s": round(startup, 1),
         "requests": len(requests), "failed": len(requests) - len(ok), "wall_s": round(wall, 2),
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else 0.0,
+        # Recomputing a preempted request looks its prompt up again: its hits count twice in the rate.
+        "preemptions": int(sum(d.get("ironlm:num_preemptions_total", 0.0) for d in delta.values())),
+        "prompt_tokens_computed": int(queries - hits),
         # Warm-up requests included: each client sends two short ones first.
         "requests_per_replica": sorted(int(d["ironlm:request_success_total"]) for d in delta.values()),
         "ttft_ms": {"median": round(float(np.median(ttft)), 1), "p99": round(float(np.percentile(ttft, 99)), 1)},
@@ -120,6 +125,9 @@ def main() -> int:
     p.add_argument("--max-concurrency", type=int, default=8, help="per client")
     p.add_argument("--replica-cpus", type=float, default=1.0, help="also each replica's torch threads")
     p.add_argument("--affinity-margin", type=int, default=4)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks per replica (16 tokens each; default: the engine's 1 GiB on CPU). Fewer than "
+                        "all prefixes need makes each replica's cache hold only some of them")
     p.add_argument("--only", type=int, nargs="+", help="indices into the configurations (0, 1, 2)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()

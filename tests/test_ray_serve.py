@@ -252,6 +252,51 @@ def test_prefix_key_hashes_the_first_block_only() -> None:
     assert prefix_key("/v1/completions", b"not json", BLOCK) is None
 
 
+def test_router_keeps_a_prefix_on_its_replica_within_the_margin() -> None:
+    pytest.importorskip("ray.serve")
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from ironlm.ray.routing import PrefixAffinityRouter, RouteHint
+
+    dep = DeploymentID(name="IronlmEngine", app_name="ironlm")
+    a, b = (SimpleNamespace(replica_id=ReplicaID(n, dep)) for n in ("a", "b"))
+
+    async def scenario(routing: str) -> list[list[list[str]]]:
+        router = PrefixAffinityRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(routing=routing, margin=2)
+        seen = []
+        ids = iter(range(100))
+
+        def pending(key: str | None) -> PendingRequest:
+            rid = str(next(ids))
+            return PendingRequest(args=[], kwargs={"route": RouteHint(prefix_key=key)},
+                                  metadata=RequestMetadata(request_id=rid, internal_request_id=rid))
+
+        async def route(key: str | None, to: Any) -> PendingRequest:
+            req = pending(key)
+            ranks = await router.choose_replicas([a, b], req)
+            seen.append([sorted(r.replica_id.unique_id for r in rank) for rank in ranks])
+            router.on_request_routed(req, to.replica_id, None)
+            return req
+
+        first = await route("k", a)  # no owner yet: two choices; it went to a, which now owns "k"
+        await route("k", a)  # a: owner first, the pair as fallback
+        extra = [await route(None, a) for _ in range(2)]  # a: 4 in flight, b: 0 -> beyond the margin of 2
+        await route("k", b)  # so "k" is routed by load
+        for req in [first, *extra]:
+            router.on_request_completed(a.replica_id, req.metadata.internal_request_id)
+        await route("k", a)  # a: 1 in flight, b: 1 -> back to the owner
+        return seen
+
+    affinity = asyncio.run(scenario("prefix"))
+    pair = [["a", "b"]]
+    assert affinity == [pair, [["a"], ["a", "b"]], pair, pair, pair, [["a"], ["a", "b"]]]
+    assert asyncio.run(scenario("pow2")) == [pair] * 6
+
+
 def test_merge_metrics_labels_every_sample_with_its_replica() -> None:
     from prometheus_client import CollectorRegistry, Counter, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
