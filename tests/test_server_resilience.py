@@ -175,6 +175,45 @@ def test_shedder_adds_the_requests_own_service_time_to_its_wait():
     assert shedder.decide(1, 0, timeout=0.5, max_tokens=1000) is None  # idle: its timeout is the client's choice
 
 
+# ---- one request's output processing fails: that request only ------------------------------------------------
+@pytest.mark.parametrize("where", ["append", "finish"])
+def test_a_failure_in_one_requests_output_fails_that_request_only(tmp_path_factory, monkeypatch, where):
+    from ironlm import EngineConfig, LLMEngine
+    from ironlm.engine.sequence_table import EngineSequence
+    from server_utils import tiny_model_path
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_path(tmp_path_factory)), device="cpu", dtype="float32",
+                                    num_kv_blocks=64, block_size=4, max_model_len=128))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run() -> dict:
+        last = {}
+        while engine.has_unfinished_requests():
+            last.update({o.request_id: o for o in engine.step()})
+        return last
+
+    engine.add_request("ref", "hello world and the", greedy)
+    expected = run()["ref"].outputs[0].token_ids
+    real = getattr(EngineSequence, where)
+
+    def broken(self, *args, **kwargs):
+        """The detokenizer of request "bad" fails: adding its 3rd token, or flushing its text at the end."""
+        failing = len(self.token_ids) == 2 if where == "append" else self.detok is not None
+        if self.request.request_id == "bad" and failing:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer failure")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineSequence, where, broken)
+    engine.add_request("bad", "the model is", greedy)
+    engine.add_request("good", "hello world and the", greedy)
+    outputs = run()
+    assert outputs["bad"].finished and "injected detokenizer failure" in outputs["bad"].error
+    assert [c.finish_reason for c in outputs["bad"].outputs] == ["error"]
+    assert outputs["good"].error is None and outputs["good"].outputs[0].token_ids == expected
+    s = engine.stats()
+    assert s["blocks_used"] == 0 and s["num_requests_running"] == s["num_requests_waiting"] == 0
+
+
 # ---- servers with their own engine and settings -------------------------------------------------------------
 @pytest.fixture
 def make_server(tmp_path_factory, monkeypatch):

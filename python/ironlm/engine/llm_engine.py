@@ -196,6 +196,8 @@ class LLMEngine:
                 sampled = self.sampler.sample(logits, plan.sample_slots, plan.sample_output_lens,
                                               plan.sample_ban_stop, token_bitmask=bitmask)
             timer.lap("sample")
+        except TensorParallelError:  # a rank of the sharded model is gone: no later step can run either
+            raise
         except Exception as exc:  # a failed step fails its requests, never the engine
             logger.exception("step failed; failing the %d sequences in it", plan.num_seqs)
             return self._fail_step(plan, exc, touched)
@@ -203,8 +205,6 @@ class LLMEngine:
         finished = {slot: (reason, tok) for _, slot, reason, tok in self.scheduler.update(sampled.token_ids)}
         timer.lap("update")
         self._postprocess(plan, sampled, finished, touched)
-        except TensorParallelError:  # a rank of the sharded model is gone: no later step can run either
-            raise
         timer.lap("detokenize")
         outputs = self._collect(touched)
         timer.lap("output")
@@ -219,9 +219,10 @@ class LLMEngine:
         top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
         top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         self.generation_tokens_total += len(tokens)
+        failed: set[str] = set()
         for row, slot in enumerate(plan.sample_slots.tolist()):
             seq = self.table.seq(slot)
-            if seq is None:
+            if seq is None or seq.request.request_id in failed:
                 continue
             request = seq.request
             if request.metrics.first_token_time is None:
@@ -231,7 +232,13 @@ class LLMEngine:
             # A stop token never reaches the text; the last token of a completed grammar (also "stop") does.
             reason, tok = finished.get(slot, (None, None))
             stop_token = reason == "stop" and (tok is not None or tokens[row] in self._eos_ids)
-            stop = seq.append(tokens[row], logprobs[row], top, self.tokenizer, stop_token)
+            try:
+                stop = seq.append(tokens[row], logprobs[row], top, self.tokenizer, stop_token)
+            except Exception as exc:  # its detokenizer, stop strings or logprobs: that request fails, not the step
+                logger.exception("output processing failed; failing request %s only", request.request_id)
+                self._fail_request(request, exc, touched)
+                failed.add(request.request_id)
+                continue
             touched[request.request_id] = request
             if stop is not None:  # a stop string: the detokenizer's to match, the core's to release
                 seq.stop_reason = stop
@@ -242,7 +249,15 @@ class LLMEngine:
             self._finish_seq(slot, reason, tok, touched)
 
     def _finish_seq(self, slot: int, reason: str, stop_token: int | None, touched: dict[str, EngineRequest]) -> None:
-        request = self.table.finish(slot, reason, stop_token)
+        seq = self.table.seq(slot)
+        try:
+            request = self.table.finish(slot, reason, stop_token)
+        except Exception as exc:  # flushing its detokenizer: that request fails, not the step
+            if seq is None:
+                raise
+            logger.exception("finishing failed; failing request %s only", seq.request.request_id)
+            self._fail_request(seq.request, exc, touched)
+            return
         if request is not None:
             touched[request.request_id] = request
 
@@ -259,11 +274,21 @@ class LLMEngine:
     def _fail_step(self, plan: _core.SchedulerPlan, exc: Exception,
                    touched: dict[str, EngineRequest]) -> list[RequestOutput]:
         for request in self.table.requests_in(plan.seq_slots.tolist()):
-            self.scheduler.abort(request.request_id)
-            request.error = f"{type(exc).__name__}: {exc}"
-            self.table.release(request, "error")
-            touched[request.request_id] = request
+            self._fail_request(request, exc, touched)
         return self._collect(touched)
+
+    def _fail_request(self, request: EngineRequest, exc: Exception, touched: dict[str, EngineRequest]) -> None:
+        """End `request` with finish reason "error": the core frees its sequences (a no-op for those it already
+        finished this step), the sampler its slots."""
+        self.scheduler.abort(request.request_id)
+        request.error = f"{type(exc).__name__}: {exc}"
+        try:
+            self.table.release(request, "error")
+        except Exception:  # noqa: BLE001 - flushing a detokenizer that already failed: close without them
+            for seq in request.seqs:
+                seq.detok = None
+            self.table.release(request, "error")
+        touched[request.request_id] = request
 
     # ---- observability -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
