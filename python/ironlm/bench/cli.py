@@ -114,6 +114,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     tp.add_argument("--compare-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="run ironlm with and without prefix caching (default: on for --dataset prefix)")
     tp.add_argument("--repeats", type=int, default=1, help="alternate all configurations N times; report medians")
+    tp.add_argument("--structured", choices=("json",), default=None,
+                    help="a JSON schema on every request, against the same work unconstrained (step time, mask "
+                         "overlap, validity)")
     _warmup(tp)
     _threads(tp, "ironlm, transformers and llama-server")
     _common(tp)
@@ -269,7 +272,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         baseline_single=args.baseline_single, baseline_single_limit=args.baseline_single_limit,
         enable_prefix_caching=args.enable_prefix_caching, compare_prefix_caching=args.compare_prefix_caching,
         repeats=args.repeats, warmup=args.warmup, threads=args.threads, engine_args=engine_args,
-        progress=not args.no_progress)
+        progress=not args.no_progress, structured=args.structured)
     report = tp.run(config)
     return _finish(report, args, tp.summary_text(report), tp.plot)
 

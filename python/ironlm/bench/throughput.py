@@ -44,6 +44,7 @@ class ThroughputConfig:
     threads: int | None = None  # torch threads for ironlm and transformers, llama.cpp's -t; None: torch's default
     engine_args: dict[str, Any] = field(default_factory=dict)  # dtype, device, max_num_seqs, kv_cache_memory...
     progress: bool = True
+    structured: str | None = None  # "json": a JSON schema on every request vs the same work unconstrained
 
 
 def quick(config: ThroughputConfig) -> ThroughputConfig:
@@ -249,6 +250,13 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
     for llm in llms.values():
         if warm is not None:
             _ironlm_once(llm, warm, progress=False)
+    if config.structured is not None:
+        from ironlm.bench.structured import run_structured
+
+        if config.baseline is not None:
+            raise ValueError("structured runs compare ironlm with itself: no baseline")
+        model = {"name": engine.model_name, "dtype": str(engine.dtype), "quantization": engine.config.quantization}
+        return run_structured(config, llms[settings[0]], ds, warm, machine_info(str(engine.device)), model)
     baseline = None
     server = None
     plan = []
@@ -311,6 +319,10 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
 
 
 def summary_text(report: dict[str, Any]) -> str:
+    if "structured" in report:
+        from ironlm.bench.structured import summary_text as structured_text
+
+        return structured_text(report)
     best = report.get("best_baseline")
     head = report["results"][0]["output_tokens_per_s"]
     rows = []
