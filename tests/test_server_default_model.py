@@ -42,11 +42,15 @@ def test_openai_client_streams_a_chat_completion(server: LiveServer):
 
 
 def test_curl_example_from_the_makefile(server: LiveServer):
-    # Exactly the body `make serve` prints; curl -d without -H would send form encoding: accept it too.
+    # Exactly the body and header `make serve` prints. curl -d without -H sends form encoding, which a browser page
+    # can also send cross-origin without a preflight: refused (415), as OpenAI does.
     body = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "Hello!"}], "stream": True,
                        "max_tokens": 8})
     texts = []
-    for headers in ({"Content-Type": "application/json"}, {"Content-Type": "application/x-www-form-urlencoded"}):
+    form = httpx.post(f"{server.base_url}/chat/completions", content=body, timeout=120,
+                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 415 and form.json()["error"]["code"] == "unsupported_media_type"
+    for headers in ({"Content-Type": "application/json"}, {"Content-Type": "application/json; charset=utf-8"}):
         resp = httpx.post(f"{server.base_url}/chat/completions", content=body, headers=headers, timeout=120)
         assert resp.status_code == 200
         events = [e for e in resp.text.split("\n\n") if e]

@@ -28,6 +28,8 @@ def flag_name(field_name: str) -> str:
 
 def _value_type(annotation: Any) -> Any:
     """The argparse `type` for a field: `int | str | None` stays a string (the config parses sizes)."""
+    if typing.get_origin(annotation) is tuple:  # `tuple[str, ...]`: the field's metadata gives nargs
+        return _value_type(typing.get_args(annotation)[0])
     is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     options = typing.get_args(annotation) if is_union else (annotation,)
     for kind in (str, int, float):

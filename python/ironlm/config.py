@@ -214,6 +214,26 @@ class ServerConfig:
         False, "identical deterministic requests (greedy, or the same seed) in flight share one engine sequence")
     result_cache_size: int = _opt(
         0, "finished deterministic results kept (LRU) to answer identical later requests without the engine; 0 = off")
+    # Hostile clients (server/guards.py, server/http_limits.py).
+    max_request_bytes: int = _opt(16 * 1024**2, "largest request body accepted (413 beyond it, counted while reading)",
+                                  metavar="BYTES")
+    max_prompts_per_request: int = _opt(64, "most prompts one /v1/completions request may carry in its list")
+    timeout_keep_alive: float = _opt(5.0, "seconds an idle keep-alive connection stays open", metavar="S")
+    timeout_request_header: float = _opt(
+        10.0, "seconds a client has to send a complete request head, from connecting or from its previous "
+        "response (slow-headers clients are cut off)", metavar="S")
+    max_request_header_bytes: int = _opt(64 * 1024, "largest request line + headers accepted (431 beyond it)",
+                                         metavar="BYTES")
+    allowed_origins: tuple[str, ...] = _opt((), "CORS: origins browsers may call from ('*' for any; default: no "
+                                            "CORS headers at all)", nargs="*")
+    allowed_methods: tuple[str, ...] = _opt(("GET", "POST"), "CORS: allowed methods", nargs="*")
+    allowed_headers: tuple[str, ...] = _opt(("Authorization", "Content-Type"), "CORS: allowed request headers",
+                                            nargs="*")
+    allow_credentials: bool = _opt(False, "CORS: allow credentials (cookies, HTTP auth)")
+    chat_template: str | None = _opt(
+        None, "chat template for every chat request instead of the model's: a file path or the Jinja text itself")
+    trust_request_chat_template: bool = _opt(
+        False, "let requests bring their own `chat_template` (rendered sandboxed, time- and size-bounded)")
     tool_call_parser: str = _opt(
         "auto", "how tool calls are read from chat output with tool_choice auto (auto: from the chat template, then "
         "the model type)", choices=TOOL_CALL_PARSERS)
@@ -249,3 +269,18 @@ class ServerConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise _invalid("tool_call_parser", f"must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                            f"got {self.tool_call_parser!r}")
+        self._check_client_limits()
+
+    def _check_client_limits(self) -> None:
+        for name in ("max_request_bytes", "max_prompts_per_request", "max_request_header_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _invalid(name, f"must be a positive integer, got {value!r}")
+        for name in ("timeout_keep_alive", "timeout_request_header"):
+            if not getattr(self, name) > 0:
+                raise _invalid(name, f"must be > 0, got {getattr(self, name)!r}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise _invalid(name, f"must be a list of strings, got {value!r}")
+            setattr(self, name, tuple(value))  # argparse hands over lists

@@ -65,7 +65,9 @@ class LLMEngine:
             num_blocks=runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=runner.token_budget, max_model_len=runner.max_model_len,
             policy=config.scheduling_policy, enable_prefix_caching=config.enable_prefix_caching,
-            max_queue_len=config.max_queue_len,
+            # The capacity is max_num_seqs running + max_queue_len waiting (checked in add_request): requests that
+            # arrive together all wait until the next step schedules them, so the core's waiting bound is the sum.
+            max_queue_len=None if config.max_queue_len is None else config.max_queue_len + config.max_num_seqs,
         )
         self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
                                seed=config.seed)
@@ -132,6 +134,11 @@ class LLMEngine:
             grammar = self.compile_grammar(params.structured_outputs)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
+        capacity = None if self.config.max_queue_len is None else self.config.max_queue_len + self.config.max_num_seqs
+        if capacity is not None and len(self.table) >= capacity:
+            raise _core.QueueFullError(f"{len(self.table)} requests are running or waiting: the capacity is "
+                                       f"max_num_seqs ({self.config.max_num_seqs}) + max_queue_len "
+                                       f"({self.config.max_queue_len})")
         text, token_ids = encode_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
         max_tokens = params.max_tokens
         if max_tokens is None:  # up to max_model_len; a prompt already that long is the core's to reject

@@ -30,6 +30,9 @@ class SeenTokens:
         self.counts = torch.zeros(0, 16, dtype=torch.int32, device=device)
         self.free: list[int] = []
 
+    # `record` grows the pool inside the sampler's inference mode, making these inference tensors; every other
+    # update must run in inference mode too, or torch refuses the in-place write (a finish then fails).
+    @torch.inference_mode()
     def alloc(self) -> int:
         if not self.free:
             old = len(self.length)
@@ -41,12 +44,14 @@ class SeenTokens:
             self.free.extend(range(new - 1, old - 1, -1))
         return self.free.pop()
 
+    @torch.inference_mode()
     def release(self, row: int) -> None:
         self.pos[row].fill(-1)
         self.length[row] = 0
         self.counts[row].zero_()
         self.free.append(row)
 
+    @torch.inference_mode()
     def add_prompt(self, row: int, token_ids: Sequence[int]) -> None:
         ids = np.asarray(token_ids, dtype=np.int64)
         ids = ids[(ids >= 0) & (ids < self.vocab_size)]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ironlm import __version__
@@ -14,12 +15,18 @@ from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient
 from ironlm.server.auth import APIKeyMiddleware
 from ironlm.server.breaker import BreakerCollector, BreakerMiddleware, CircuitBreaker
+from ironlm.server.chat_template import TemplateRenderer
 from ironlm.server.errors import APIError, install_exception_handlers
+from ironlm.server.guards import install_cors, install_guards
 from ironlm.server.health import health_report
 from ironlm.server.metrics import ObserverGroup, ServerMetrics
+from ironlm.server.openapi import METRICS_DOCS, body_docs, get_docs, install_openapi
+from ironlm.server.prompt_limits import check_text_length
 from ironlm.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     ModelCard,
     ModelList,
@@ -58,10 +65,15 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
     app.state.engine, app.state.metrics, app.state.served_model_names = engine, metrics, names
     app.state.config, app.state.breaker, app.state.shedder = config, breaker, shedder
     install_exception_handlers(app)
+    app.state.chat_templates = TemplateRenderer(engine.tokenizer, config.chat_template)
+    # The guard runs inside the key check (a stranger gets 401, not a hint about bodies), CORS outside it all.
+    install_guards(app, config, frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}))
     if breaker is not None:  # added before the key check, so it runs inside it: refusals need a valid key
         app.add_middleware(BreakerMiddleware, breaker=breaker)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_keys=api_key)
+    install_cors(app, config)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     completions = CompletionHandler(engine, model, shedder)
     chat = ChatHandler(engine, model, shedder, tool_call_parser=config.tool_call_parser)
 
@@ -69,29 +81,29 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
         if name is not None and name not in names:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **body_docs(CompletionRequest, CompletionResponse, streams=True))
     async def create_completion(request: Request) -> Response:
         req = await parse_body(request, CompletionRequest)
         check_model(req.model)
         return await completions(req, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **body_docs(ChatCompletionRequest, ChatCompletionResponse, streams=True))
     async def create_chat_completion(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model)
         return await chat(req, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **get_docs())
     async def list_models() -> dict[str, Any]:
         cards = [ModelCard(id=n, root=model, max_model_len=engine.max_model_len) for n in names]
         return ModelList(data=cards).model_dump()
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", **get_docs())
     async def get_model(name: str) -> dict[str, Any]:
         check_model(name)
         return ModelCard(id=name, root=model, max_model_len=engine.max_model_len).model_dump()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **body_docs(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:
         req = await parse_body(request, TokenizeRequest)
         check_model(req.model)
@@ -99,14 +111,18 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in req.messages]
             try:
-                tokens = engine.apply_chat_template(messages, req.add_generation_prompt)
+                check_text_length(engine, sum(len(m["content"]) for m in messages), "messages")
+                tokens = await asyncio.to_thread(engine.apply_chat_template, messages, req.add_generation_prompt)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         else:
-            tokens = list(engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            prompt = req.prompt or ""  # the model validator made sure one of prompt / messages is there
+            check_text_length(engine, len(prompt), "prompt")
+            tokens = list(await asyncio.to_thread(engine.tokenizer.encode, prompt,
+                                                  add_special_tokens=req.add_special_tokens))
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **body_docs(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
         req = await parse_body(request, DetokenizeRequest)
         check_model(req.model)
@@ -125,7 +141,7 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
         ok, body = health_report(engine, model, started_at, breaker)
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, **METRICS_DOCS)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

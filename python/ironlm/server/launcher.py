@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient
+from ironlm.server.http_limits import uvicorn_options
 
 logger = logging.getLogger("ironlm.serve")
 
@@ -50,8 +52,9 @@ async def serve_app(engine: EngineClient, app: FastAPI, *, host: str, port: int,
                     log_level: str, grpc_port: int | None = None, model_names: list[str] | None = None,
                     api_key: str | None = None, on_ready: Callable[[], None] | None = None) -> None:
     """`host`, `port`, `drain_timeout`, `log_level`: no defaults here, `ironlm serve`'s flags hold them."""
+    limits = uvicorn_options(getattr(app.state, "config", None) or ServerConfig())
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=max(1, int(drain_timeout)), access_log=False)
+                            timeout_graceful_shutdown=max(1, int(drain_timeout)), access_log=False, **limits)
     server = _Server(config, on_signal=engine.begin_drain)
     grpc_server = None
     if grpc_port is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -35,10 +35,15 @@ def _invalid(param: str, reason: str) -> InvalidArgumentError:
 
 # The core takes counts and priorities as 64-bit ints: a larger JSON number is a 400 here, not an overflow later.
 _I64_MAX = 2**63 - 1
+# Seconds: a bound far above any real request keeps event-loop timers and the core's f64 deadlines finite.
+_MAX_SECONDS = 1e6
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value, [-100, 100]
+_TokenId = Annotated[int, Field(ge=0, le=_I64_MAX)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    # No NaN/Infinity: JSON has neither, and a non-finite number in a sampling field is never meant.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -90,20 +95,20 @@ class _SamplingRequest(_Strict):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = None
     user: str | None = None
     # vLLM-style extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=_I64_MAX)  # and <= the vocabulary: checked with the model
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     min_tokens: int = Field(0, ge=0, le=_I64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[_TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-_I64_MAX - 1, le=_I64_MAX)
-    timeout: float | None = Field(None, gt=0)  # seconds for the whole request
-    deadline: float | None = Field(None, gt=0)  # TTFT target in seconds (scheduling policy "deadline")
+    timeout: float | None = Field(None, gt=0, le=_MAX_SECONDS)  # seconds for the whole request
+    deadline: float | None = Field(None, gt=0, le=_MAX_SECONDS)  # TTFT target in seconds (policy "deadline")
     cache_salt: str | None = None
     request_id: str | None = Field(None, max_length=256)
     response_format: ResponseFormat | None = None
@@ -183,7 +188,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -294,6 +299,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None  # checked by resolve_tool_choice (param tool_choice)
     parallel_tool_calls: bool = True
+    # Refused unless the server trusts request templates (--trust-request-chat-template), as in vLLM.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

@@ -18,6 +18,7 @@ from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import RequestOutput
 from ironlm.server.errors import APIError
 from ironlm.server.logprobs import chat_logprobs
+from ironlm.server.prompt_limits import chat_prompt_ids
 from ironlm.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -77,7 +78,7 @@ class ChatHandler:
         return [ToolOutput(choice, self.parser if choice.mode == "auto" else None) for _ in range(req.n)]
 
     async def __call__(self, req: ChatCompletionRequest, request: Request) -> Response:
-        prompt = self.prompt_ids(req)
+        prompt = await chat_prompt_ids(self.engine, req, request, self.prompt_ids)  # off the event loop
         max_tokens = req.max_completion_tokens or req.max_tokens  # None: up to max_model_len
         if max_tokens is None and len(prompt) >= self.engine.max_model_len:
             raise APIError(400, f"messages: the prompt ({len(prompt)} tokens) leaves no room to generate within "

@@ -15,6 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import RequestOutput
+from ironlm.engine.prompts import PromptType
 from ironlm.exceptions import (
     DuplicateRequestError,
     EngineDeadError,
@@ -32,15 +33,12 @@ if TYPE_CHECKING:
     from ironlm.server.shedding import Shedder
 
 M = TypeVar("M", bound=BaseModel)
-_MAX_BODY = 64 * 1024 * 1024
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM uses the same floor
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """JSON body -> model. Any content type is accepted: `curl -d` sends form-encoded by default."""
+    """JSON body -> model. The size cap and the content type were enforced on the way in (server/guards.py)."""
     body = await request.body()
-    if len(body) > _MAX_BODY:
-        raise APIError(413, "request body too large")
     if not body.strip():
         raise APIError(400, "request body is empty; expected a JSON object")
     try:
@@ -66,7 +64,7 @@ def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
     prompt, and bad values that name no parameter, point there.
     """
     if isinstance(exc, QueueFullError):
-        return APIError(503, f"the server is overloaded: {exc}", code="queue_full")
+        return APIError(503, f"the server is overloaded: {exc}", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, (EngineDeadError, EngineOverloadedError)):
         return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, RequestTooLargeError):
@@ -89,7 +87,7 @@ def constraint_error(err: APIError, source: str | None) -> APIError:
     return err
 
 
-async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[str | list[int]], params: Any,
+async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[PromptType], params: Any,
                         req: Any, prompt_param: str = "prompt", shedder: Shedder | None = None) -> list[RequestStream]:
     """Add one engine request per prompt; on any failure abort those already added. `shedder` may refuse the
     whole request first (503 + Retry-After) and learns each admitted prompt's priority."""
@@ -111,9 +109,21 @@ async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[st
         for s in streams:
             s.close()
         if isinstance(exc, Exception):
-            raise engine_error(exc, prompt_param) from None
+            err = engine_error(exc, prompt_param)
+            rate = shedder.tracker.completion_rate() if shedder is not None else None
+            if isinstance(exc, QueueFullError) and rate:  # the queue drains at the measured finish rate
+                waiting = int(engine.stats().get("num_requests_waiting", 0))
+                err.headers = {"Retry-After": str(max(1, math.ceil(waiting / rate)))}
+            raise err from None
         raise
     return streams
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Done callback: mark a task's exception as seen. Tasks left behind when a request is cancelled or fails
+    (the other prompts' of a list) would otherwise log "exception was never retrieved"."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -135,7 +145,8 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
                 pending[asyncio.ensure_future(streams[i].__anext__())] = i
                 yield i, out
     finally:
-        for task in pending:
+        for task in pending:  # those not consumed yet, done ones included
+            task.add_done_callback(_retrieve)
             task.cancel()
 
 
@@ -153,7 +164,8 @@ async def final_outputs(streams: list[RequestStream], request: Request) -> list[
         assert out is not None
         return out
 
-    gathered = asyncio.gather(*(last(s) for s in streams))
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    gathered = asyncio.gather(*tasks)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     either: set[asyncio.Future[Any]] = {gathered, watcher}
     try:
@@ -168,6 +180,10 @@ async def final_outputs(streams: list[RequestStream], request: Request) -> list[
         watcher.cancel()
         if not gathered.done():
             gathered.cancel()
+        for task in tasks:
+            task.add_done_callback(_retrieve)
+            task.cancel()
+        gathered.add_done_callback(_retrieve)
         for s in streams:
             s.close()
     for out in outputs:

@@ -14,6 +14,7 @@ from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import RequestOutput
 from ironlm.server.errors import APIError
 from ironlm.server.logprobs import completion_logprobs
+from ironlm.server.prompt_limits import completion_prompts
 from ironlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from ironlm.server.serving_common import (
     SSE_DONE,
@@ -38,7 +39,8 @@ class CompletionHandler:
         params = sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens or 16,
                                   "logprobs": req.logprobs})
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-        streams = await start_streams(self.engine, rid, req.prompts(), params, req, shedder=self.shedder)
+        prompts = await completion_prompts(self.engine, req, request)
+        streams = await start_streams(self.engine, rid, prompts, params, req, shedder=self.shedder)
         if req.stream:
             return EngineStreamingResponse(self._stream(req, rid, streams), streams)
         outputs = await final_outputs(streams, request)
