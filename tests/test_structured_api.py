@@ -284,3 +284,35 @@ def test_grpc_structured_outputs(server: LiveServer):
         assert "structured_outputs.regex" in (exc.value.details() or "")
     finally:
         rpc.stop()
+
+
+# ---- the built-in default model (a real GGUF vocabulary) ----------------------------------------------
+@pytest.fixture(scope="module")
+def default_server():
+    from ironlm.config import EngineConfig
+    from ironlm.engine import AsyncLLMEngine
+    from ironlm.server.api import build_app
+
+    engine = AsyncLLMEngine.from_config(EngineConfig(kv_cache_memory="128MiB", max_model_len=1024))
+    server = LiveServer(build_app(engine, served_model_name="default"), engine)
+    yield server
+    server.stop()
+
+
+def test_default_model_json_schema_and_forced_tool_call(default_server: LiveServer):
+    c = openai.OpenAI(base_url=default_server.base_url, api_key="unused", max_retries=0, timeout=300)
+    r = c.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Describe a made-up person as JSON."}], n=4,
+        temperature=1.0, seed=0, max_tokens=300,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+    r = c.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[tool],
+        tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=100)
+    (call,) = r.choices[0].message.tool_calls or []
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
