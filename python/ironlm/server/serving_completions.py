@@ -19,6 +19,7 @@ from ironlm.server.protocol import CompletionChoice, CompletionRequest, Completi
 from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
+    constraint_error,
     decode,
     final_outputs,
     merge_streams,
@@ -38,9 +39,13 @@ class CompletionHandler:
     async def __call__(self, req: CompletionRequest, request: Request) -> Response:
         params = sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens or 16,
                                   "logprobs": req.logprobs})
+        source = req.structured()[1]
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         prompts = await completion_prompts(self.engine, req, request)
-        streams = await start_streams(self.engine, rid, prompts, params, req, shedder=self.shedder)
+        try:
+            streams = await start_streams(self.engine, rid, prompts, params, req, shedder=self.shedder)
+        except APIError as err:
+            raise constraint_error(err, source) from None
         if req.stream:
             return EngineStreamingResponse(self._stream(req, rid, streams), streams)
         outputs = await final_outputs(streams, request)
