@@ -165,8 +165,8 @@ def _rank(rank: int, world: int) -> TPGroup:
 
 
 @pytest.mark.parametrize("source", ["safetensors", "gguf-f32", "gguf-q8_0"])
-def test_each_rank_loads_its_slice(tmp_path, source):
-    hf = make_tiny_model(tmp_path, arch="llama", num_key_value_heads=2)
+def test_each_rank_loads_its_slice(tmp_path, models, source):
+    hf = models["gqa-untied"]  # llama, 4 heads of 64, 2 KV heads, MLP 384
     path = hf if source == "safetensors" else make_tiny_gguf(tmp_path, hf, source.split("-")[1].upper())
     full = load_model(str(path), dtype="float32", quantization="none").model
     ranks = [load_model(str(path), dtype="float32", quantization="auto", tp=_rank(r, 2)).model for r in (0, 1)]
