@@ -4,7 +4,7 @@ Times are seconds as floats. Unless a ``now`` is passed, the core uses its own m
 clock (``ironlm._core.monotonic()``), so Python and Rust agree on time.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
 import numpy as np
@@ -387,8 +387,18 @@ class Scheduler:
         policy: str,
         enable_prefix_caching: bool,
         max_queue_len: int | None,
+        tenant_weights: Mapping[str, float] | None = None,
+        input_token_weight: float = 1.0,
+        output_token_weight: float = 1.0,
+        scheduler_delay_factor: float = 0.0,
     ) -> Self:
-        """Every argument is required: their defaults live in ``EngineConfig`` alone."""
+        """Every argument up to ``max_queue_len`` is required: their defaults live in ``EngineConfig`` alone.
+
+        The rest default to neutral: policy ``fair`` charges each tenant's prefill tokens ×
+        ``input_token_weight`` plus sampled tokens × ``output_token_weight``, divided by its share in
+        ``tenant_weights`` (1 if absent), and admits from the least charged tenant within the best
+        priority. ``scheduler_delay_factor`` > 0 holds admissions, while sequences run, until that
+        × the last step's duration has passed since the last admission."""
     def add_request(
         self,
         request_id: str,
@@ -406,6 +416,7 @@ class Scheduler:
         namespace: str | None = None,
         arrival_time: float | None = None,
         grammar: CompiledGrammar | None = None,
+        tenant: str | None = None,
     ) -> list[int]:
         """Queue a request; returns its ``n`` sequence slots (stable handles until finished).
 
@@ -414,6 +425,7 @@ class Scheduler:
         stop tokens or max_tokens as usual; ``min_tokens`` does not hold it back.
 
         ``deadline``: TTFT deadline, seconds after arrival (policy ``deadline``).
+        ``tenant``: who it is served for (policy ``fair``); None is the tenant ``""``.
         ``queue_timeout``: seconds after arrival after which a still-waiting request
         finishes with reason ``timeout`` (waiting only: a running request never times out
         here). Raises QueueFullError, RequestTooLargeError (prompt + max_tokens beyond
@@ -501,6 +513,11 @@ class Scheduler:
         num_preemptions counts sequences; num_timeouts and num_aborted count requests;
         num_finished counts sequences finished by a stop rule or ``finish``; blocks_used are
         held by sequences, blocks_cached only by the prefix cache (evictable)."""
+    def tenant_stats(self) -> dict[str, dict[str, float]]:
+        """Per tenant seen so far: weight, counter (virtual tokens), input_tokens, output_tokens (served,
+        under every policy) and live (requests waiting or running)."""
+    @property
+    def scheduler_delay_factor(self) -> float: ...
 
 def apply_token_bitmask(
     logits: npt.NDArray[np.float32], rows: npt.NDArray[np.int64], bits: npt.NDArray[np.int32]

@@ -10,6 +10,7 @@ pub mod quant;
 pub mod radix;
 
 pub mod error;
+pub mod fair;
 pub mod grammar;
 pub mod parallel;
 pub mod plan;
@@ -20,7 +21,7 @@ pub mod sequence;
 pub use error::{CoreError, CoreResult};
 pub use plan::Plan;
 pub use queue::{monotonic, Policy, QueueParams, RequestQueue};
-pub use scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
+pub use scheduler::{Scheduler, SchedulerConfig, SchedulerOptions, SchedulerStats};
 pub use sequence::{FinishReason, RequestParams, Slot};
 
 #[cfg(feature = "python")]

@@ -1,4 +1,4 @@
-//! Waiting-request queue under one policy: `fcfs`, `priority` or `deadline`.
+//! Waiting-request queue under one policy: `fcfs`, `priority`, `deadline` or `fair`.
 //!
 //! Entries live in a `BTreeMap` ordered by a policy key, plus a hash map from id to key, so
 //! push, pop, remove-by-id (abort) are O(log n) and never scan. Requests that carry a timeout
@@ -9,6 +9,11 @@
 //! - `priority`: lower `priority` value first, then arrival.
 //! - `deadline`: requests with a deadline first, earliest absolute deadline (arrival + deadline)
 //!   first; the rest by arrival.
+//! - `fair`: lower `priority` first; within a priority, the tenant with the smallest virtual
+//!   token counter (`fair.rs`), then that tenant's own order (re-queued preempted ones first,
+//!   then arrival). Each tenant has its own `BTreeMap`, and the tenants with waiting requests
+//!   sit in a `BTreeSet` keyed by (head priority, counter), re-keyed whenever either changes:
+//!   peek and pop stay O(log n) however many requests one tenant queues.
 //!
 //! `push_front` (a preempted request going back) puts an entry ahead of every normal entry under
 //! `fcfs` and `deadline` (the most recent `push_front` first); under `priority` the entry simply
@@ -16,13 +21,14 @@
 
 use std::borrow::Borrow;
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::Hash;
 use std::str::FromStr;
 use std::sync::OnceLock;
 use std::time::Instant;
 
 use crate::error::CoreError;
+use crate::fair::{TenantId, Vtc};
 
 /// The core's monotonic clock in seconds (shared with Python as `ironlm._core.monotonic()`).
 pub fn monotonic() -> f64 {
@@ -36,6 +42,7 @@ pub enum Policy {
     Fcfs,
     Priority,
     Deadline,
+    Fair,
 }
 
 impl Policy {
@@ -44,6 +51,7 @@ impl Policy {
             Policy::Fcfs => "fcfs",
             Policy::Priority => "priority",
             Policy::Deadline => "deadline",
+            Policy::Fair => "fair",
         }
     }
 }
@@ -55,9 +63,10 @@ impl FromStr for Policy {
             "fcfs" => Ok(Policy::Fcfs),
             "priority" => Ok(Policy::Priority),
             "deadline" => Ok(Policy::Deadline),
+            "fair" => Ok(Policy::Fair),
             _ => Err(CoreError::invalid(
                 "policy",
-                format!("expected 'fcfs', 'priority' or 'deadline', got {s:?}"),
+                format!("expected 'fcfs', 'priority', 'deadline' or 'fair', got {s:?}"),
             )),
         }
     }
@@ -88,6 +97,8 @@ pub struct QueueParams {
     pub deadline: Option<f64>,
     /// How long it may wait in the queue: the queue's to enforce, so it bounds waiting only.
     pub queue_timeout: Option<f64>,
+    /// Its tenant (`RequestQueue::tenant_id`); 0 is the tenant "".
+    pub tenant: TenantId,
 }
 
 impl QueueParams {
@@ -132,7 +143,11 @@ struct Key {
 struct Entry {
     key: Key,
     expires: Option<(OrdF64, u64)>,
+    tenant: TenantId,
 }
+
+/// (head priority, counter, tenant) of a tenant with waiting requests (`fair`).
+type ReadyKey = (i64, OrdF64, TenantId);
 
 #[derive(Debug, Clone)]
 pub struct RequestQueue<K> {
@@ -143,10 +158,21 @@ pub struct RequestQueue<K> {
     entries: HashMap<K, Entry>,
     next_seq: u64,
     next_front: i64,
+    /// Served-token counters, kept under every policy (per-tenant stats); only `fair` orders
+    /// by them.
+    vtc: Vtc,
+    /// `fair`: each tenant's waiting requests (`order` stays empty).
+    by_tenant: Vec<BTreeMap<Key, K>>,
+    /// `fair`: the tenants with waiting requests.
+    ready: BTreeSet<ReadyKey>,
 }
 
 impl<K: Hash + Eq + Clone> RequestQueue<K> {
     pub fn new(policy: Policy, max_len: Option<usize>) -> Self {
+        Self::with_vtc(policy, max_len, Vtc::default())
+    }
+
+    pub fn with_vtc(policy: Policy, max_len: Option<usize>, vtc: Vtc) -> Self {
         Self {
             policy,
             max_len,
@@ -155,7 +181,70 @@ impl<K: Hash + Eq + Clone> RequestQueue<K> {
             entries: HashMap::new(),
             next_seq: 0,
             next_front: 0,
+            vtc,
+            by_tenant: Vec::new(),
+            ready: BTreeSet::new(),
         }
+    }
+
+    pub fn vtc(&self) -> &Vtc {
+        &self.vtc
+    }
+
+    /// The id of tenant `name` (registered on first sight); "" is 0.
+    pub fn tenant_id(&mut self, name: &str) -> TenantId {
+        self.vtc.id(name)
+    }
+
+    /// A request of tenant `t` became live (see `Vtc::join`).
+    pub fn tenant_join(&mut self, t: TenantId) {
+        let old = self.ready_key(t);
+        self.vtc.join(t);
+        self.rekey(t, old);
+    }
+
+    /// A request of tenant `t` is gone.
+    pub fn tenant_leave(&mut self, t: TenantId) {
+        self.vtc.leave(t);
+    }
+
+    /// Charge tenant `t` for served tokens (see `Vtc::charge`).
+    pub fn charge(&mut self, t: TenantId, input: usize, output: usize) {
+        let old = self.ready_key(t);
+        self.vtc.charge(t, input, output);
+        self.rekey(t, old);
+    }
+
+    fn ready_key(&self, t: TenantId) -> Option<ReadyKey> {
+        let (k, _) = self.by_tenant.get(t as usize)?.first_key_value()?;
+        Some((k.band, OrdF64(self.vtc.counter(t)), t))
+    }
+
+    /// Tenant `t`'s queue head or counter may have changed: move its `ready` entry.
+    fn rekey(&mut self, t: TenantId, old: Option<ReadyKey>) {
+        if self.policy != Policy::Fair {
+            return;
+        }
+        let new = self.ready_key(t);
+        if old != new {
+            if let Some(o) = old {
+                self.ready.remove(&o);
+            }
+            if let Some(n) = new {
+                self.ready.insert(n);
+            }
+        }
+    }
+
+    /// Drop `key` from wherever the policy keeps it.
+    fn unlink(&mut self, key: &Key, t: TenantId) {
+        if self.policy != Policy::Fair {
+            self.order.remove(key);
+            return;
+        }
+        let old = self.ready_key(t);
+        self.by_tenant[t as usize].remove(key);
+        self.rekey(t, old);
     }
 
     pub fn policy(&self) -> Policy {
@@ -227,7 +316,7 @@ impl<K: Hash + Eq + Clone> RequestQueue<K> {
     fn insert(&mut self, id: K, p: QueueParams, front: bool) {
         let seq = self.next_seq;
         self.next_seq += 1;
-        let band = if front && self.policy != Policy::Priority {
+        let band = if front && !matches!(self.policy, Policy::Priority | Policy::Fair) {
             self.next_front -= 1;
             self.next_front
         } else {
@@ -240,33 +329,62 @@ impl<K: Hash + Eq + Clone> RequestQueue<K> {
                 Some(d) => (0, p.arrival + d),
                 None => (1, p.arrival),
             },
+            // Within a tenant the priority leads, a re-queued preempted request next.
+            Policy::Fair => (0, p.arrival),
         };
-        let key = Key {
+        let mut key = Key {
             band,
             class,
             time: OrdF64(time),
             seq,
         };
+        if self.policy == Policy::Fair {
+            key.band = p.priority;
+            if front {
+                self.next_front -= 1;
+                key.class = self.next_front;
+            }
+        }
         let expires = p.queue_timeout.map(|t| (OrdF64(p.arrival + t), seq));
-        self.order.insert(key, id.clone());
+        let tenant = p.tenant;
+        if self.policy == Policy::Fair {
+            let t = tenant as usize;
+            if self.by_tenant.len() <= t {
+                self.by_tenant.resize_with(t + 1, BTreeMap::new);
+            }
+            let old = self.ready_key(tenant);
+            self.by_tenant[t].insert(key, id.clone());
+            self.rekey(tenant, old);
+        } else {
+            self.order.insert(key, id.clone());
+        }
         if let Some(e) = expires {
             self.expiry.insert(e, id.clone());
         }
-        self.entries.insert(id, Entry { key, expires });
+        self.entries.insert(
+            id,
+            Entry {
+                key,
+                expires,
+                tenant,
+            },
+        );
     }
 
     /// The next request in policy order.
     pub fn peek(&self) -> Option<&K> {
+        if self.policy == Policy::Fair {
+            let &(_, _, t) = self.ready.first()?;
+            return self.by_tenant[t as usize]
+                .first_key_value()
+                .map(|(_, id)| id);
+        }
         self.order.first_key_value().map(|(_, id)| id)
     }
 
     pub fn pop(&mut self) -> Option<K> {
-        let (_, id) = self.order.pop_first()?;
-        if let Some(e) = self.entries.remove(&id) {
-            if let Some(x) = e.expires {
-                self.expiry.remove(&x);
-            }
-        }
+        let id = self.peek()?.clone();
+        self.remove(&id);
         Some(id)
     }
 
@@ -278,7 +396,7 @@ impl<K: Hash + Eq + Clone> RequestQueue<K> {
     {
         match self.entries.remove(id) {
             Some(e) => {
-                self.order.remove(&e.key);
+                self.unlink(&e.key, e.tenant);
                 if let Some(x) = e.expires {
                     self.expiry.remove(&x);
                 }
@@ -302,7 +420,7 @@ impl<K: Hash + Eq + Clone> RequestQueue<K> {
             }
             let (_, id) = self.expiry.pop_first().expect("non-empty");
             if let Some(e) = self.entries.remove(&id) {
-                self.order.remove(&e.key);
+                self.unlink(&e.key, e.tenant);
             }
             out.push(id);
         }
@@ -314,12 +432,22 @@ impl<K: Hash + Eq + Clone> RequestQueue<K> {
         out
     }
 
-    /// Ids in policy order.
-    pub fn iter(&self) -> impl Iterator<Item = &K> + '_ {
-        self.order.values()
+    /// Ids in policy order; under `fair` tenant by tenant (in the order their heads would be
+    /// admitted now), which is the admission order only while no counter changes.
+    pub fn iter(&self) -> Box<dyn Iterator<Item = &K> + '_> {
+        if self.policy == Policy::Fair {
+            return Box::new(
+                self.ready
+                    .iter()
+                    .flat_map(|&(_, _, t)| self.by_tenant[t as usize].values()),
+            );
+        }
+        Box::new(self.order.values())
     }
 
     pub fn clear(&mut self) {
+        self.by_tenant.iter_mut().for_each(BTreeMap::clear);
+        self.ready.clear();
         self.order.clear();
         self.expiry.clear();
         self.entries.clear();

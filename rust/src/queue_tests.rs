@@ -150,7 +150,12 @@ fn randomized_against_sorted_vec_model() {
         rng ^= rng << 17;
         rng
     };
-    for policy in [Policy::Fcfs, Policy::Priority, Policy::Deadline] {
+    for policy in [
+        Policy::Fcfs,
+        Policy::Priority,
+        Policy::Deadline,
+        Policy::Fair,
+    ] {
         let mut q: RequestQueue<u32> = RequestQueue::new(policy, None);
         let mut model: Vec<(u32, QueueParams, u64)> = Vec::new();
         let mut seq = 0u64;
@@ -164,6 +169,7 @@ fn randomized_against_sorted_vec_model() {
                         arrival: now + (next() % 3) as f64,
                         deadline: (next() % 2 == 0).then(|| (next() % 10) as f64),
                         queue_timeout: (next() % 3 == 0).then(|| (next() % 20) as f64),
+                        tenant: 0,
                     };
                     q.push(id, params).unwrap();
                     model.push((id, params, seq));
@@ -174,6 +180,8 @@ fn randomized_against_sorted_vec_model() {
                     let key = |(_, p, s): &(u32, QueueParams, u64)| match policy {
                         Policy::Fcfs => (0, OrdF64(p.arrival), *s),
                         Policy::Priority => (p.priority, OrdF64(p.arrival), *s),
+                        // One tenant, counters never charged: priority order.
+                        Policy::Fair => (p.priority, OrdF64(p.arrival), *s),
                         Policy::Deadline => match p.deadline {
                             Some(d) => (0, OrdF64(p.arrival + d), *s),
                             None => (1, OrdF64(p.arrival), *s),

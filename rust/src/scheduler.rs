@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use crate::block::{BlockAllocator, BlockUsage};
 use crate::error::{CoreError, CoreResult};
+use crate::fair::{FairConfig, TenantStats, Vtc};
 use crate::grammar::{MaskJob, TokenBitmask};
 use crate::plan::Plan;
 use crate::queue::{monotonic, OrdF64, Policy, QueueParams, RequestQueue};
@@ -18,6 +19,9 @@ use crate::radix::RadixCache;
 pub use crate::sequence::Finished;
 use crate::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
 
+#[cfg(test)]
+#[path = "fair_sched_tests.rs"]
+mod fair_tests;
 mod step;
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
@@ -62,6 +66,30 @@ impl SchedulerConfig {
                     "must be >= max_num_seqs ({}) so every running sequence gets a token each step, got {}",
                     self.max_num_seqs, self.max_num_batched_tokens
                 ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Settings beyond `SchedulerConfig` whose defaults are neutral: equal tenant shares, tokens
+/// charged as they are, no prefill delay.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SchedulerOptions {
+    pub fair: FairConfig,
+    /// vLLM's `scheduler_delay_factor`: while sequences run, admit new requests only once this
+    /// × the last step's duration has passed since the last admission, so prefills that
+    /// arrive close together share a step instead of each slowing a decode step. 0: off.
+    pub delay_factor: f64,
+}
+
+impl SchedulerOptions {
+    pub fn validate(&self) -> CoreResult<()> {
+        self.fair.validate()?;
+        if !(self.delay_factor.is_finite() && self.delay_factor >= 0.0) {
+            return Err(CoreError::invalid(
+                "scheduler_delay_factor",
+                format!("must be >= 0, got {}", self.delay_factor),
             ));
         }
         Ok(())
@@ -124,6 +152,12 @@ pub struct Scheduler {
     masks: Option<MaskJob>,
     mask_threads: usize,
     mask_stats: MaskStats,
+    delay_factor: f64,
+    /// `now` of the last `schedule`, and the time between the last two while sequences ran.
+    last_schedule: Option<f64>,
+    last_step_s: f64,
+    /// `now` of the last `schedule` that admitted a waiting request.
+    last_admit: f64,
 }
 
 /// Where the mask computation's time went, summed over steps.
@@ -141,11 +175,16 @@ pub struct MaskStats {
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> CoreResult<Self> {
+        Self::with_options(cfg, SchedulerOptions::default())
+    }
+
+    pub fn with_options(cfg: SchedulerConfig, opts: SchedulerOptions) -> CoreResult<Self> {
         cfg.validate()?;
+        opts.validate()?;
         Ok(Self {
             alloc: BlockAllocator::new(cfg.num_blocks, cfg.block_size),
             radix: RadixCache::new(cfg.block_size),
-            queue: RequestQueue::new(cfg.policy, cfg.max_queue_len),
+            queue: RequestQueue::with_vtc(cfg.policy, cfg.max_queue_len, Vtc::new(opts.fair)),
             reqs: Vec::new(),
             req_free: Vec::new(),
             req_ids: HashMap::new(),
@@ -169,6 +208,10 @@ impl Scheduler {
             masks: None,
             mask_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             mask_stats: MaskStats::default(),
+            delay_factor: opts.delay_factor,
+            last_schedule: None,
+            last_step_s: 0.0,
+            last_admit: f64::NEG_INFINITY,
             cfg,
         })
     }
@@ -222,6 +265,7 @@ impl Scheduler {
             arrival,
             deadline: params.deadline,
             queue_timeout: params.queue_timeout,
+            tenant: 0,
         };
         qp.validate()?;
         if self.req_ids.contains_key(request_id) {
@@ -310,7 +354,10 @@ impl Scheduler {
             slots.push(slot);
         }
         let id: Arc<str> = request_id.into();
+        let tenant = self.queue.tenant_id(params.tenant.as_deref().unwrap_or(""));
+        let qp = QueueParams { tenant, ..qp };
         self.queue.push(slots[0], qp)?;
+        self.queue.tenant_join(tenant);
         self.reqs[idx as usize] = Some(Request {
             id: id.clone(),
             queue: qp,
@@ -322,6 +369,7 @@ impl Scheduler {
             admitted: false,
             counted: false,
             preempted_step: 0,
+            charged_prompt: 0,
         });
         self.req_ids.insert(id, idx);
         Ok(slots)
@@ -446,6 +494,23 @@ impl Scheduler {
     /// Drop every unlocked cached block; false if some cached blocks are still in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.radix.reset(&mut self.alloc)
+    }
+
+    /// Served tokens and virtual counter per tenant seen so far (every policy counts; `fair`
+    /// orders by the counters).
+    pub fn tenant_stats(&self) -> Vec<TenantStats> {
+        self.queue.vtc().stats()
+    }
+
+    pub fn delay_factor(&self) -> f64 {
+        self.delay_factor
+    }
+
+    pub fn options(&self) -> SchedulerOptions {
+        SchedulerOptions {
+            fair: self.queue.vtc().config().clone(),
+            delay_factor: self.delay_factor,
+        }
     }
 
     pub fn stats(&self) -> SchedulerStats {
@@ -591,7 +656,8 @@ impl Scheduler {
         let r = self.reqs[idx as usize].as_mut().expect("known request");
         r.live -= 1;
         if r.live == 0 {
-            let id = r.id.clone();
+            let (id, tenant) = (r.id.clone(), r.queue.tenant);
+            self.queue.tenant_leave(tenant);
             self.req_ids.remove(&id);
             self.reqs[idx as usize] = None;
             self.req_free.push(idx);

@@ -711,6 +711,8 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
                     namespace: namespaces[nsi].map(String::from),
                     arrival_time: Some(now),
                     grammar: None,
+                    // From the id, not the rng: the other policies' runs stay as they were.
+                    tenant: (!next_id.is_multiple_of(3)).then(|| format!("t{}", next_id % 3)),
                 };
                 let min_tokens = p.min_tokens;
                 match s.add_request(&id, &prompt, p) {
@@ -899,7 +901,12 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
 fn randomized_scheduler_invariants() {
     let mut seen = Seen::default();
     let mut seed = 1;
-    for policy in [Policy::Fcfs, Policy::Priority, Policy::Deadline] {
+    for policy in [
+        Policy::Fcfs,
+        Policy::Priority,
+        Policy::Deadline,
+        Policy::Fair,
+    ] {
         for caching in [true, false] {
             for _ in 0..6 {
                 random_run(seed, policy, caching, 3_000, &mut seen);

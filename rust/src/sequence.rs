@@ -110,6 +110,8 @@ pub struct RequestParams {
     pub arrival_time: Option<f64>,
     /// Constrain every sequence's output to this grammar (structured outputs).
     pub grammar: Option<CompiledGrammar>,
+    /// Who it is served for (policy `fair`); None is the tenant "".
+    pub tenant: Option<String>,
 }
 
 impl Default for RequestParams {
@@ -127,6 +129,7 @@ impl Default for RequestParams {
             namespace: None,
             arrival_time: None,
             grammar: None,
+            tenant: None,
         }
     }
 }
@@ -159,6 +162,9 @@ pub(crate) struct Request {
     pub counted: bool,
     /// Last step that reported it in `preempted_request_ids` (one entry per step).
     pub preempted_step: u64,
+    /// Prompt tokens its tenant was charged for: a recompute after preemption is not served
+    /// twice as far as fairness goes.
+    pub charged_prompt: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -50,6 +50,7 @@ impl PyRequestQueue {
             arrival,
             deadline: time_arg("deadline", deadline)?,
             queue_timeout: time_arg("queue_timeout", queue_timeout)?,
+            tenant: 0,
         };
         self.inner.push(request_id, p)?;
         Ok(())

@@ -6,8 +6,9 @@ use pyo3::types::{PyDict, PyList};
 
 use super::grammar::PyCompiledGrammar;
 use super::{as_i64_array, count_arg, time_arg, token_ids, value_error};
+use crate::fair::FairConfig;
 use crate::queue::Policy;
-use crate::scheduler::{Finished, Scheduler, SchedulerConfig};
+use crate::scheduler::{Finished, Scheduler, SchedulerConfig, SchedulerOptions};
 use crate::sequence::{RequestParams, Slot};
 
 /// Steps with at least this many running sequences run with the GIL released. Shorter ones
@@ -196,6 +197,10 @@ impl PyScheduler {
         policy,
         enable_prefix_caching,
         max_queue_len,
+        tenant_weights = None,
+        input_token_weight = 1.0,
+        output_token_weight = 1.0,
+        scheduler_delay_factor = 0.0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -207,6 +212,10 @@ impl PyScheduler {
         policy: &str,
         enable_prefix_caching: bool,
         max_queue_len: Option<i64>,
+        tenant_weights: Option<std::collections::HashMap<String, f64>>,
+        input_token_weight: f64,
+        output_token_weight: f64,
+        scheduler_delay_factor: f64,
     ) -> PyResult<Self> {
         let cfg = SchedulerConfig {
             num_blocks: count_arg("num_blocks", num_blocks, 1)?,
@@ -220,8 +229,19 @@ impl PyScheduler {
                 .map(|m| count_arg("max_queue_len", m, 0))
                 .transpose()?,
         };
+        let mut tenant_weights: Vec<(String, f64)> =
+            tenant_weights.unwrap_or_default().into_iter().collect();
+        tenant_weights.sort_by(|a, b| a.0.cmp(&b.0));
+        let opts = SchedulerOptions {
+            fair: FairConfig {
+                tenant_weights,
+                input_token_weight,
+                output_token_weight,
+            },
+            delay_factor: scheduler_delay_factor,
+        };
         Ok(Self {
-            inner: Scheduler::new(cfg)?,
+            inner: Scheduler::with_options(cfg, opts)?,
         })
     }
 
@@ -242,6 +262,7 @@ impl PyScheduler {
         namespace = None,
         arrival_time = None,
         grammar = None,
+        tenant = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -260,6 +281,7 @@ impl PyScheduler {
         namespace: Option<String>,
         arrival_time: Option<f64>,
         grammar: Option<PyRef<'_, PyCompiledGrammar>>,
+        tenant: Option<String>,
     ) -> PyResult<Vec<Slot>> {
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
         let ids = |o: Option<&Bound<'_, PyAny>>, name| match o {
@@ -279,6 +301,7 @@ impl PyScheduler {
             namespace,
             arrival_time: time_arg("arrival_time", arrival_time)?,
             grammar: grammar.map(|g| g.inner.clone()),
+            tenant,
         };
         Ok(self.inner.add_request(request_id, &prompt, params)?)
     }
@@ -496,6 +519,27 @@ impl PyScheduler {
         d.set_item("num_steps", s.num_steps)?;
         d.set_item("num_requests", s.num_requests)?;
         Ok(d)
+    }
+
+    /// Per tenant seen so far: ``{name: {"weight", "counter", "input_tokens",
+    /// "output_tokens", "live"}}`` (served tokens count under every policy).
+    fn tenant_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for t in self.inner.tenant_stats() {
+            let d = PyDict::new(py);
+            d.set_item("weight", t.weight)?;
+            d.set_item("counter", t.counter)?;
+            d.set_item("input_tokens", t.input_tokens)?;
+            d.set_item("output_tokens", t.output_tokens)?;
+            d.set_item("live", t.live)?;
+            out.set_item(t.name.as_ref(), d)?;
+        }
+        Ok(out)
+    }
+
+    #[getter]
+    fn scheduler_delay_factor(&self) -> f64 {
+        self.inner.delay_factor()
     }
 
     fn __contains__(&self, request_id: &str) -> bool {

@@ -3,7 +3,7 @@
 use super::{Finished, Scheduler};
 use crate::error::{CoreError, CoreResult};
 use crate::plan::Plan;
-use crate::queue::{monotonic, Policy};
+use crate::queue::{monotonic, OrdF64, Policy};
 use crate::radix::RadixCache;
 use crate::sequence::{FinishReason, Slot, Status};
 
@@ -12,14 +12,26 @@ impl Scheduler {
     /// in `plan.finished`). If the previous plan was never `update`d, its sequences are
     /// preempted: their work in that step is assumed lost.
     pub fn schedule(&mut self, now: Option<f64>) -> &Plan {
+        let now = now.unwrap_or_else(monotonic);
+        // Sequences left running means the engine stepped again at once: the gap is one step.
+        // Without them it may have idled, and an idle gap is no step duration.
+        if let Some(prev) = self.last_schedule.filter(|_| self.num_running > 0) {
+            self.last_step_s = (now - prev).max(0.0);
+        }
+        self.last_schedule = Some(now);
         self.step += 1;
         self.rollback_pending();
+        if self.cfg.policy == Policy::Fair && self.running.len() > 1 {
+            // Counters moved since the last step: re-rank who gets tokens first and who is
+            // preempted first.
+            self.running_unsorted = true;
+        }
         self.compact_running();
-        self.expire_waiting(now.unwrap_or_else(monotonic));
+        self.expire_waiting(now);
 
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut make_room_for_waiting = false;
-        if self.cfg.policy == Policy::Priority {
+        if matches!(self.cfg.policy, Policy::Priority | Policy::Fair) {
             make_room_for_waiting = self.priority_preempt();
         }
 
@@ -67,8 +79,13 @@ impl Scheduler {
             i += 1;
         }
 
-        // Then waiting requests in policy order, unless this step had to preempt for blocks.
-        if !preempted || make_room_for_waiting {
+        // Then waiting requests in policy order, unless this step had to preempt for blocks
+        // or the delay factor holds them for a bigger prefill batch.
+        let held = self.delay_factor > 0.0
+            && self.num_running > 0
+            && now - self.last_admit < self.delay_factor * self.last_step_s;
+        let admitted_before = self.num_running;
+        if (!preempted || make_room_for_waiting) && !held {
             while budget > 0 {
                 let Some(&slot) = self.queue.peek() else {
                     break;
@@ -81,6 +98,9 @@ impl Scheduler {
                     break;
                 }
             }
+        }
+        if self.num_running > admitted_before {
+            self.last_admit = now;
         }
         if !self.plan.is_empty() {
             self.pending_step = self.step;
@@ -224,7 +244,21 @@ impl Scheduler {
                 .retain(|&s| seqs[s as usize].status == Status::Running);
             self.running_dirty = false;
         }
-        if self.running_unsorted {
+        if self.running_unsorted && self.cfg.policy == Policy::Fair {
+            // Priority, then the tenant's counter (the tail, the next victim, is the most
+            // served tenant's latest sequence), then arrival. O(running · log running).
+            let (seqs, reqs, vtc) = (&self.seqs, &self.reqs, self.queue.vtc());
+            let key = |s: Slot| {
+                let q = &seqs[s as usize];
+                let r = reqs[q.req as usize]
+                    .as_ref()
+                    .expect("running has a request");
+                let c = OrdF64(vtc.counter(r.queue.tenant));
+                (r.queue.priority, c, q.victim_key)
+            };
+            self.running.sort_unstable_by_key(|&s| key(s));
+            self.running_unsorted = false;
+        } else if self.running_unsorted {
             let seqs = &self.seqs;
             self.running
                 .sort_unstable_by_key(|&s| seqs[s as usize].victim_key);
@@ -398,6 +432,22 @@ impl Scheduler {
         s.computed_before = start;
         s.sched_step = step;
         s.computed = end;
+        // Fairness charges prompt tokens once (not their recompute after a preemption) and
+        // each sampled token.
+        let r = self.reqs[s.req as usize].as_mut().expect("live request");
+        let prompt_end = end.min(s.prompt_len);
+        let input = prompt_end.saturating_sub(start.max(r.charged_prompt));
+        r.charged_prompt = r.charged_prompt.max(prompt_end);
+        let samples = if end < s.tokens.len() {
+            0
+        } else if s.is_fork_parent {
+            1 + r.pending.len()
+        } else {
+            1
+        };
+        if input + samples > 0 {
+            self.queue.charge(r.queue.tenant, input, samples);
+        }
         if end < s.tokens.len() {
             return; // a chunk of a prefill, or re-creating known tokens: nothing to sample
         }
@@ -437,6 +487,8 @@ impl Scheduler {
     /// Admit the waiting sequence `slot` (the queue head) with its first chunk, if its blocks
     /// can be found. False (nothing changed) if not.
     fn try_admit(&mut self, slot: Slot, n_reserve: usize, budget: &mut usize) -> bool {
+        #[cfg(test)]
+        self.check_fair_head(slot);
         let bs = self.cfg.block_size;
         let idx = self.seqs[slot as usize].req as usize;
         let (blocks, node) = if self.cfg.enable_prefix_caching {
