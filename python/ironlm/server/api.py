@@ -108,9 +108,9 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
         req = await parse_body(request, TokenizeRequest)
         check_model(req.model)
         if req.messages is not None:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
             try:
+                # As chat renders them (tool calls and tool results too); a message without content is a 400.
+                messages = [m.template_dict() for m in req.messages]
                 check_text_length(engine, sum(len(m["content"]) for m in messages), "messages")
                 tokens = await asyncio.to_thread(engine.apply_chat_template, messages, req.add_generation_prompt)
             except ValueError as exc:
