@@ -10,13 +10,14 @@ the engine never carries a number of its own. Help text goes in `field(metadata=
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ironlm.exceptions import InvalidArgumentError
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "deadline")
+SCHEDULING_POLICIES = ("fcfs", "priority", "deadline", "fair")
 # Here rather than in ironlm.attention so that config validation and the CLIs need no torch import.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DISTRIBUTED_BACKENDS = ("mp", "torchrun")
@@ -59,6 +60,35 @@ def parse_bytes(value: int | str | None, field: str = "kv_cache_memory") -> int 
     return size
 
 
+def parse_tenant_weights(value: str | dict[str, float] | None) -> dict[str, float] | None:
+    """`a=2,b=1` (or a dict) → {tenant: share}; every share a finite number > 0, each tenant once."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, dict):
+        pairs = [(str(k), v) for k, v in value.items()]
+    elif isinstance(value, str):
+        pairs = []
+        for item in value.split(","):
+            name, sep, weight = item.partition("=")
+            if not sep or not name.strip():
+                raise _invalid("tenant_weights", f"expected NAME=WEIGHT[,NAME=WEIGHT...], got {value!r}")
+            pairs.append((name.strip(), weight.strip()))
+    else:
+        raise _invalid("tenant_weights", f"expected 'a=2,b=1' or a dict, got {type(value).__name__}")
+    out: dict[str, float] = {}
+    for name, weight in pairs:
+        try:
+            w = float(weight)
+        except (TypeError, ValueError):
+            raise _invalid("tenant_weights", f"weight of {name!r} is not a number: {weight!r}") from None
+        if not (math.isfinite(w) and w > 0):
+            raise _invalid("tenant_weights", f"weight of {name!r} must be > 0, got {weight!r}")
+        if name in out:
+            raise _invalid("tenant_weights", f"tenant {name!r} given twice")
+        out[name] = w
+    return out
+
+
 def _opt(default: Any, help: str, **cli: Any) -> Any:
     """A config field with its help text; `cli` holds argparse extras (choices, metavar, nargs)."""
     return field(default=default, metadata={"help": help, **cli})
@@ -92,7 +122,16 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _opt(
         None, "token budget per step (default: 2048 on CPU, 8192 on GPU, at least max_num_seqs)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
-    scheduling_policy: str = _opt("fcfs", "order of waiting requests", choices=SCHEDULING_POLICIES)
+    scheduling_policy: str = _opt(
+        "fcfs", "order of waiting requests; fair = fair share across tenants (the OpenAI `user` field or the "
+        "X-Tenant header) by virtual token counters, within each priority", choices=SCHEDULING_POLICIES)
+    tenant_weights: str | None = _opt(
+        None, "fair-share weights of named tenants, e.g. 'a=2,b=1' (others get 1)", metavar="NAME=W,...")
+    fair_input_token_weight: float = _opt(1.0, "cost of a prefill token in the fair-share counters")
+    fair_output_token_weight: float = _opt(2.0, "cost of a generated token in the fair-share counters (VTC's 2)")
+    scheduler_delay_factor: float = _opt(
+        0.0, "while sequences run, admit new requests only once this x the last step time has passed since the "
+        "last admission, to batch prefills (vLLM's flag; 0 = off)")
     max_queue_len: int | None = _opt(None, "waiting requests beyond this are refused (HTTP 503)")
     queue_timeout: float | None = _opt(
         None, "seconds a request may wait in the queue before it finishes with reason 'timeout' (a request's "
@@ -132,6 +171,15 @@ class EngineConfig:
                            f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _invalid("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        parse_tenant_weights(self.tenant_weights)
+        for name in ("fair_input_token_weight", "fair_output_token_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
+                raise _invalid(name, f"must be a number > 0, got {value!r}")
+        delay = self.scheduler_delay_factor
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not (math.isfinite(delay) and delay >= 0):
+            raise _invalid("scheduler_delay_factor", f"must be a number >= 0, got {delay!r}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise _invalid("queue_timeout", f"must be > 0, got {self.queue_timeout}")
         if not self.grammar_compile_timeout > 0:
@@ -154,6 +202,10 @@ class EngineConfig:
         if group is not None and group not in QUANT_GROUP_SIZES:
             raise _invalid("quantization_group_size",
                            f"must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, got {group!r}")
+
+    def tenant_weight_map(self) -> dict[str, float] | None:
+        """`tenant_weights` parsed: {tenant: share}."""
+        return parse_tenant_weights(self.tenant_weights)
 
     # ---- defaults that depend on where the engine runs --------------------------------------------------
     def resolve_max_num_batched_tokens(self, device_type: str) -> int:

@@ -59,7 +59,8 @@ STALL_TIMEOUT_S = 300.0  # ServerConfig.health_stall_timeout is the flag's defau
 # add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) also
 # bounds its wait in the queue.
 _ENGINE_KWARGS = {"priority": "priority", "deadline": "deadline", "timeout": "queue_timeout",
-                  "arrival_time": "arrival_time", "cache_salt": "cache_salt", "grammar": "grammar"}
+                  "arrival_time": "arrival_time", "cache_salt": "cache_salt", "grammar": "grammar",
+                  "tenant": "tenant"}
 
 Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[str]] | tuple[Literal["stop"], None]
 
@@ -197,7 +198,7 @@ class AsyncLLMEngine:
 
         Raises what LLMEngine.add_request raises (InvalidArgumentError, QueueFullError), EngineDeadError, or
         EngineOverloadedError while draining. `kwargs`: priority, deadline, timeout, cache_salt,
-        arrival_time. `timeout` bounds the whole request; the engine gets it as its `queue_timeout`.
+        arrival_time, tenant. `timeout` bounds the whole request; the engine gets it as its `queue_timeout`.
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead!r}")

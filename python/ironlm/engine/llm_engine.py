@@ -68,6 +68,8 @@ class LLMEngine:
             # The capacity is max_num_seqs running + max_queue_len waiting (checked in add_request): requests that
             # arrive together all wait until the next step schedules them, so the core's waiting bound is the sum.
             max_queue_len=None if config.max_queue_len is None else config.max_queue_len + config.max_num_seqs,
+            tenant_weights=config.tenant_weight_map(), input_token_weight=config.fair_input_token_weight,
+            output_token_weight=config.fair_output_token_weight, scheduler_delay_factor=config.scheduler_delay_factor,
         )
         self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
                                seed=config.seed)
@@ -126,9 +128,10 @@ class LLMEngine:
                     params: SamplingParams | None = None, *, priority: int = 0,
                     deadline: float | None = None, queue_timeout: float | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    grammar: _core.CompiledGrammar | None = None) -> str:
+                    grammar: _core.CompiledGrammar | None = None, tenant: str | None = None) -> str:
         """`grammar`: `params.structured_outputs` compiled already (`compile_grammar`, e.g. in another thread);
-        compiled here when not given."""
+        compiled here when not given. `tenant`: who it is served for (`--scheduling-policy fair`); None is "".
+        """
         params = params or SamplingParams()
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params.structured_outputs)
@@ -150,7 +153,7 @@ class LLMEngine:
             stop_token_ids=list(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, deadline=deadline,
             queue_timeout=queue_timeout if queue_timeout is not None else self.config.queue_timeout,
-            namespace=cache_salt, arrival_time=arrival, grammar=grammar,
+            namespace=cache_salt, arrival_time=arrival, grammar=grammar, tenant=tenant,
         )
         request = EngineRequest(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival))
         self.table.add(request, slots, self.scheduler.stop_token_ids(slots[0]))

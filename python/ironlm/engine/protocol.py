@@ -45,8 +45,10 @@ class StepEngine(Protocol):
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None, *,
                     priority: int = 0, deadline: float | None = None, queue_timeout: float | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
-        """Queue a request (raises ValueError / QueueFullError and the like on bad input); returns its id."""
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    tenant: str | None = None) -> str:
+        """Queue a request (raises ValueError / QueueFullError and the like on bad input); returns its id.
+        `tenant`: who it is served for (fair-share scheduling)."""
         ...
 
     def abort_request(self, request_id: str | Iterable[str]) -> None: ...

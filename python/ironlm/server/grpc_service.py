@@ -169,7 +169,9 @@ class GenerationService(pb_grpc.GenerationServicer):
                                   "logprobs": req.logprobs})
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
-            (stream,) = await start_streams(self.engine, rid, req.prompts()[:1], params, req, shedder=self.shedder)
+            tenant = dict(context.invocation_metadata() or ()).get("x-tenant")
+            (stream,) = await start_streams(self.engine, rid, req.prompts()[:1], params, req, shedder=self.shedder,
+                                            tenant_header=tenant if isinstance(tenant, str) else None)
         except APIError as err:
             raise constraint_error(err, None) from None
         return rid, stream

@@ -94,7 +94,7 @@ class ChatHandler:
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages",
-                                          shedder=self.shedder)
+                                          shedder=self.shedder, tenant_header=request.headers.get("x-tenant"))
         except APIError as err:
             raise constraint_error(err, source) from None
         if req.stream:

@@ -87,10 +87,24 @@ def constraint_error(err: APIError, source: str | None) -> APIError:
     return err
 
 
+# Tenant names are kept by the core for as long as it runs: bound what one client can make it hold per name.
+MAX_TENANT_CHARS = 256
+
+
+def request_tenant(header: str | None, req: Any) -> str | None:
+    """Who a request is served for under `--scheduling-policy fair`: the `X-Tenant` header (set by a gateway the
+    operator controls) when present, else the OpenAI `user` field, else None (the default tenant)."""
+    tenant = header or getattr(req, "user", None)
+    return tenant[:MAX_TENANT_CHARS] if tenant else None
+
+
 async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[PromptType], params: Any,
-                        req: Any, prompt_param: str = "prompt", shedder: Shedder | None = None) -> list[RequestStream]:
+                        req: Any, prompt_param: str = "prompt", shedder: Shedder | None = None,
+                        tenant_header: str | None = None) -> list[RequestStream]:
     """Add one engine request per prompt; on any failure abort those already added. `shedder` may refuse the
-    whole request first (503 + Retry-After) and learns each admitted prompt's priority."""
+    whole request first (503 + Retry-After) and learns each admitted prompt's priority. `tenant_header`: the
+    request's X-Tenant header (see `request_tenant`)."""
+    tenant = request_tenant(tenant_header, req)
     if shedder is not None:
         shedder.check(len(prompts), req.priority, req.timeout, getattr(params, "max_tokens", None))
     streams: list[RequestStream] = []
@@ -102,7 +116,7 @@ async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[Pr
                 shedder.tracker.admitted(rid, req.priority)
             streams.append(await engine.add_request(
                 rid, prompt, params, priority=req.priority, timeout=req.timeout, deadline=req.deadline,
-                cache_salt=req.cache_salt))
+                cache_salt=req.cache_salt, tenant=tenant))
     except BaseException as exc:
         if shedder is not None:
             shedder.tracker.forget(rid)

@@ -43,7 +43,8 @@ class CompletionHandler:
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         prompts = await completion_prompts(self.engine, req, request)
         try:
-            streams = await start_streams(self.engine, rid, prompts, params, req, shedder=self.shedder)
+            streams = await start_streams(self.engine, rid, prompts, params, req, shedder=self.shedder,
+                                          tenant_header=request.headers.get("x-tenant"))
         except APIError as err:
             raise constraint_error(err, source) from None
         if req.stream:
