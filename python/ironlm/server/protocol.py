@@ -175,9 +175,9 @@ class _SamplingRequest(_Strict):
             return StructuredOutputsParams(**{_GUIDED[source]: guided[source]}), source
         except InvalidArgumentError as exc:
             # Over HTTP the field is the body's: structured_outputs.json stays, response_format replaces it.
-            if source == "structured_outputs":
-                raise
-            raise _invalid(source, str(exc)) from None
+            param = str(exc.param) if source == "structured_outputs" else source
+            reason = str(exc).removeprefix(str(exc.param)).lstrip(" :")
+            raise _invalid(param, reason) from None
 
     @property
     def include_usage(self) -> bool:

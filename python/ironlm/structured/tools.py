@@ -58,7 +58,7 @@ def resolve_tool_choice(tools: list[FunctionTool], tool_choice: object) -> ToolC
         return ToolChoice("auto" if tools else "none")
     if tool_choice in ("none", "auto", "required"):
         if tool_choice != "none" and not tools:
-            raise InvalidArgumentError(f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
+            raise InvalidArgumentError(f"tool_choice: {tool_choice!r} needs tools", param="tool_choice")
         return ToolChoice(tool_choice)
     name = None
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
@@ -66,10 +66,10 @@ def resolve_tool_choice(tools: list[FunctionTool], tool_choice: object) -> ToolC
         name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise InvalidArgumentError(
-            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            'tool_choice: must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
             param="tool_choice")
     if name not in {t.name for t in tools}:
-        raise InvalidArgumentError(f"tool_choice names function {name!r}, which is not in tools",
+        raise InvalidArgumentError(f"tool_choice: names function {name!r}, which is not in tools",
                                    param="tool_choice")
     return ToolChoice("named", name)
 
