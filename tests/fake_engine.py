@@ -56,7 +56,7 @@ class FakeEngine:
 
     # ---- contract ---------------------------------------------------------------------------------
     def add_request(self, request_id, prompt, params=None, *, priority=0, deadline=None, queue_timeout=None,
-                    arrival_time=None, cache_salt=None, tenant=None) -> str:
+                    arrival_time=None, cache_salt=None, grammar=None, tenant=None) -> str:
         from ironlm.sampling_params import SamplingParams
 
         self.thread_ids.add(threading.get_ident())

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from ironlm import _core
     from ironlm.engine.outputs import RequestOutput
     from ironlm.engine.prompts import PromptType
     from ironlm.engine.request_stream import RequestStream
@@ -46,7 +47,7 @@ class StepEngine(Protocol):
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None, *,
                     priority: int = 0, deadline: float | None = None, queue_timeout: float | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    tenant: str | None = None) -> str:
+                    grammar: _core.CompiledGrammar | None = None, tenant: str | None = None) -> str:
         """Queue a request (raises ValueError / QueueFullError and the like on bad input); returns its id.
         `tenant`: who it is served for (fair-share scheduling)."""
         ...
