@@ -64,6 +64,7 @@ def parse_tenant_weights(value: str | dict[str, float] | None) -> dict[str, floa
     """`a=2,b=1` (or a dict) → {tenant: share}; every share a finite number > 0, each tenant once."""
     if value is None or value == "":
         return None
+    pairs: list[tuple[str, Any]]
     if isinstance(value, dict):
         pairs = [(str(k), v) for k, v in value.items()]
     elif isinstance(value, str):
