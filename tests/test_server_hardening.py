@@ -237,6 +237,28 @@ def test_queue_full_exactly_at_capacity(served: Served, engine):
     assert results == [200] * 4
 
 
+def test_each_prompt_of_a_list_takes_a_queue_place(served: Served, engine):
+    faults = ForwardFaults(engine.engine)
+    faults.delay = 0.05
+    body = {"prompt": "hello", "max_tokens": 150, "ignore_eos": True}
+    results: list[int] = []
+    try:
+        with httpx.Client(base_url=served.url, timeout=60) as client:
+            first = threading.Thread(target=lambda: results.append(
+                client.post("/v1/completions", json={**body, "prompt": ["a", "b"]}).status_code))
+            first.start()
+            assert wait_for(lambda: engine.num_inflight == 2, 10)  # one request, two engine requests
+            assert wait_for(lambda: engine.stats()["num_requests_running"] == 2, 10)
+            # capacity 4: two places left, a list of three does not fit, and what it added is taken back
+            assert_error(client.post("/v1/completions", json={**body, "prompt": ["c", "d", "e"]}), 503)
+            assert wait_for(lambda: engine.num_inflight == 2, 10)
+            faults.delay = 0.0
+            first.join(60)
+    finally:
+        faults.remove()
+    assert results == [200]
+
+
 # ---- 5. slow headers, idle connections, big heads ------------------------------------------------------------
 def _connect(served: Served) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", served.port), timeout=10)
@@ -339,6 +361,18 @@ def test_trusted_request_template_is_rendered_bounded(engine):
         resp = client.post("/v1/chat/completions", json={**body, "chat_template": evil})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template", resp.text
         assert time.monotonic() - t0 < 5
+
+
+def test_model_template_render_is_time_bounded(http: httpx.Client, engine, monkeypatch):
+    from ironlm.server import chat_template
+
+    monkeypatch.setattr(chat_template, "MODEL_RENDER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(engine.tokenizer, "chat_template",
+                        "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}")
+    t0 = time.monotonic()
+    assert_error(http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}), 400, "messages")
+    assert_error(http.post("/tokenize", json={"messages": CHAT}), 400, "messages")
+    assert time.monotonic() - t0 < 5
 
 
 def test_operator_chat_template(engine, tmp_path):

@@ -15,7 +15,7 @@ from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient
 from ironlm.server.auth import APIKeyMiddleware
 from ironlm.server.breaker import BreakerCollector, BreakerMiddleware, CircuitBreaker
-from ironlm.server.chat_template import TemplateRenderer
+from ironlm.server.chat_template import TemplateRenderer, run_with_deadline
 from ironlm.server.errors import APIError, install_exception_handlers
 from ironlm.server.guards import install_cors, install_guards
 from ironlm.server.health import health_report
@@ -112,7 +112,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
                 # As chat renders them (tool calls and tool results too); a message without content is a 400.
                 messages = [m.template_dict() for m in req.messages]
                 check_text_length(engine, sum(len(m["content"]) for m in messages), "messages")
-                tokens = await asyncio.to_thread(engine.apply_chat_template, messages, req.add_generation_prompt)
+                tokens = await asyncio.to_thread(run_with_deadline, engine.apply_chat_template, messages,
+                                                 req.add_generation_prompt)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         else:

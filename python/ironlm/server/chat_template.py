@@ -15,10 +15,11 @@ import functools
 import re
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -26,6 +27,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ironlm.exceptions import InvalidArgumentError
 
 RENDER_TIMEOUT_S = 2.0
+# The model's own template (through the tokenizer; a GGUF file brings its own) gets more room: it is the operator's
+# choice, and only its time is bounded here, its output size by the prompt checks after it.
+MODEL_RENDER_TIMEOUT_S = 5.0
+T = TypeVar("T")
 _TEMPLATE_FILE = "<template>"  # the file name jinja gives code compiled from a string
 # A printf (`%9999999d`) or str.format (`{:>9999999}`) width of a million characters or more.
 _WIDTH = re.compile(r"%[-+ #0]*(\d{7,})|\{[^{}]*:[^{}]*?(\d{7,})")
@@ -121,6 +126,17 @@ class _Deadline:
         if time.monotonic() > self.until:
             raise TemplateLimitError(f"chat_template: rendering took longer than {self.seconds:g} s",
                                      param="chat_template")
+
+
+def run_with_deadline(fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
+    """Call `fn` (e.g. the tokenizer's apply_chat_template, whose jinja sandbox has no time bound) with the render
+    deadline on this thread: a template that loops for long raises TemplateLimitError inside it."""
+    previous = sys.gettrace()
+    sys.settrace(_Deadline(MODEL_RENDER_TIMEOUT_S if timeout_s is None else timeout_s))
+    try:
+        return fn(*args)
+    finally:
+        sys.settrace(previous)
 
 
 def render_bounded(source: str, context: dict[str, Any], max_chars: int,

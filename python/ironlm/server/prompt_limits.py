@@ -18,7 +18,7 @@ from fastapi import Request
 from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient
 from ironlm.exceptions import InvalidArgumentError
-from ironlm.server.chat_template import TemplateRenderer
+from ironlm.server.chat_template import TemplateRenderer, run_with_deadline
 from ironlm.server.errors import APIError
 from ironlm.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -123,7 +123,7 @@ async def chat_prompt_ids(engine: EngineClient, req: ChatCompletionRequest, requ
         if req.chat_template_kwargs:
             raise APIError(400, "chat_template_kwargs: only used with a chat_template given to the server or the "
                            "request", param="chat_template_kwargs")
-        return list(await asyncio.to_thread(default, req))
+        return list(await asyncio.to_thread(run_with_deadline, default, req))
     messages = req.message_dicts()
     try:
         return await asyncio.to_thread(renderer.token_ids, template, messages, req.add_generation_prompt,
