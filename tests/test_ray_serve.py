@@ -297,6 +297,24 @@ def test_router_keeps_a_prefix_on_its_replica_within_the_margin() -> None:
     assert asyncio.run(scenario("pow2")) == [pair] * 6
 
 
+def test_stream_head_waits_for_the_first_token() -> None:
+    from ironlm.ray.replica import carries_token
+
+    def sse(*events: object) -> bytes:
+        return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n"
+                        for e in events)
+
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    token = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+    assert not carries_token(sse(role))
+    assert not carries_token(sse(role, role))  # n > 1: one role chunk per choice
+    assert carries_token(sse(role, token))
+    assert carries_token(sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]}))
+    assert carries_token(sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}))
+    assert carries_token(sse({"error": {"message": "x"}}))
+    assert carries_token(sse(b"[DONE]"))
+
+
 def test_merge_metrics_labels_every_sample_with_its_replica() -> None:
     from prometheus_client import CollectorRegistry, Counter, generate_latest
     from prometheus_client.parser import text_string_to_metric_families

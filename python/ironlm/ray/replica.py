@@ -1,14 +1,16 @@
 """One engine replica: an AsyncLLMEngine and the same FastAPI app `ironlm serve` runs (build_app), driven over
 ASGI by requests the ingress forwards, so every route, streaming, auth and /metrics behave as in `ironlm serve`.
 
-A response streams back as ("head", status, headers, first body) and then body chunks. The head waits for the
-first non-empty body chunk (the first token of a stream), so a replica that dies before it has sent the client
-nothing and the ingress may retry the request elsewhere.
+A response streams back as a ResponseHead (status, headers, first body) and then body chunks. The head waits for
+the first body chunk, and in an event stream for the first event that carries a token (chat streams open with
+role-only chunks, held back with it), so a replica that dies before its first token has sent the client nothing
+and the ingress may retry the request elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, MutableMapping
@@ -40,6 +42,28 @@ class ResponseHead:
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
+
+
+def carries_token(body: bytes) -> bool:
+    """Whether server-sent events hold a token (text, a content or tool-call delta), a finish, an error or the
+    end; role-only chunks do not."""
+    for event in body.split(b"\n\n"):
+        if not event.startswith(b"data: "):
+            continue
+        data = event[len(b"data: "):].strip()
+        if data == b"[DONE]":
+            return True
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return True  # not ours to interpret: let it through
+        if not isinstance(obj, dict) or "error" in obj:
+            return True
+        for choice in obj.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if choice.get("text") or choice.get("finish_reason") or delta.get("content") or delta.get("tool_calls"):
+                return True
+    return False
 
 
 class EngineReplica:
@@ -96,7 +120,7 @@ class EngineReplica:
         task.add_done_callback(lambda _: messages.put_nowait(None))
         try:
             status, headers, pending = 500, [], b""
-            started = False
+            started = sse = False
             while True:
                 message = await messages.get()
                 if message is None:  # the app returned (or raised) without finishing a response
@@ -106,13 +130,14 @@ class EngineReplica:
                 if message["type"] == "http.response.start":
                     status = message["status"]
                     headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.replica_id.encode())]
+                    sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
                     continue
                 if message["type"] != "http.response.body":
                     continue
                 chunk, more = message.get("body", b""), message.get("more_body", False)
                 if not started:
                     pending += chunk
-                    if pending or not more:
+                    if (pending and (not sse or carries_token(pending))) or not more:
                         started = True
                         yield ResponseHead(status, headers, pending)
                 elif chunk:
@@ -142,4 +167,6 @@ class EngineReplica:
     async def __del__(self) -> None:
         # Ray Serve has already drained this replica (graceful_shutdown_timeout_s = drain_timeout) before calling
         # this; what remains in flight past that is aborted here.
-        await self.engine.shutdown(drain_timeout=min(5.0, self.drain_timeout))
+        engine = getattr(self, "engine", None)
+        if engine is not None:  # None: __init__ failed (e.g. a bad model path) before the engine existed
+            await engine.shutdown(drain_timeout=min(5.0, self.drain_timeout))
