@@ -30,9 +30,11 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Write k/v ([T, Hkv, D]) at meta.slot_mapping into the paged caches ([num_blocks, block_size, Hkv, D],
-        one layer), then attend each query row ([T, Hq, D]) causally over its sequence's context.
+        one layer), then attend each query row ([T, Hq, D]) causally over its sequence's context: all of it, or
+        with a sliding `window` only the keys at positions (p - window, p] for a query at position p.
         Returns [T, Hq, D] in q's dtype."""
         ...
 

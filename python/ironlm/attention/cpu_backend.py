@@ -55,10 +55,11 @@ class CpuAttention(TorchAttention):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         dtype = CORE_DTYPES.get(k_cache.dtype)
-        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype or window is not None:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
         plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0])
         if plan is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)

@@ -137,11 +137,14 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        plan = meta.plan_cache.get("torch")
+        # One plan per window size: sliding and full layers of one step mask differently.
+        key = "torch" if window is None else f"torch:{window}"
+        plan = meta.plan_cache.get(key)
         if plan is None:
-            plan = _make_plan(meta, k_cache.shape[1], q.device)
-            meta.plan_cache["torch"] = plan
+            plan = _make_plan(meta, k_cache.shape[1], q.device, window)
+            meta.plan_cache[key] = plan
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
 
         out = torch.zeros_like(q) if plan.num_tokens < q.shape[0] else torch.empty_like(q)
@@ -156,7 +159,7 @@ class TorchAttention:
         return out
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None = None) -> _Plan:
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     seq_lens = meta.seq_lens_cpu.astype(np.int64)
     qlens = np.diff(qsl)
@@ -168,7 +171,8 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
     dec_idx = np.nonzero(is_dec)[0]
     dec_idx = dec_idx[np.argsort(seq_lens[dec_idx], kind="stable")]
     nbs = -(-seq_lens // block_size)
-    skip = _shared_blocks(bt_host, dec_idx, seq_lens, block_size)
+    # A window hides the shared prefix from some queries; the bias below masks it per sequence instead.
+    skip = 0 if window is not None else _shared_blocks(bt_host, dec_idx, seq_lens, block_size)
     shared = None
     if skip:
         assert bt_host is not None  # _shared_blocks finds no shared prefix without the host block table
@@ -188,7 +192,10 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
             blocks = meta.block_tables[torch.from_numpy(idx).to(device), :nb].long().reshape(-1)
         length = (nb - skip) * block_size
         positions = skip * block_size + np.arange(length)
-        bias = np.where(positions[None, :] < seq_lens[idx][:, None], 0.0, -np.inf).astype(np.float32)
+        visible = positions[None, :] < seq_lens[idx][:, None]
+        if window is not None:  # the query sits at seq_len - 1 and sees keys in (seq_len - 1 - window, seq_len - 1]
+            visible &= positions[None, :] >= (seq_lens[idx] - window)[:, None]
+        bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
         decode.append(
             _DecodeChunk(
                 rows=torch.from_numpy(qsl[idx]).to(device),
@@ -200,7 +207,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
         )
         i = j
 
-    return _Plan(decode, shared, plan_prefill(meta, block_size, device), int(qsl[-1]), has_padding_slots(meta))
+    return _Plan(decode, shared, plan_prefill(meta, block_size, device, window), int(qsl[-1]), has_padding_slots(meta))
 
 
 def has_padding_slots(meta: AttentionMetadata) -> bool | None:
@@ -208,8 +215,11 @@ def has_padding_slots(meta: AttentionMetadata) -> bool | None:
     return bool((sm < 0).any()) if sm.device.type == "cpu" and sm.numel() else None
 
 
-def plan_prefill(meta: AttentionMetadata, block_size: int, device: torch.device) -> list[_PrefillSeq]:
-    """The sequences with more than one query row this step (prefill chunks), one entry each."""
+def plan_prefill(
+    meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None = None
+) -> list[_PrefillSeq]:
+    """The sequences with more than one query row this step (prefill chunks), one entry each; with a `window`,
+    query j (absolute ctx + j) sees only keys in (ctx + j - window, ctx + j]."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     seq_lens = meta.seq_lens_cpu.astype(np.int64)
     qlens = np.diff(qsl)
@@ -218,9 +228,13 @@ def plan_prefill(meta: AttentionMetadata, block_size: int, device: torch.device)
         n, sl = int(qlens[i]), int(seq_lens[i])
         ctx = sl - n
         mask = None
-        if ctx > 0:
+        if ctx > 0 or (window is not None and window < sl):
             # Bottom-right aligned causal mask: query j (absolute ctx + j) sees keys 0..ctx + j.
-            mask = torch.arange(sl, device=device)[None, :] <= (torch.arange(n, device=device)[:, None] + ctx)
+            keys = torch.arange(sl, device=device)[None, :]
+            query = torch.arange(n, device=device)[:, None] + ctx
+            mask = keys <= query
+            if window is not None:
+                mask &= keys > query - window
         blocks = meta.block_tables[i, : -(-sl // block_size)].long()
         prefill.append(_PrefillSeq(int(qsl[i]), int(qsl[i + 1]), sl, ctx, blocks, mask))
     return prefill

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ironlm.attention.metadata import AttentionMetadata
+from ironlm.attention.torch_backend import TorchAttention
 from ironlm.kernels.cache_write import reshape_and_cache
 from ironlm.kernels.decode_attention import paged_decode_attention
 from ironlm.kernels.prefill_attention import paged_prefill_attention
@@ -74,7 +75,10 @@ class TritonAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:  # the kernels attend the whole context: sliding layers take the torch path
+            return TorchAttention().forward(q, k, v, k_cache, v_cache, meta, scale, window)
         d = q.shape[-1]
         if d < 16 or d & (d - 1):
             raise ValueError(f"the triton attention backend needs a power-of-two head_dim >= 16, got {d}; "

@@ -168,7 +168,6 @@ class ModelRunner:
 
     def _max_model_len(self, pool_tokens: int) -> int:
         """The configured context length, which the pool must hold; else the model's own, capped to the pool."""
-        # the model's native length is already capped to a sliding window it really uses
         length = self.config.resolve_max_model_len(self.model_config.max_model_len, self.device.type)
         if self.config.max_model_len is None:
             return min(length, pool_tokens)

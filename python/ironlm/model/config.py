@@ -46,9 +46,10 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     pad_token_id: int | None = None
-    # Sliding-window attention, when the checkpoint really uses it. ironlm attends to the full context, which is
-    # identical as long as sequences stay within the window: `max_model_len` is capped accordingly.
+    # Sliding-window attention, when the checkpoint really uses it: a query at position p attends keys in
+    # (p - sliding_window, p] (transformers' convention), on the layers `sliding_layers` marks (None = every layer).
     sliding_window: int | None = None
+    sliding_layers: list[bool] | None = None
     source: str = "hf"  # hf | gguf
     hf_config: Any = field(default=None, repr=False, compare=False)  # the transformers config, when there is one
 
@@ -59,6 +60,11 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and int(self.sliding_window) < 1:
+            raise UnsupportedModelError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise UnsupportedModelError(
+                f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
@@ -78,10 +84,16 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence this implementation computes exactly (the sliding window, if smaller)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, int(self.sliding_window))
+        """The model's native context length (sliding-window layers attend inside their window past it too)."""
         return self.max_position_embeddings
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer: the attention window in tokens, or None for full causal attention."""
+        if not self.sliding_window:
+            return [None] * self.num_layers
+        flags = self.sliding_layers if self.sliding_layers is not None else [True] * self.num_layers
+        return [int(self.sliding_window) if f else None for f in flags]
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's K (and V) cache tensor."""
@@ -128,9 +140,7 @@ class ModelConfig:
         else:
             attention_bias = bool(getattr(hf_config, "attention_bias", False))
 
-        sliding = None
-        if model_type == "mistral" or "sliding_attention" in (getattr(hf_config, "layer_types", None) or []):
-            sliding = getattr(hf_config, "sliding_window", None)
+        sliding, sliding_layers = _sliding_window(hf_config, model_type)
 
         eos: list[int] = []
         for src in (generation_config, hf_config):
@@ -162,6 +172,7 @@ class ModelConfig:
             else _first(getattr(hf_config, "bos_token_id", None)),
             pad_token_id=_first(getattr(hf_config, "pad_token_id", None)),
             sliding_window=sliding,
+            sliding_layers=sliding_layers,
             source="hf",
             hf_config=hf_config,
         )
@@ -171,3 +182,27 @@ def _first(value: Any) -> int | None:
     if isinstance(value, (list, tuple)):
         return int(value[0]) if value else None
     return None if value is None else int(value)
+
+
+def _sliding_window(hf_config: Any, model_type: str) -> tuple[int | None, list[bool] | None]:
+    """(window, per-layer flags) as transformers' modeling code applies them; (None, None) without a window."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None, None
+    if model_type == "mistral":  # MistralModel applies the window on every layer and ignores layer_types
+        return int(window), None
+    if model_type == "llama":
+        return None, None
+    # Qwen2/Qwen3: configs keep `sliding_window` even when `use_sliding_window` is off
+    if not getattr(hf_config, "use_sliding_window", True):
+        return None, None
+    n = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        flags = [t == "sliding_attention" for t in types]
+    else:  # transformers' rule when layer_types is absent: layers from max_window_layers on slide
+        first = getattr(hf_config, "max_window_layers", n)
+        flags = [i >= first for i in range(n)]
+    if not any(flags):
+        return None, None
+    return int(window), flags

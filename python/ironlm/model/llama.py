@@ -79,8 +79,10 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
+                 window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # sliding-window attention span in tokens; None = full causal
         # Tensor parallel: o and down yield partial sums that one all-reduce each completes; only rank 0 adds the
         # residual (and o's bias) into its partial, so the sum carries it exactly once.
         self.tp = tp
@@ -150,7 +152,11 @@ class DecoderLayer(nn.Module):
             qk = apply_rotary(qk, *rope)  # q and k rotated together: one set of kernels
             q, k = qk[:, :hq], qk[:, hq:]
         k_cache, v_cache = kv_cache
-        attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale).reshape(t, self.q_size)
+        if self.window is None:
+            attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, window=self.window)
+        attn = attn.reshape(t, self.q_size)
         if select is not None:  # last layer: only the rows whose logits are wanted go on
             attn = attn.index_select(0, select)
             h = h.index_select(0, select)
@@ -211,7 +217,8 @@ class DecoderLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.embed = _param((config.vocab_size, config.hidden_size), dtype, device)
-        self.layers = nn.ModuleList([DecoderLayer(config, dtype, device, tp) for _ in range(config.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, dtype, device, tp, window)
+                                     for window in config.layer_windows])
         self.norm = _param((config.hidden_size,), dtype, device)
         if config.tie_word_embeddings:
             self.lm_head = self.embed
@@ -472,7 +479,7 @@ class DecoderLM(nn.Module):
         rows, qk-norm models, other backends, steps the CPU backend sends to cascade attention)."""
         t = input_ids.shape[0]
         backend = self.attn_backend
-        if (t > LEAN_MAX_TOKENS or self.config.qk_norm or self.dtype not in CORE_DTYPES
+        if (t > LEAN_MAX_TOKENS or self.config.qk_norm or self.dtype not in CORE_DTYPES or self.config.sliding_window
                 or getattr(backend, "name", None) != "cpu" or not meta.decode_only or not kv_caches):
             return None
         plan = backend.decode_plan(meta, kv_caches[0][0].shape[1], t)  # type: ignore[union-attr]
