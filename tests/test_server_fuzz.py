@@ -165,6 +165,7 @@ def test_fuzz_every_route(http: httpx.Client, doc: dict[str, Any], server):
 
     budget.run(get_routes)
 
+    print(f"fuzz: {budget.requests} requests over {len(posts)} POST and {len(gets)} GET routes")
     assert budget.requests >= 50, budget.requests  # the minute was spent on requests, not on generating them
     assert http.get("/health").status_code == 200
     assert wait_for(lambda: engine.num_inflight == 0 and engine.stats()["num_requests_running"] == 0
