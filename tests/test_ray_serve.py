@@ -136,6 +136,25 @@ def test_prefix_sharing_requests_land_on_one_replica(deployment: Deployment) -> 
     assert all(after[rep] == before.get(rep, 0.0) for rep in others), (before, after)
 
 
+def _aborted(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ironlm:request_success_total{") and 'finished_reason="abort"' in line)
+
+
+def test_client_disconnect_aborts_the_request_in_its_replica(deployment: Deployment) -> None:
+    url = deployment.url
+    before = _aborted(url)
+    with httpx.Client(base_url=url, timeout=120) as client, \
+            client.stream("POST", "/v1/completions", json=_completion("go on", max_tokens=200, stream=True)) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first token arrived; now hang up
+    deadline = time.monotonic() + 30
+    while _aborted(url) == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _aborted(url) == before + 1
+
+
 async def _stream(client: httpx.AsyncClient, body: dict[str, Any],
                   started: asyncio.Event) -> tuple[str, int, int]:
     """(outcome, tokens received, retries): outcome is "done", or "error" (an error event or a broken stream)."""

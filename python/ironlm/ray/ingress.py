@@ -88,12 +88,19 @@ class Ingress:
         return Response(merge_metrics(texts), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _body(first: bytes, rest: AsyncIterator[Any], is_sse: bool) -> AsyncIterator[bytes]:
-    if first:
-        yield first
+async def _body(first: bytes, rest: Any, is_sse: bool) -> AsyncIterator[bytes]:
+    """`rest`: the replica's DeploymentResponseGenerator after the head."""
     try:
+        if first:
+            yield first
         async for chunk in rest:
             yield chunk
+    except GeneratorExit:
+        # The client went away: the replica's app must see the disconnect and abort the request in the engine.
+        # Ray Serve cancels the calls of a cancelled HTTP request itself; this also covers a body closed without
+        # that cancellation (a failed send).
+        rest.cancel()
+        raise
     except Exception as exc:  # noqa: BLE001 - the client has bytes already: end the stream, do not retry
         logger.warning("replica failed mid-response: %r", exc)
         if is_sse:
