@@ -298,6 +298,7 @@ fn bench_attention(c: &mut Criterion) {
         block_tables: &tables,
         seq_lens: &lens,
         scale: 0.125,
+        window: None,
     };
     let mut out = vec![0.0f32; q.len()];
     let mut g = c.benchmark_group("attention");

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from ironlm import LLM, SamplingParams
+from ironlm import LLM, SamplingParams, _core
 from ironlm.attention import get_backend
-from ironlm.model import load_model
+from ironlm.model import llama, load_model
 from ironlm.model.config import ModelConfig
 from tiny_models import PagedSequences, load_hf_reference, make_kv_caches, make_tiny_model, tiny_hf_config
 
@@ -59,11 +59,12 @@ def _hf_logprobs(hf, seq: list[int]) -> torch.Tensor:
 
 
 def _paged_worst(lm, hf, block_size: int = 16, decode_steps: int = 24) -> float:
-    """Two sequences: A prefilled in chunks (the later ones over cached context), B in one 70-token chunk,
-    then both decode side by side past the window; the worst |log-softmax diff| over every computed row."""
+    """Two sequences: A prefilled in chunks (the later ones over cached context), B in one 70-token chunk and
+    then decoding next to A's chunks (mixed steps), then both decode side by side past the window; the worst
+    |log-softmax diff| over every computed row."""
     rng = np.random.default_rng(0)
     vocab = lm.config.vocab_size
-    lens = [120 + decode_steps, 70 + decode_steps]
+    lens = [120 + decode_steps, 72 + decode_steps]
     seqs = [rng.integers(6, vocab, size=n).tolist() for n in lens]
     ref = [_hf_logprobs(hf, s) for s in seqs]
     max_blocks = max(lens) // block_size + 2
@@ -71,8 +72,8 @@ def _paged_worst(lm, hf, block_size: int = 16, decode_steps: int = 24) -> float:
     pager = PagedSequences(2, block_size, num_blocks, max_blocks)
     kv = make_kv_caches(lm.config, num_blocks, block_size)
     worst = 0.0
-    steps = [{0: (0, 50), 1: (0, 70)}, {0: (50, 100)}, {0: (100, 120)}]
-    steps += [{0: (120 + i, 121 + i), 1: (70 + i, 71 + i)} for i in range(decode_steps)]
+    steps = [{0: (0, 50), 1: (0, 70)}, {0: (50, 100), 1: (70, 71)}, {0: (100, 120), 1: (71, 72)}]
+    steps += [{0: (120 + i, 121 + i), 1: (72 + i, 73 + i)} for i in range(decode_steps)]
     for chunks in steps:
         inp, pos, meta, _ = pager.step({i: seqs[i][a:b] for i, (a, b) in chunks.items()})
         got = torch.log_softmax(lm.model(inp, pos, kv, meta, torch.arange(inp.shape[0])), dim=-1)
@@ -82,12 +83,39 @@ def _paged_worst(lm, hf, block_size: int = 16, decode_steps: int = 24) -> float:
     return worst
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_paged_steps_match_transformers(model, backend):
+@pytest.mark.parametrize("backend", ["torch", "cpu", "cpu-no-lean"])
+def test_paged_steps_match_transformers(model, backend, monkeypatch):
+    """torch: masks in SDPA. cpu: the core kernel for decode rows of mixed steps (paged_decode_attention) and
+    the lean decode step (decode_attention_qkv); cpu-no-lean: the kernel's all-decode call that also writes the
+    step's K/V. Each path must see the window (spied on)."""
     path, hf = model
-    lm = load_model(path, dtype=torch.float32, device="cpu", attn_backend=get_backend(backend))
+    lm = load_model(path, dtype=torch.float32, device="cpu", attn_backend=get_backend(backend.removesuffix("-no-lean")))
     assert any(w == WINDOW for w in lm.config.layer_windows)
+    seen: dict[str, set] = {}
+
+    def spy(name: str):
+        real = getattr(_core, name)
+
+        def call(*args, **kwargs):
+            window = kwargs["window"] if "window" in kwargs else args[-1]  # decode_attention_qkv: last positional
+            seen.setdefault(name, set()).add((window, "slot_mapping" in kwargs))
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("paged_decode_attention", "decode_attention_qkv"):
+        monkeypatch.setattr(_core, name, spy(name))
+    if backend == "cpu-no-lean":
+        monkeypatch.setattr(llama, "LEAN_MAX_TOKENS", 0)
     assert _paged_worst(lm, hf) < TOL
+    expected_windows = set(lm.config.layer_windows)
+    if backend == "torch":
+        assert not seen
+    elif backend == "cpu":
+        assert {w for w, _ in seen["paged_decode_attention"]} == expected_windows
+        assert {w for w, _ in seen["decode_attention_qkv"]} == expected_windows
+    else:
+        assert seen["paged_decode_attention"] >= {(w, True) for w in expected_windows}
+        assert "decode_attention_qkv" not in seen
 
 
 def test_window_changes_the_result(model):

@@ -102,6 +102,7 @@ def paged_decode_attention(
     k: _Floats | None = None,
     v: _Floats | None = None,
     slot_mapping: npt.NDArray[np.int64] | None = None,
+    window: int | None = None,
 ) -> None:
     """Decode attention on the CPU, reading the paged cache in place (the ``cpu`` attention backend).
 
@@ -110,7 +111,8 @@ def paged_decode_attention(
     fused q|k|v row); caches ``[num_blocks, block_size, Hkv, D]``; query head ``h`` reads KV head
     ``h // (Hq // Hkv)``. ``dtype`` is float32, bfloat16 or float16 for every float array; the math is f32.
     With ``k``/``v`` (``[n, Hkv, D]``, rows may be strided) and ``slot_mapping`` (-1 = skip) those rows are first
-    written into the caches. Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
+    written into the caches. With ``window`` (sliding-window attention) sequence ``i`` attends only its last
+    ``window`` positions. Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
     torch is loaded). Raises ``InvalidArgumentError`` naming the argument for any shape, dtype, block id or
     length it cannot follow."""
 
@@ -128,6 +130,7 @@ def decode_attention_qkv(
     num_q_heads: int,
     dtype: str = "float32",
     threads: int = 1,
+    window: int | None = None,
 ) -> None:
     """One layer's decode attention from its fused projection output ``qkv`` ``[n, (Hq + 2 Hkv) * D]``: RoPE on
     q and k (neox style, cos|sin rows of ``rope_table`` ``[P, D]`` at ``positions``), k and v written at

@@ -39,9 +39,18 @@ pub struct DecodeArgs<'a, T: Elem = f32> {
     pub block_tables: &'a [i32],
     pub seq_lens: &'a [i32],
     pub scale: f32,
+    /// Sliding-window attention: the query (at position `len - 1`) sees only the last `window`
+    /// positions, keys in `(len - 1 - window, len - 1]`; `None` = the whole context.
+    pub window: Option<usize>,
 }
 
 impl<T: Elem> DecodeArgs<'_, T> {
+    /// The positions sequence `seq` attends: `first..len`.
+    fn span(&self, seq: usize) -> (usize, usize) {
+        let len = self.seq_lens[seq] as usize;
+        (self.window.map_or(0, |w| len.saturating_sub(w)), len)
+    }
+
     /// Every index the kernel will follow is checked here, so the loops can trust them.
     pub fn validate(&self, out_len: usize) -> CoreResult<()> {
         let s = self.shape;
@@ -50,6 +59,9 @@ impl<T: Elem> DecodeArgs<'_, T> {
                 "k_cache",
                 "zero-sized head or block dimension",
             ));
+        }
+        if self.window == Some(0) {
+            return Err(CoreError::invalid("window", "must be >= 1"));
         }
         if !s.num_q_heads.is_multiple_of(s.num_kv_heads) {
             let r = format!(
@@ -172,13 +184,17 @@ pub fn paged_decode<T: Elem>(
     let s = args.shape;
     let width = s.num_q_heads * s.head_dim; // one sequence's output
     let parts = threads.clamp(1, s.num_seqs.max(1));
-    let total: usize = args.seq_lens.iter().map(|&l| l as usize).sum();
+    let attended = |i: usize| {
+        let (first, len) = args.span(i);
+        len - first
+    };
+    let total: usize = (0..s.num_seqs).map(attended).sum();
     let (mut start, mut done, mut rest) = (0, 0, out);
     let mut runs = Vec::with_capacity(parts);
     for p in 0..parts {
         let mut end = start;
         while end < s.num_seqs && (p + 1 == parts || done < total * (p + 1) / parts) {
-            done += args.seq_lens[end] as usize;
+            done += attended(end);
             end += 1;
         }
         let (mine, tail) = std::mem::take(&mut rest).split_at_mut((end - start) * width);
@@ -252,7 +268,8 @@ fn attend<T: Elem>(args: &DecodeArgs<T>, seq: usize, scratch: &mut Scratch, out:
     let (d, hq) = (s.head_dim, s.num_q_heads);
     let group = hq / s.num_kv_heads;
     let width = s.num_kv_heads * d;
-    let len = args.seq_lens[seq] as usize;
+    let (first, len) = args.span(seq);
+    let span = len - first; // positions before `first` lie outside the window: never read
     let table = &args.block_tables[seq * s.max_blocks..(seq + 1) * s.max_blocks];
     let start = seq * args.q_stride;
     let (scores, q, acc) = (&mut scratch.scores, &mut scratch.q, &mut scratch.acc);
@@ -263,31 +280,31 @@ fn attend<T: Elem>(args: &DecodeArgs<T>, seq: usize, scratch: &mut Scratch, out:
         (table[pos / s.block_size] as usize * s.block_size + pos % s.block_size) * width
     };
     scores.clear();
-    scores.resize(hq * len, 0.0);
-    for pos in 0..len {
+    scores.resize(hq * span, 0.0);
+    for pos in first..len {
         if pos + s.block_size < len {
             prefetch(&args.k_cache[row(pos + s.block_size)..row(pos + s.block_size) + width]);
         }
         let k = &args.k_cache[row(pos)..row(pos) + width];
         for h in 0..hq {
             let kh = &k[h / group * d..(h / group + 1) * d];
-            scores[h * len + pos] = dot(&q[h * d..(h + 1) * d], kh) * args.scale;
+            scores[h * span + pos - first] = dot(&q[h * d..(h + 1) * d], kh) * args.scale;
         }
     }
-    for sc in scores.chunks_exact_mut(len) {
+    for sc in scores.chunks_exact_mut(span) {
         let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         sc.iter_mut().for_each(|x| *x = exp(*x - max));
         let inv = 1.0 / sum(sc);
         sc.iter_mut().for_each(|x| *x *= inv);
     }
     acc.fill(0.0);
-    for pos in 0..len {
+    for pos in first..len {
         if pos + s.block_size < len {
             prefetch(&args.v_cache[row(pos + s.block_size)..row(pos + s.block_size) + width]);
         }
         let v = &args.v_cache[row(pos)..row(pos) + width];
         for (h, o) in acc.chunks_exact_mut(d).enumerate() {
-            let p = scores[h * len + pos];
+            let p = scores[h * span + pos - first];
             for (o, &x) in o.iter_mut().zip(&v[h / group * d..(h / group + 1) * d]) {
                 *o += p * x.load();
             }

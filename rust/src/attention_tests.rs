@@ -9,6 +9,7 @@ struct Case {
     v: Vec<f32>,
     tables: Vec<i32>,
     lens: Vec<i32>,
+    window: Option<usize>,
 }
 
 impl Case {
@@ -41,6 +42,7 @@ impl Case {
             v: rng.floats(cache),
             tables,
             lens,
+            window: None,
         }
     }
 
@@ -54,6 +56,7 @@ impl Case {
             block_tables: &self.tables,
             seq_lens: &self.lens,
             scale: 1.0 / (self.shape.head_dim as f32).sqrt(),
+            window: self.window,
         }
     }
 
@@ -65,6 +68,11 @@ impl Case {
         let mut out = vec![0.0f32; self.q.len()];
         for seq in 0..s.num_seqs {
             let len = self.lens[seq] as usize;
+            // Keys in (len - 1 - window, len - 1], spelled out independently of the kernel's span().
+            let first = match self.window {
+                Some(w) if w < len => len - w,
+                _ => 0,
+            };
             for qh in 0..s.num_q_heads {
                 let kh = qh / group;
                 let q = &self.q[(seq * s.num_q_heads + qh) * d..][..d];
@@ -72,7 +80,7 @@ impl Case {
                     let b = self.tables[seq * s.max_blocks + pos / s.block_size] as usize;
                     ((b * s.block_size + pos % s.block_size) * s.num_kv_heads + kh) * d
                 };
-                let logits: Vec<f64> = (0..len)
+                let logits: Vec<f64> = (first..len)
                     .map(|p| {
                         (0..d)
                             .map(|i| q[i] as f64 * self.k[at(p) + i] as f64)
@@ -84,8 +92,8 @@ impl Case {
                 let w: Vec<f64> = logits.iter().map(|x| (x - max).exp()).collect();
                 let sum: f64 = w.iter().sum();
                 for i in 0..d {
-                    let o: f64 = (0..len)
-                        .map(|p| w[p] * self.v[at(p) + i] as f64)
+                    let o: f64 = (first..len)
+                        .map(|p| w[p - first] * self.v[at(p) + i] as f64)
                         .sum::<f64>()
                         / sum;
                     out[(seq * s.num_q_heads + qh) * d + i] = o as f32;
@@ -127,6 +135,41 @@ fn matches_reference_across_shapes_and_thread_counts() {
 }
 
 #[test]
+fn sliding_window_attends_only_the_last_positions() {
+    let mut rng = Rng(11);
+    for &(hq, hkv, d, bs) in &[(4, 2, 16, 4), (9, 3, 64, 16)] {
+        for window in [1, 3, bs, 2 * bs + 1, 1000] {
+            for threads in [1, 3] {
+                let mut case = Case::random(&mut rng, hq, hkv, d, bs, 6);
+                case.window = Some(window);
+                let mut out = vec![f32::NAN; case.q.len()];
+                paged_decode(&case.args(), &mut out, threads).unwrap();
+                let want = case.reference();
+                let err = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(err < 1e-5, "window={window} bs={bs}: max error {err}");
+            }
+        }
+    }
+    // The window really changes the result once a sequence is longer than it.
+    let mut case = Case::random(&mut Rng(5), 4, 2, 16, 4, 1);
+    case.lens[0] = (case.shape.max_blocks * case.shape.block_size) as i32; // >= 4 positions
+    let full = case.reference();
+    case.window = Some(1);
+    let mut out = vec![0.0; case.q.len()];
+    paged_decode(&case.args(), &mut out, 1).unwrap();
+    let diff = out
+        .iter()
+        .zip(&full)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(diff > 1e-3, "a window of 1 left the output unchanged");
+}
+
+#[test]
 fn rejects_what_it_cannot_follow() {
     let mut rng = Rng(3);
     let case = Case::random(&mut rng, 4, 2, 16, 4, 3);
@@ -148,6 +191,7 @@ fn rejects_what_it_cannot_follow() {
     );
     expect(Box::new(|c| c.tables[0] = -1), "block_tables");
     expect(Box::new(|c| c.shape.num_q_heads = 3), "q");
+    expect(Box::new(|c| c.window = Some(0)), "window");
     expect(
         Box::new(|c| {
             c.k.pop();
@@ -184,6 +228,7 @@ fn half_caches_and_strided_queries_match_the_f32_kernel() {
             block_tables: &case.tables,
             seq_lens: &case.lens,
             scale: 1.0 / (s.head_dim as f32).sqrt(),
+            window: case.window,
         };
         let mut out = vec![T::store(0.0); case.q.len()];
         paged_decode(&args, &mut out, 2).unwrap();

@@ -19,6 +19,7 @@ pub struct QkvStep<'a, T: Elem> {
     pub block_tables: &'a [i32],
     pub seq_lens: &'a [i32],
     pub scale: f32,
+    pub window: Option<usize>, // sliding window, as `DecodeArgs::window`
 }
 
 /// Attend every row of `step.qkv` (one decode token per sequence) into `out` `[n, Hq * D]`,
@@ -77,6 +78,7 @@ pub fn decode_from_qkv<T: Elem>(
             block_tables: step.block_tables,
             seq_lens: step.seq_lens,
             scale: step.scale,
+            window: step.window,
         };
         args.validate(out.len())?;
     }
@@ -97,6 +99,7 @@ pub fn decode_from_qkv<T: Elem>(
         block_tables: step.block_tables,
         seq_lens: step.seq_lens,
         scale: step.scale,
+        window: step.window,
     };
     paged_decode(&args, out, threads)
 }
@@ -143,6 +146,7 @@ mod tests {
             block_tables: &tables,
             seq_lens: &lens,
             scale: 0.3,
+            window: Some(5), // the window reaches the fused path too
         };
         let (mut kc, mut vc) = (cache.clone(), cache.clone());
         let mut out = vec![0.0f32; n * hq * d];
@@ -174,6 +178,7 @@ mod tests {
             block_tables: &tables,
             seq_lens: &lens,
             scale: 0.3,
+            window: Some(5),
         };
         let mut want = vec![0.0f32; n * hq * d];
         paged_decode(&args, &mut want, 1).unwrap();

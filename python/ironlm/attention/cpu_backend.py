@@ -58,9 +58,9 @@ class CpuAttention(TorchAttention):
         window: int | None = None,
     ) -> torch.Tensor:
         dtype = CORE_DTYPES.get(k_cache.dtype)
-        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype or window is not None:
+        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
-        plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0])
+        plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0], window)
         if plan is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         threads = torch.get_num_threads()
@@ -69,7 +69,7 @@ class CpuAttention(TorchAttention):
             out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads,
-                dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots)
+                dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window)
             return out
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
         out = torch.zeros(q.shape, dtype=q.dtype) if plan.num_tokens < q.shape[0] else torch.empty(q.shape, dtype=q.dtype)
@@ -77,7 +77,8 @@ class CpuAttention(TorchAttention):
             qd = q if plan.rows is None else q.index_select(0, plan.rows)
             od = out if plan.rows is None else torch.empty(qd.shape, dtype=q.dtype)
             _core.paged_decode_attention(
-                as_numpy(qd), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(od), threads, dtype=dtype)
+                as_numpy(qd), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(od), threads, dtype=dtype,
+                window=window)
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:
@@ -85,25 +86,30 @@ class CpuAttention(TorchAttention):
         return out
 
 
-    def decode_plan(self, meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan | None:
-        """The step's plan (built by the first layer, memoised in the metadata); None = the torch path serves it."""
-        if "cpu" not in meta.plan_cache:
-            meta.plan_cache["cpu"] = _make_plan(meta, block_size, num_rows)
-        return meta.plan_cache["cpu"]
+    def decode_plan(
+        self, meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None
+    ) -> _CpuPlan | None:
+        """The step's plan (built by the first layer, memoised in the metadata, one per window size); None = the
+        torch path serves it."""
+        key = "cpu" if window is None else f"cpu:{window}"
+        if key not in meta.plan_cache:
+            meta.plan_cache[key] = _make_plan(meta, block_size, num_rows, window)
+        return meta.plan_cache[key]
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan | None:
-    """The step's plan, or None when the torch path's cascade attention serves it better."""
+def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None) -> _CpuPlan | None:
+    """The step's plan, or None when the torch path's cascade attention serves it better (never under a window,
+    where the torch path does not cascade)."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     dec = np.nonzero(np.diff(qsl) == 1)[0]
     block_tables = meta.block_tables.numpy()
-    if _shared_blocks(block_tables, dec, meta.seq_lens_cpu.astype(np.int64), block_size):
+    if window is None and _shared_blocks(block_tables, dec, meta.seq_lens_cpu.astype(np.int64), block_size):
         return None
     rows = None if len(dec) == num_rows else torch.from_numpy(qsl[dec])
     seq_lens = np.ascontiguousarray(meta.seq_lens_cpu[dec], dtype=np.int32)
     width = int(-(-seq_lens.max(initial=0) // block_size))
     tables = np.ascontiguousarray(block_tables[dec, :width], dtype=np.int32)
-    prefill = plan_prefill(meta, block_size, torch.device("cpu"))
+    prefill = plan_prefill(meta, block_size, torch.device("cpu"), window)
     slots = None
     if rows is None and len(dec) and meta.slot_mapping.shape[0] == num_rows:
         slots = np.ascontiguousarray(meta.slot_mapping.numpy(), dtype=np.int64)

@@ -181,7 +181,7 @@ class DecoderLayer(nn.Module):
         self.qkv.into(ws.x, ws.qkv, ws.x_np, ws.qkv_np)
         _core.decode_attention_qkv(
             ws.qkv_np, k_cache, v_cache, step.block_tables, step.seq_lens, step.slots, step.rope.positions,
-            step.rope.table, self.scale, ws.attn_np, self.num_heads, step.dtype, step.threads)
+            step.rope.table, self.scale, ws.attn_np, self.num_heads, step.dtype, step.threads, self.window)
         if not self.owns_residual:
             ws.h.zero_()
         self.o.accumulate(ws.attn, ws.h, ws.attn_np, ws.h_np)
@@ -479,7 +479,7 @@ class DecoderLM(nn.Module):
         rows, qk-norm models, other backends, steps the CPU backend sends to cascade attention)."""
         t = input_ids.shape[0]
         backend = self.attn_backend
-        if (t > LEAN_MAX_TOKENS or self.config.qk_norm or self.dtype not in CORE_DTYPES or self.config.sliding_window
+        if (t > LEAN_MAX_TOKENS or self.config.qk_norm or self.dtype not in CORE_DTYPES
                 or getattr(backend, "name", None) != "cpu" or not meta.decode_only or not kv_caches):
             return None
         plan = backend.decode_plan(meta, kv_caches[0][0].shape[1], t)  # type: ignore[union-attr]

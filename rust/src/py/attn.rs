@@ -15,10 +15,11 @@ use crate::ops_decode::{decode_from_qkv, QkvStep};
 /// fused q|k|v row), caches `[num_blocks, block_size, Hkv, D]` (C-contiguous), block_tables
 /// `[n, max_blocks]` and seq_lens `[n]` (int32). Every float array has `dtype`. With `k`, `v`
 /// (`[n, Hkv, D]`, rows may be strided) and `slot_mapping` (`[n]` int64, -1 = skip), those rows
-/// are first written into the caches: the step's whole attention in one call.
+/// are first written into the caches: the step's whole attention in one call. With `window`
+/// (sliding-window attention) each query sees only its sequence's last `window` positions.
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, threads = 1, *,
-                    dtype = "float32", k = None, v = None, slot_mapping = None))]
+                    dtype = "float32", k = None, v = None, slot_mapping = None, window = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_decode_attention(
     py: Python<'_>,
@@ -34,6 +35,7 @@ pub(crate) fn paged_decode_attention(
     k: Option<&Bound<'_, PyAny>>,
     v: Option<&Bound<'_, PyAny>>,
     slot_mapping: Option<PyReadonlyArray1<'_, i64>>,
+    window: Option<usize>,
 ) -> PyResult<()> {
     let dt = dtype_arg(dtype)?;
     let q = ro(q, "q", dt)?;
@@ -141,6 +143,7 @@ pub(crate) fn paged_decode_attention(
                 block_tables: tables,
                 seq_lens: lens,
                 scale,
+                window,
             };
             paged_decode(&args, os, threads)
         })?;
@@ -151,10 +154,11 @@ pub(crate) fn paged_decode_attention(
 /// One layer's decode attention from its fused projection output `qkv` (`[n, (Hq + 2 Hkv) * D]`,
 /// C-contiguous): RoPE on q and k (cos|sin rows of `rope_table` at `positions`), k and v written
 /// at `slot_mapping` (-1 = skip), then `out` (`[n, Hq * D]`) = paged attention of q over each
-/// sequence's cache. The caches, block_tables and seq_lens are as for `paged_decode_attention`.
+/// sequence's cache. The caches, block_tables, seq_lens and window are as for
+/// `paged_decode_attention`.
 #[pyfunction]
 #[pyo3(signature = (qkv, k_cache, v_cache, block_tables, seq_lens, slot_mapping, positions, rope_table,
-                    scale, out, num_q_heads, dtype = "float32", threads = 1))]
+                    scale, out, num_q_heads, dtype = "float32", threads = 1, window = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_attention_qkv(
     py: Python<'_>,
@@ -171,6 +175,7 @@ pub(crate) fn decode_attention_qkv(
     num_q_heads: usize,
     dtype: &str,
     threads: usize,
+    window: Option<usize>,
 ) -> PyResult<()> {
     let dt = dtype_arg(dtype)?;
     let (qkv, table) = (ro(qkv, "qkv", dt)?, ro(rope_table, "rope_table", dt)?);
@@ -218,6 +223,7 @@ pub(crate) fn decode_attention_qkv(
             block_tables: tables,
             seq_lens: lens,
             scale,
+            window,
         };
         py.detach(|| decode_from_qkv(&step, shape, kcs, vcs, os, threads))?;
     });
