@@ -4,7 +4,8 @@ Stage 1 runs one program per (sequence, KV head, split). The G query heads that 
 one [BLOCK_G, D] tile, so every K/V tile is loaded once for the whole group (tl.dot when G > 1, a broadcast
 multiply for MHA). A split covers a contiguous slice of the sequence's context with an online softmax; with
 one split it writes the final output, otherwise (flash-decoding) it writes the normalised partial output and its
-log-sum-exp, and stage 2 merges the splits.
+log-sum-exp, and stage 2 merges the splits. With a sliding window only the last `window` positions are split and
+read.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def decode_attention_kernel(
     seq_ids_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
     scale,
     num_splits,
+    window,  # sliding window: keys in (seq_len - 1 - window, seq_len - 1]; NO_WINDOW = the whole context
     stride_qt, stride_qh,
     stride_ot, stride_oh, stride_os,  # out: [T, Hq, D] rows (final) or partials [Bd, Hq, S, D]
     stride_lb, stride_lh,  # lse partials [Bd, Hq, S]
@@ -54,10 +56,11 @@ def decode_attention_kernel(
     q_row = tl.load(query_start_ptr + seq).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
 
-    # Each sequence splits its own context evenly, in whole BLOCK_N tiles.
-    tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    # Each sequence splits its own attended context [lo, seq_len) evenly, in whole BLOCK_N tiles.
+    lo = tl.maximum(seq_len - window, 0)
+    tiles = (seq_len - lo + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = (tiles + num_splits - 1) // num_splits
-    start = split * tiles_per_split * BLOCK_N
+    start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -141,6 +144,10 @@ def decode_reduce_kernel(
     tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+# The `window` a full-attention layer passes: larger than any context, so `seq_len - window` clamps to 0.
+NO_WINDOW = 1 << 30
+
+
 def interpreted() -> bool:
     """Whether these kernels were built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -187,11 +194,13 @@ def paged_decode_attention(
     block_n: int = 64,
     compute_f32: bool | None = None,
     num_sms: int = 132,
+    window: int | None = None,
 ) -> None:
     """out[query_start_loc[s]] = attention of that query row over sequence s's paged context, for s in seq_ids.
 
     q/out [T, Hq, D]; caches [num_blocks, page, Hkv, D]; seq_ids int32 [Bd] (the sequences to decode, each
-    with one query row). `max_seq_len` (a host int: no device sync) only sizes the split count.
+    with one query row). `max_seq_len` (a host int: no device sync) only sizes the split count. With `window`
+    (sliding-window attention) only each sequence's last `window` positions are attended.
     """
     num = seq_ids.shape[0]
     if num == 0:
@@ -203,7 +212,9 @@ def paged_decode_attention(
     if compute_f32 is None:
         compute_f32 = default_compute_f32(q.dtype)
     if num_splits is None:
-        num_splits = num_kv_splits(num, hkv, max_seq_len, block_n, num_sms)
+        span = max_seq_len if window is None else min(max_seq_len, window)
+        num_splits = num_kv_splits(num, hkv, span, block_n, num_sms)
+    win = NO_WINDOW if window is None else window
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_N": block_n, "PAGE_SIZE": page,
               "USE_DOT": use_dot, "COMPUTE_F32": compute_f32, "DOT_PRECISION": precision}
@@ -211,7 +222,7 @@ def paged_decode_attention(
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     if num_splits == 1:
         decode_attention_kernel[(num, hkv, 1)](
-            q, k_cache, v_cache, out, out, seq_ids, query_start_loc, seq_lens, block_tables, scale, 1,
+            q, k_cache, v_cache, out, out, seq_ids, query_start_loc, seq_lens, block_tables, scale, 1, win,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *kv_strides,
             WRITE_PARTIAL=False, **common,
         )
@@ -219,7 +230,7 @@ def paged_decode_attention(
     part = torch.empty(num, hq, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(num, hq, num_splits, dtype=torch.float32, device=q.device)
     decode_attention_kernel[(num, hkv, num_splits)](
-        q, k_cache, v_cache, part, lse, seq_ids, query_start_loc, seq_lens, block_tables, scale, num_splits,
+        q, k_cache, v_cache, part, lse, seq_ids, query_start_loc, seq_lens, block_tables, scale, num_splits, win,
         q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         *kv_strides, WRITE_PARTIAL=True, **common,
     )

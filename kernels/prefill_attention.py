@@ -3,8 +3,9 @@
 Sequence s contributes rows query_start_loc[s] .. query_start_loc[s+1] (its chunk) and has seq_lens[s] tokens in
 the cache after this step's write, so the chunk's row j sits at absolute position context_len + j and attends
 causally to positions 0 ..= context_len + j: the cached prefix (prefix-cache hits, earlier chunks of a chunked
-prefill) and itself, all read through the block table. Grid: (query tiles, query heads, sequences); programs
-whose tile lies past their sequence's chunk exit at once.
+prefill) and itself, all read through the block table; with a sliding window only positions
+(context_len + j - window, context_len + j], and tiles wholly before the tile's first row's window are not read.
+Grid: (query tiles, query heads, sequences); programs whose tile lies past their sequence's chunk exit at once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ironlm.kernels.decode_attention import default_compute_f32, load_kv_tile
+from ironlm.kernels.decode_attention import NO_WINDOW, default_compute_f32, load_kv_tile
 
 
 @triton.jit
@@ -21,6 +22,7 @@ def prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     seq_ids_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
     scale,
+    window,  # sliding window (NO_WINDOW = full causal)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -63,7 +65,9 @@ def prefill_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Causal bound of the whole tile: its last real row sees up to position ctx_len + min(q_len, tile end) - 1.
     kv_end = ctx_len + tl.minimum(q_len, (tile + 1) * BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
+    # ... and its first row sees nothing before position ctx_len + tile * BLOCK_M - window + 1.
+    kv_start = tl.maximum(ctx_len + tile * BLOCK_M - window + 1, 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + offs_n0
         mask_n = offs_n < kv_end
         k = load_kv_tile(k_cache_ptr, bt_row, offs_n, mask_n, kv_head, offs_d, stride_kb, stride_ks, stride_kh,
@@ -74,10 +78,10 @@ def prefill_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        visible = (offs_n[None, :] <= pos_m[:, None]) & mask_n[None, :]
+        visible = (offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] > pos_m[:, None] - window) & mask_n[None, :]
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        # Position 0 is visible to every row, so after the first tile m_new is finite for all rows (padding
-        # rows past q_len included: they see what the last real row sees); the guard covers the first tile.
+        # A tile can hide every key from a row (the first tile, or under a window a padding row past q_len):
+        # m_new is then -inf and the guard keeps exp2 finite; every real row sees at least itself.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -108,8 +112,10 @@ def paged_prefill_attention(
     compute_f32: bool | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    window: int | None = None,
 ) -> None:
-    """Causal attention of each chunk in seq_ids (int32 [Bp]) over its paged context, written into out's rows.
+    """Causal attention of each chunk in seq_ids (int32 [Bp]) over its paged context, written into out's rows;
+    with `window` (sliding-window attention) row j of a chunk sees only positions (ctx + j - window, ctx + j].
 
     `max_query_len` (a host int) sizes the tile dimension of the grid; the new K/V rows must already be in the
     cache (reshape_and_cache runs first).
@@ -129,7 +135,7 @@ def paged_prefill_attention(
         extra["num_stages"] = num_stages
     prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, seq_ids, query_start_loc, seq_lens, block_tables, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        NO_WINDOW if window is None else window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page, COMPUTE_F32=compute_f32,

@@ -183,6 +183,26 @@ def test_block_table_shared_prefix(kernels: SimpleNamespace) -> None:
 
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,splits", [(1, 1), (7, 3), (16, 2), (1000, 1)])
+def test_sliding_window(kernels: SimpleNamespace, dtype: torch.dtype, window: int, splits: int) -> None:
+    """The window argument of both kernels (decode rows with and without splits, fresh prompts longer than the
+    window, chunks over cached context) against the torch backend and, in fp32, a dense fp64 reference."""
+    from test_sliding_window import WINDOW_CASE, windowed_reference
+
+    case = make_case(*WINDOW_CASE, hq=6, hkv=2, d=64, block_size=8, dtype=dtype, seed=window, pad_rows=1)
+    tc = to_device(case)
+    kc, vc = tc["k_cache"].clone(), tc["v_cache"].clone()
+    tri = kernels.TritonAttention(**{**SMALL, "decode_num_splits": splits})
+    out = tri.forward(tc["q"], tc["k"], tc["v"], kc, vc, tc["meta"], tc["scale"], window=window).cpu()
+    ref = get_backend("torch").forward(case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"],
+                                       case["meta"], case["scale"], window=window)
+    assert torch.equal(out[-1:], torch.zeros_like(out[-1:]))  # the padding row
+    assert_close(out, ref, dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out[:-1].double(), windowed_reference(case, window)[:-1], atol=2e-5, rtol=2e-5)
+
+
 def test_llm_greedy_identical_on_both_backends(kernels: SimpleNamespace, tmp_path) -> None:
     """Through the real model and scheduler: chunked prefill (a 17-token prompt in 16-token steps), mixed
     decode + prefill steps; greedy tokens from the Triton backend equal the torch backend's."""

@@ -46,6 +46,56 @@ def test_config_qwen2_rules():
     assert cfg.max_model_len == 512
 
 
+def windowed_reference(case: dict, window: int) -> torch.Tensor:
+    """Dense fp64 attention of each query row (absolute position p) over its history's keys (p - window, p]."""
+    q = case["q"].double()
+    hq = q.shape[1]
+    out = torch.zeros_like(q)
+    start = 0
+    for hk, hv, c, n in zip(case["hist_k"], case["hist_v"], case["ctx_lens"], case["q_lens"]):
+        grp = hq // hk.shape[1]
+        kk, vv = hk.double().repeat_interleave(grp, dim=1), hv.double().repeat_interleave(grp, dim=1)
+        for j in range(n):
+            lo, hi = max(0, c + j + 1 - window), c + j + 1
+            s = torch.einsum("hd,shd->hs", q[start + j], kk[lo:hi]) * case["scale"]
+            out[start + j] = torch.einsum("hs,shd->hd", torch.softmax(s, -1), vv[lo:hi])
+        start += n
+    return out
+
+
+# (context lengths, query lengths): decode rows around page edges and the window, fresh prompts longer than the
+# window, chunks over cached context, one sequence shorter than the window
+WINDOW_CASE = ([0, 0, 40, 9, 5, 17, 70], [1, 45, 12, 1, 3, 1, 1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("window", [1, 7, 16, 1000])
+def test_backends_match_windowed_reference(backend, window):
+    from test_attention_torch import make_case
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        case = make_case(*WINDOW_CASE, hq=6, hkv=2, d=64, block_size=8, dtype=dtype, seed=window)
+        out = get_backend(backend).forward(case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"],
+                                           case["meta"], case["scale"], window=window)
+        torch.testing.assert_close(out.double(), windowed_reference(case, window), atol=tol, rtol=tol)
+
+
+def test_cascade_prefix_is_not_used_under_a_window():
+    """Decode rows sharing leading blocks (the torch path's cascade case) still attend only inside the window."""
+    from test_attention_torch import make_case
+
+    case = make_case([70, 70, 70], [1, 1, 1], hq=4, hkv=2, d=64, block_size=8, dtype=torch.float32, seed=3)
+    bt = case["meta"].block_tables
+    bt[1:, :6] = bt[0, :6]  # shared first 6 blocks: the histories must match there too
+    for i in (1, 2):
+        for key in ("hist_k", "hist_v"):
+            case[key][i][:48] = case[key][0][:48]
+    for backend in ("torch", "cpu"):
+        out = get_backend(backend).forward(case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"],
+                                           case["meta"], case["scale"], window=20)
+        torch.testing.assert_close(out.double(), windowed_reference(case, 20), atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request, tmp_path_factory):
     arch, overrides = MODELS[request.param]

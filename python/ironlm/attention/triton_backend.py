@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from ironlm.attention.metadata import AttentionMetadata
-from ironlm.attention.torch_backend import TorchAttention
 from ironlm.kernels.cache_write import reshape_and_cache
 from ironlm.kernels.decode_attention import paged_decode_attention
 from ironlm.kernels.prefill_attention import paged_prefill_attention
@@ -77,8 +76,6 @@ class TritonAttention:
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        if window is not None:  # the kernels attend the whole context: sliding layers take the torch path
-            return TorchAttention().forward(q, k, v, k_cache, v_cache, meta, scale, window)
         d = q.shape[-1]
         if d < 16 or d & (d - 1):
             raise ValueError(f"the triton attention backend needs a power-of-two head_dim >= 16, got {d}; "
@@ -96,12 +93,12 @@ class TritonAttention:
             paged_decode_attention(
                 q, k_cache, v_cache, out, plan.decode_ids, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, plan.decode_max_seq_len, block_n=self.decode_block_n, num_splits=self.decode_num_splits,
-                num_sms=self._sms(q.device),
+                num_sms=self._sms(q.device), window=window,
             )
         if plan.prefill_ids.numel():
             paged_prefill_attention(
                 q, k_cache, v_cache, out, plan.prefill_ids, meta.query_start_loc, meta.seq_lens,
                 meta.block_tables, scale, plan.prefill_max_query_len, block_m=self.prefill_block_m,
-                block_n=self.prefill_block_n,
+                block_n=self.prefill_block_n, window=window,
             )
         return out
