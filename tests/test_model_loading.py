@@ -90,10 +90,12 @@ def test_hf_config_fields(tiny_dir):
     assert n == cfg.num_parameters()
 
 
-def test_sliding_window_caps_max_model_len(tmp_path):
+def test_sliding_window_attends_past_the_window(tmp_path):
+    """The window is applied per layer (tests/test_sliding_window.py), not by capping the context length."""
     path = make_tiny_model(tmp_path, "mistral", num_hidden_layers=1, sliding_window=128)
     lm = load_model(path, dtype=torch.float32, device="cpu")
-    assert lm.config.sliding_window == 128 and lm.config.max_model_len == 128
+    assert lm.config.sliding_window == 128 and lm.config.max_model_len == lm.config.max_position_embeddings
+    assert [layer.window for layer in lm.model.layers] == [128]
 
 
 def test_default_model_path_and_install_hint(monkeypatch):
