@@ -186,12 +186,15 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device, w
             j += 1
         idx = dec_idx[i:j]
         nb = int(nbs[idx[-1]])
+        lead = skip  # leading blocks not gathered: the shared prefix, or those before every sequence's window
+        if window is not None:
+            lead = max(0, int(seq_lens[idx[0]]) - window) // block_size
         if bt_host is not None:
-            blocks = torch.from_numpy(np.ascontiguousarray(bt_host[idx, skip:nb], dtype=np.int64).reshape(-1))
+            blocks = torch.from_numpy(np.ascontiguousarray(bt_host[idx, lead:nb], dtype=np.int64).reshape(-1))
         else:
-            blocks = meta.block_tables[torch.from_numpy(idx).to(device), :nb].long().reshape(-1)
-        length = (nb - skip) * block_size
-        positions = skip * block_size + np.arange(length)
+            blocks = meta.block_tables[torch.from_numpy(idx).to(device), lead:nb].long().reshape(-1)
+        length = (nb - lead) * block_size
+        positions = lead * block_size + np.arange(length)
         visible = positions[None, :] < seq_lens[idx][:, None]
         if window is not None:  # the query sits at seq_len - 1 and sees keys in (seq_len - 1 - window, seq_len - 1]
             visible &= positions[None, :] >= (seq_lens[idx] - window)[:, None]
@@ -201,7 +204,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device, w
                 rows=torch.from_numpy(qsl[idx]).to(device),
                 blocks=blocks.to(device),
                 bias=torch.from_numpy(bias).to(device).view(len(idx), 1, length),
-                num_blocks=nb - skip,
+                num_blocks=nb - lead,
                 offset=i,
             )
         )
