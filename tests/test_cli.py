@@ -75,6 +75,10 @@ def test_request_timeout_is_a_deprecated_alias_of_queue_timeout(capsys):
     assert "--request-timeout" not in capsys.readouterr().out
 
 
+# String fields with a syntax of their own: a valid non-default value each.
+_STRUCTURED_STRINGS = {"tenant_weights": "a=2,b=1"}
+
+
 def _non_default(f, annotation) -> tuple[list[str], object]:
     """Command-line words that set field `f` to a value other than its default, and that value."""
     flag = flag_name(f.name)
@@ -83,6 +87,8 @@ def _non_default(f, annotation) -> tuple[list[str], object]:
     if "choices" in f.metadata:
         value = next(c for c in f.metadata["choices"] if c != f.default)
         return [flag, str(value)], value
+    if f.name in _STRUCTURED_STRINGS:
+        return [flag, _STRUCTURED_STRINGS[f.name]], _STRUCTURED_STRINGS[f.name]
     kinds = typing.get_args(annotation) or (annotation,)
     if str in kinds:  # "8" is a valid model path, device string, name and KV size (8 bytes) alike
         return [flag, "8"], "8"

@@ -242,7 +242,7 @@ def test_sampling_params_helper_takes_param_from_the_exception() -> None:
     (CompletionRequest, {"prompt": ""}, "prompt"),
     (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of"),
     (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix"),
-    (CompletionRequest, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    (CompletionRequest, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids.0"),  # the element, as logit_bias.5
     (CompletionRequest, {"prompt": "x", "priority": 2**63}, "priority"),
     (CompletionRequest, {"prompt": "x", "max_tokens": 2**64}, "max_tokens"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),

@@ -33,7 +33,9 @@ __all__ = [
     "LlamaCppNotBuilt",
     "PerplexityArgumentError",
     "QueueFullError",
+    "ReplicaRetriesExhausted",
     "RequestTooLargeError",
+    "TemplateLimitError",
     "TensorParallelError",
     "UnsupportedModelError",
 ]
@@ -78,3 +80,11 @@ class EngineRestartedError(EngineStepError):
 
 class InjectedFault(RuntimeError):
     """Raised by an `IRONLM_FAULT` fault-injection rule (engine/faults.py; tests only, never by real code)."""
+
+
+class TemplateLimitError(InvalidArgumentError):
+    """A chat template that outgrew its sandbox's time or output-size bound (server/chat_template.py): a 400."""
+
+
+class ReplicaRetriesExhausted(RuntimeError):
+    """Every replica a Ray Serve ingress tried died before the request's first token (ironlm.ray.ingress)."""

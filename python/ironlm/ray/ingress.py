@@ -19,6 +19,7 @@ from ray.exceptions import RayActorError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ironlm.exceptions import ReplicaRetriesExhausted
 from ironlm.ray.replica import ForwardedRequest, ResponseHead
 from ironlm.ray.routing import RouteHint, prefix_key
 
@@ -29,10 +30,6 @@ RETRYABLE: tuple[type[BaseException], ...] = (RayActorError,)
 RETRIES_HEADER = "x-ironlm-retries"
 _METRICS_TIMEOUT_S = 10.0
 _DROPPED_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
-
-
-class RetriesExhausted(RuntimeError):
-    pass
 
 
 class Ingress:
@@ -57,7 +54,7 @@ class Ingress:
         hint = RouteHint(prefix_key=prefix_key(forwarded.path, body, self.affinity_block))
         try:
             head, rest, retries = await self._start(forwarded, hint)
-        except RetriesExhausted as exc:
+        except ReplicaRetriesExhausted as exc:
             return _error(503, f"no engine replica could take the request: {exc}")
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers
                    if k.lower() not in _DROPPED_HEADERS}
@@ -78,7 +75,7 @@ class Ingress:
                                self.max_retries + 1, exc)
                 continue
             return head, stream, attempt
-        raise RetriesExhausted(repr(last))
+        raise ReplicaRetriesExhausted(repr(last))
 
     async def _gather_metrics(self) -> Response:
         """Every replica's /metrics in one exposition, each sample labelled with its replica."""

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ironlm.exceptions import InvalidArgumentError
+from ironlm.exceptions import InvalidArgumentError, TemplateLimitError
 
 RENDER_TIMEOUT_S = 2.0
 # The model's own template (through the tokenizer; a GGUF file brings its own) gets more room: it is the operator's
@@ -34,10 +34,6 @@ T = TypeVar("T")
 _TEMPLATE_FILE = "<template>"  # the file name jinja gives code compiled from a string
 # A printf (`%9999999d`) or str.format (`{:>9999999}`) width of a million characters or more.
 _WIDTH = re.compile(r"%[-+ #0]*(\d{7,})|\{[^{}]*:[^{}]*?(\d{7,})")
-
-
-class TemplateLimitError(InvalidArgumentError):
-    pass
 
 
 def _too_large(what: str) -> TemplateLimitError:
