@@ -23,7 +23,7 @@ import torch
 from ironlm.config import EngineConfig
 from ironlm.distributed.group import TPGroup
 from ironlm.distributed.plan_codec import OP_PROFILE, OP_STEP, OP_STOP, PlanChannel, StepArrays, pack
-from ironlm.distributed.worker import rank_device, run_worker, spawned_main
+from ironlm.distributed.worker import WorkerRunner, rank_device, run_worker, spawned_main
 from ironlm.exceptions import InvalidArgumentError, TensorParallelError
 
 logger = logging.getLogger("ironlm.distributed")
@@ -50,21 +50,22 @@ class TPExecutor:
         atexit.register(self.shutdown)
 
     @classmethod
-    def start(cls, config: EngineConfig) -> TPExecutor:
+    def start(cls, config: EngineConfig, runner_cls: type[WorkerRunner]) -> TPExecutor:
+        """Start (mp) or join (torchrun) the other ranks; each builds a `runner_cls` on its shard."""
         world = config.tensor_parallel_size
         if torch.distributed.is_initialized():
             raise InvalidArgumentError(
                 "tensor_parallel_size: this process already belongs to a torch.distributed group (another "
                 "tensor-parallel engine?); shut it down first (engine.runner.shutdown())", "tensor_parallel_size")
         if config.distributed_executor_backend == "torchrun":
-            return cls._join_torchrun(config, world)
+            return cls._join_torchrun(config, world, runner_cls)
         device = rank_device(config, 0)
         threads = rank_threads(world, device)
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = torch.multiprocessing.get_context("spawn")
         procs: list[BaseProcess] = []
         for rank in range(1, world):
-            p = ctx.Process(target=spawned_main, args=(config, rank, world, init, threads), daemon=True,
+            p = ctx.Process(target=spawned_main, args=(config, rank, world, init, threads, runner_cls), daemon=True,
                             name=f"ironlm-tp-rank{rank}")
             p.start()
             procs.append(p)
@@ -84,7 +85,7 @@ class TPExecutor:
         return executor
 
     @classmethod
-    def _join_torchrun(cls, config: EngineConfig, world: int) -> TPExecutor:
+    def _join_torchrun(cls, config: EngineConfig, world: int, runner_cls: type[WorkerRunner]) -> TPExecutor:
         env_world = int(os.environ.get("WORLD_SIZE", "0"))
         if env_world != world:
             raise InvalidArgumentError(
@@ -94,7 +95,7 @@ class TPExecutor:
         device = rank_device(config, local_rank)
         threads = rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
         if rank != 0:  # not the serving rank: be a worker, then end the process (nothing else must run here)
-            sys.exit(run_worker(config, rank, world, None, threads, local_rank))
+            sys.exit(run_worker(config, rank, world, None, threads, local_rank, runner_cls))
         if threads:
             torch.set_num_threads(threads)
         return cls(TPGroup.connect(0, world, device, config.distributed_timeout, None), [])

@@ -9,15 +9,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from typing import Protocol
 
 import torch
 
 from ironlm.config import EngineConfig
 from ironlm.distributed.group import TPGroup
-from ironlm.distributed.plan_codec import OP_PROFILE, OP_STEP, OP_STOP, PlanChannel, unpack
+from ironlm.distributed.plan_codec import OP_PROFILE, OP_STEP, OP_STOP, PlanChannel, StepArrays, unpack
 from ironlm.exceptions import TensorParallelError
 
 logger = logging.getLogger("ironlm.distributed")
+
+
+class WorkerRunner(Protocol):
+    """What a worker rank needs of the model runner: built on the rank's group, it runs the plans it is sent."""
+
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None: ...
+
+    def run(self, plan: StepArrays) -> object: ...
+
+    def profile(self, num_tokens: int) -> object: ...
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -32,16 +43,16 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 
 def run_worker(config: EngineConfig, rank: int, world: int, init_method: str | None, threads: int | None,
-               local_rank: int) -> int:
-    """Join the group as `rank`, load the shard and serve rank 0's steps until told to stop; the exit code."""
-    from ironlm.engine.model_runner import ModelRunner
-
+               local_rank: int, runner_cls: type[WorkerRunner]) -> int:
+    """Join the group as `rank`, load the shard and serve rank 0's steps until told to stop; the exit code.
+    `runner_cls` is rank 0's runner class (ironlm.engine.model_runner.ModelRunner), handed down rather than
+    imported: the engine layer builds on this package, not the other way round."""
     if threads:
         torch.set_num_threads(threads)
     device = rank_device(config, local_rank)
     group = TPGroup.connect(rank, world, device, config.distributed_timeout, init_method)
     try:
-        runner = ModelRunner(dataclasses.replace(config, device=str(device)), tp=group)
+        runner = runner_cls(dataclasses.replace(config, device=str(device)), tp=group)
         channel = PlanChannel(group.broadcast_plan)
         while True:
             op, arrays, arg = unpack(channel.receive())
@@ -59,7 +70,8 @@ def run_worker(config: EngineConfig, rank: int, world: int, init_method: str | N
         group.close()
 
 
-def spawned_main(config: EngineConfig, rank: int, world: int, init_method: str, threads: int | None) -> None:
-    """Entry point of a worker process ironlm spawned (executor backend `mp`)."""
+def spawned_main(config: EngineConfig, rank: int, world: int, init_method: str, threads: int | None,
+                 runner_cls: type[WorkerRunner]) -> None:
+    """Entry point of a worker process ironlm spawned (executor backend `mp`); `runner_cls` pickles by name."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    sys.exit(run_worker(config, rank, world, init_method, threads, rank))
+    sys.exit(run_worker(config, rank, world, init_method, threads, rank, runner_cls))

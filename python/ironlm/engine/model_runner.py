@@ -53,7 +53,7 @@ class ModelRunner:
         if tp is None and config.tensor_parallel_size > 1:
             from ironlm.distributed.executor import TPExecutor
 
-            self.executor = TPExecutor.start(config)
+            self.executor = TPExecutor.start(config, type(self))
             tp = self.executor.group
         self.tp = tp
         self.device = resolve_device(config.device) if tp is None else tp.device
