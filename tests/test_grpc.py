@@ -80,6 +80,35 @@ def test_validation_errors(rpc: GrpcServer, request_, code):
         assert exc.value.code() == code
 
 
+def test_text_prompts_are_bounded_and_tokenized_off_the_engine_thread(rpc: GrpcServer, http_server: LiveServer,
+                                                                      monkeypatch):
+    """As over HTTP: a text past the character bound is refused before any tokenization, and the engine is
+    handed token ids (tokenized in a worker thread), so a huge prompt never stalls the engine loop."""
+    import threading
+
+    from ironlm.server.prompt_limits import char_limit
+
+    engine = http_server.engine
+    tokenizer = engine.tokenizer
+    encode = tokenizer.encode
+    threads: list[str] = []
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", spy)
+    with pytest.raises(grpc.RpcError) as exc:
+        rpc.stub.Generate(pb.GenerateRequest(text="x" * (char_limit(engine) + 1)), timeout=30)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in exc.value.details()
+    assert threads == []  # refused by length alone
+    resp = rpc.stub.Generate(pb.GenerateRequest(text="hello world", sampling=pb.SamplingParameters(max_tokens=2)),
+                             timeout=60)
+    assert len(resp.completions) == 1 and threads
+    loop_thread = rpc.thread.name  # the gRPC server's event loop
+    assert all(name not in ("ironlm-engine", loop_thread) for name in threads), threads
+
+
 def test_auth(http_server: LiveServer):
     server = GrpcServer(http_server.engine, api_key=KEY)
     try:

@@ -20,6 +20,7 @@ from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
 from ironlm.server.auth import KeyChecker
 from ironlm.server.breaker import CircuitBreaker, Permit, is_failure
 from ironlm.server.errors import APIError, validation_error
+from ironlm.server.prompt_limits import encoded_prompts
 from ironlm.server.protocol import CompletionRequest
 from ironlm.server.serving_common import (
     check_failed,
@@ -170,7 +171,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             tenant = dict(context.invocation_metadata() or ()).get("x-tenant")
-            (stream,) = await start_streams(self.engine, rid, req.prompts()[:1], params, req, shedder=self.shedder,
+            prompts = await encoded_prompts(self.engine, req.prompts()[:1])
+            (stream,) = await start_streams(self.engine, rid, prompts, params, req, shedder=self.shedder,
                                             tenant_header=tenant if isinstance(tenant, str) else None)
         except APIError as err:
             raise constraint_error(err, None) from None

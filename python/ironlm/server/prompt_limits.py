@@ -10,7 +10,7 @@ than `max_model_len x that x _NORMALIZER_SLACK` is too long without being tokeni
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -88,6 +88,13 @@ async def completion_prompts(engine: EngineClient, req: CompletionRequest,
     if len(prompts) > config.max_prompts_per_request:
         raise APIError(400, f"prompt: at most {config.max_prompts_per_request} prompts per request, got "
                        f"{len(prompts)}", param="prompt")
+    return await encoded_prompts(engine, prompts)
+
+
+async def encoded_prompts(engine: EngineClient, prompts: Sequence[str | list[int]]
+                          ) -> list[str | list[int] | dict[str, Any]]:
+    """Bounded prompts for the engine (HTTP and gRPC): over-long texts refused before tokenizing, the rest
+    tokenized in a worker thread, never on the event loop or the engine thread."""
     for p in prompts:
         if isinstance(p, str):
             check_text_length(engine, len(p), "prompt")
