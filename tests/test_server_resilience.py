@@ -111,9 +111,10 @@ def test_breaker_trips_above_the_threshold_cools_down_and_probes():
 class StubEngine:
     def __init__(self) -> None:
         self.waiting = 0
+        self.running = 0
 
     def stats(self) -> dict:
-        return {"num_requests_waiting": self.waiting}
+        return {"num_requests_waiting": self.waiting, "num_requests_running": self.running}
 
 
 def finished(rid: str) -> RequestOutput:
@@ -143,7 +144,7 @@ def test_shedder_refuses_what_would_time_out_in_the_queue_and_worse_priorities_f
     with pytest.raises(Exception) as exc:
         shedder.check(1, 5, timeout=1.0)  # 3 ahead (priorities 0, 0, 5) + itself = 2 s
     assert exc.value.status == 503 and exc.value.code == "overloaded" and exc.value.headers == {"Retry-After": "1"}
-    assert shedder.shed == {"wait": 1, "priority": 0}
+    assert shedder.shed == {"wait": 1, "priority": 0, "service": 0}
     tracker.admitted("q-3", -2)  # 3 waiting requests better than priority 5, the threshold: 5 goes first
     decision = shedder.decide(1, 5, timeout=None)
     assert decision is not None and decision.reason == "priority"
@@ -173,6 +174,12 @@ def test_shedder_adds_the_requests_own_service_time_to_its_wait():
     assert shedder.decide(1, 0, timeout=None, max_tokens=1000) is None  # no timeout: only the wait (1 s <= 10 s)
     engine.waiting = 0
     assert shedder.decide(1, 0, timeout=0.5, max_tokens=1000) is None  # idle: its timeout is the client's choice
+    # Nothing waits but a batch runs (room left in a big batch): its own tokens at the batch's pace still count.
+    engine.running = 70
+    assert shedder.decide(1, 0, timeout=2.5, max_tokens=21) is None  # 2.2 s
+    decision = shedder.decide(1, 0, timeout=1.0, max_tokens=21)
+    assert decision is not None and decision.reason == "service" and decision.retry_after == 2
+    assert shedder.decide(1, 0, timeout=None, max_tokens=1000) is None  # no timeout: admitted
 
 
 # ---- one request's output processing fails: that request only ------------------------------------------------

@@ -41,7 +41,7 @@ from ironlm.server.errors import APIError
 
 _RATE_WINDOW_S = 30.0  # finishes older than this say little about the current load
 _RATE_MIN_FINISHES = 4
-REASONS = ("wait", "priority")
+REASONS = ("wait", "priority", "service")
 
 
 @dataclass
@@ -135,9 +135,10 @@ class Shedder:
 
     def decide(self, num_requests: int, priority: int, timeout: float | None,
                max_tokens: int | None = None) -> ShedDecision | None:
-        waiting = int(self.engine.stats().get("num_requests_waiting", 0))
-        if not waiting:
-            return None  # nothing queued: a new request is scheduled at the next step
+        stats = self.engine.stats()
+        waiting = int(stats.get("num_requests_waiting", 0))
+        if not waiting:  # nothing queued: a new request is scheduled at the next step...
+            return self._decide_admitted(int(stats.get("num_requests_running", 0)), timeout, max_tokens)
         if self.priority_waiting is not None:
             better = min(waiting, self.tracker.pending_better_than(priority, inclusive=False))
             if better >= self.priority_waiting:
@@ -161,6 +162,19 @@ class Shedder:
         return ShedDecision("wait", _seconds(min(wait, wait + service - limit)),
                             f"the estimated {what} exceeds the request's "
                             f"{'timeout' if timeout is not None else 'wait limit'} ({limit:g} s)")
+
+    def _decide_admitted(self, running: int, timeout: float | None, max_tokens: int | None) -> ShedDecision | None:
+        """...but a batch with room (the default 256 sequences on a CPU) can still be too slow: refuse a request
+        whose own tokens, at the pace the running batch's requests were served, outlast its timeout. An idle
+        engine takes everything (its timeout is then the client's choice)."""
+        if not running or timeout is None or not max_tokens:
+            return None
+        service = self.tracker.service_time(max_tokens)
+        if service <= timeout:
+            return None
+        return ShedDecision("service", _seconds(service - timeout),
+                            f"the estimated {service:.1f} s for {max_tokens} tokens at the pace of the {running} "
+                            f"running requests exceeds the request's timeout ({timeout:g} s)")
 
     def check(self, num_requests: int, priority: int, timeout: float | None, max_tokens: int | None = None) -> None:
         """Raise a 503 APIError with Retry-After if the request should be shed."""
