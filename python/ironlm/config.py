@@ -90,6 +90,17 @@ def parse_tenant_weights(value: str | dict[str, float] | None) -> dict[str, floa
     return out
 
 
+def _check_ints(config: object, names: tuple[str, ...], low: int, optional: bool = False) -> None:
+    """Each named field an int (a bool is not) >= `low`; None passes where `optional`."""
+    for name in names:
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            what = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise _invalid(name, f"must be {what}, got {value!r}")
+
+
 def _opt(default: Any, help: str, **cli: Any) -> Any:
     """A config field with its help text; `cli` holds argparse extras (choices, metavar, nargs)."""
     return field(default=default, metadata={"help": help, **cli})
@@ -153,13 +164,10 @@ class EngineConfig:
         "dead", metavar="S")
 
     def __post_init__(self) -> None:
-        positive = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
-                    "num_kv_blocks": self.num_kv_blocks, "max_model_len": self.max_model_len,
-                    "max_num_batched_tokens": self.max_num_batched_tokens,
-                    "max_queue_len": self.max_queue_len}
-        for name, value in positive.items():
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise _invalid(name, f"must be a positive integer, got {value!r}")
+        _check_ints(self, ("block_size", "max_num_seqs", "num_kv_blocks", "max_model_len", "max_num_batched_tokens",
+                           "max_queue_len"), 1, optional=True)
+        _check_ints(self, ("tensor_parallel_size",), 1)
+        _check_ints(self, ("grammar_cache_size",), 0)
         if self.block_size & (self.block_size - 1):
             raise _invalid("block_size", f"must be a power of two, got {self.block_size}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -185,13 +193,7 @@ class EngineConfig:
             raise _invalid("queue_timeout", f"must be > 0, got {self.queue_timeout}")
         if not self.grammar_compile_timeout > 0:
             raise _invalid("grammar_compile_timeout", f"must be > 0, got {self.grammar_compile_timeout!r}")
-        gcs = self.grammar_cache_size
-        if not isinstance(gcs, int) or isinstance(gcs, bool) or gcs < 0:
-            raise _invalid("grammar_cache_size", f"must be an integer >= 0, got {gcs!r}")
         parse_bytes(self.kv_cache_memory)
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise _invalid("tensor_parallel_size", f"must be a positive integer, got {tp!r}")
         if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
             raise _invalid("distributed_executor_backend", f"must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
                            f"got {self.distributed_executor_backend!r}")
@@ -292,14 +294,9 @@ class ServerConfig:
         "the model type)", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
-        for name in ("circuit_breaker_window", "circuit_breaker_min_requests", "circuit_breaker_probes",
-                     "engine_restart_after_failures", "shed_priority_waiting"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise _invalid(name, f"must be a positive integer, got {value!r}")
-        if not isinstance(self.result_cache_size, int) or isinstance(self.result_cache_size, bool) \
-                or self.result_cache_size < 0:
-            raise _invalid("result_cache_size", f"must be an integer >= 0, got {self.result_cache_size!r}")
+        _check_ints(self, ("circuit_breaker_window", "circuit_breaker_min_requests", "circuit_breaker_probes",
+                           "engine_restart_after_failures", "shed_priority_waiting"), 1, optional=True)
+        _check_ints(self, ("result_cache_size",), 0)
         if not isinstance(self.engine_max_restarts, int) or self.engine_max_restarts < 0:
             raise _invalid("engine_max_restarts", f"must be an integer >= 0, got {self.engine_max_restarts!r}")
         if not 0.0 <= self.circuit_breaker_threshold < 1.0:
@@ -325,10 +322,7 @@ class ServerConfig:
         self._check_client_limits()
 
     def _check_client_limits(self) -> None:
-        for name in ("max_request_bytes", "max_prompts_per_request", "max_request_header_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise _invalid(name, f"must be a positive integer, got {value!r}")
+        _check_ints(self, ("max_request_bytes", "max_prompts_per_request", "max_request_header_bytes"), 1)
         for name in ("timeout_keep_alive", "timeout_request_header"):
             if not getattr(self, name) > 0:
                 raise _invalid(name, f"must be > 0, got {getattr(self, name)!r}")
