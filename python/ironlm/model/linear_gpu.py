@@ -18,16 +18,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ironlm.model.quantize import fit_group
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def _group_for(cols: int, group: int) -> int:
-    """The group a `cols`-wide row can take: `group` when it divides, else the largest multiple of 32 below it that
-    does (576 columns in groups of 128 → 96... → 64), else one scale per row (0)."""
-    if group == 0 or cols % group == 0:
-        return group
-    fits = [g for g in range(32, group + 1, 32) if cols % g == 0]
-    return max(fits) if fits else 0
 
 
 def quantize_rows(weight: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -36,7 +29,7 @@ def quantize_rows(weight: torch.Tensor, bits: int, group: int) -> tuple[torch.Te
     n, k = w.shape
     if bits == 4 and k % 2:
         raise ValueError(f"int4 needs an even number of input columns, got {k}")
-    group = _group_for(k, group)
+    group = fit_group(k, group)
     width = k if group == 0 else group
     wg = w.reshape(n, k // width, width)
     qmax = 127 if bits == 8 else 7

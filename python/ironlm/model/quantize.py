@@ -74,8 +74,13 @@ def is_quantized_tensor(gguf_name: str) -> bool:
 def from_float(weight: torch.Tensor, spec: QuantSpec) -> _core.QuantMatrix:
     """A dense `[out, in]` weight (any dtype, possibly a strided view) quantized per `spec`."""
     w = np.ascontiguousarray(weight.detach().float().numpy())
-    cols = w.shape[1]
-    group = spec.group_size
-    if group and cols % group:  # e.g. 576 columns and groups of 128: the largest block multiple that divides
-        group = max(g for g in range(32, group + 1, 32) if cols % g == 0)
-    return _core.QuantMatrix.from_float(w, spec.bits, group)
+    return _core.QuantMatrix.from_float(w, spec.bits, fit_group(w.shape[1], spec.group_size))
+
+
+def fit_group(cols: int, group: int) -> int:
+    """The group a `cols`-wide row can take: `group` when it divides, else the largest multiple of 32 below it that
+    does (576 columns in groups of 128 → 64), else one scale per row (0)."""
+    if group == 0 or cols % group == 0:
+        return group
+    fits = [g for g in range(32, group + 1, 32) if cols % g == 0]
+    return max(fits) if fits else 0
