@@ -2,6 +2,8 @@
 
 `random`: prompt and output lengths drawn uniformly from closed ranges, token ids drawn uniformly.
 `prefix`: one shared random prefix followed by a unique random suffix per request.
+`multiturn`: conversations under one shared system prompt (`MultiturnDataset`); a turn's prompt holds the
+conversation's real history, so it is built while the benchmark runs (bench/multiturn.py drives it).
 
 Token ids come from `[low, vocab_size)`; `low` skips the lowest ids, where tokenizers keep their
 special tokens (BOS/EOS/padding/chat markers), so a random prompt never contains a control token.
@@ -132,3 +134,96 @@ def warmup_dataset(name: str, vocab_size: int, mode: str, *, random: RandomSpec 
         warm.requests = [BenchRequest(r.prompt_token_ids[:8], 2) for r in warm.requests[:2]]
         warm.config = {**warm.config, "warmup": "short"}
     return warm
+
+
+@dataclass(frozen=True)
+class MultiturnSpec:
+    num_conversations: int = 32
+    turns: tuple[int, int] = (4, 8)
+    system_len: int = 256  # the system prompt every conversation starts with
+    user_len: tuple[int, int] = (32, 96)
+    reply_len: int = 32  # assistant tokens per turn (EOS ignored, so the history's length is known up front)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Conversation:
+    user_turns: tuple[tuple[int, ...], ...]  # the user message of each turn
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.user_turns)
+
+
+@dataclass
+class MultiturnDataset:
+    """Turn k's prompt = system prompt + (user_j + the model's reply_j for j < k) + user_k.
+
+    The replies are whatever the engine generated for the earlier turns, so prompts exist only at run time;
+    their lengths do not depend on the replies' content (every reply is `reply_len` tokens)."""
+
+    config: dict
+    system_prompt: list[int]
+    reply_len: int
+    conversations: list[Conversation] = field(default_factory=list)
+    name: str = "multiturn"
+
+    def prompt(self, history: list[int], conversation: int, turn: int) -> list[int]:
+        """`history`: the conversation's previous prompt and reply (empty before turn 0)."""
+        base = history if turn else self.system_prompt
+        return base + list(self.conversations[conversation].user_turns[turn])
+
+    def prompt_len(self, conversation: int, turn: int) -> int:
+        users = self.conversations[conversation].user_turns[:turn + 1]
+        return len(self.system_prompt) + sum(map(len, users)) + turn * self.reply_len
+
+    @property
+    def num_requests(self) -> int:
+        return sum(c.num_turns for c in self.conversations)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt_len(i, k) for i, c in enumerate(self.conversations) for k in range(c.num_turns))
+
+    @property
+    def output_tokens(self) -> int:
+        return self.num_requests * self.reply_len
+
+    def working_set_tokens(self) -> int:
+        """Peak KV, in tokens, that every live conversation's history needs (the system prompt once).
+
+        Conversations advance about one turn per round (turn k+1 waits for turn k), so round k holds each
+        conversation that has a turn k at its history through that turn's reply; the peak is over rounds."""
+        system = len(self.system_prompt)
+        rounds = max((c.num_turns for c in self.conversations), default=0)
+        peak = 0
+        for k in range(rounds):
+            live = [i for i, c in enumerate(self.conversations) if c.num_turns > k]
+            peak = max(peak, system + sum(self.prompt_len(i, k) + self.reply_len - system for i in live))
+        return peak
+
+    def summary(self) -> dict:
+        turns = [c.num_turns for c in self.conversations]
+        return {"name": self.name, "config": self.config, "num_conversations": len(self.conversations),
+                "num_requests": self.num_requests, "turns_min": min(turns, default=0),
+                "turns_max": max(turns, default=0), "prompt_tokens": self.prompt_tokens,
+                "output_tokens": self.output_tokens, "working_set_tokens": self.working_set_tokens()}
+
+
+def multiturn_dataset(spec: MultiturnSpec, vocab_size: int) -> MultiturnDataset:
+    if spec.num_conversations < 1:
+        raise ValueError(f"num_conversations must be >= 1, got {spec.num_conversations}")
+    _check_range("turns", *spec.turns)
+    _check_range("system_len", 1, spec.system_len)
+    _check_range("user_len", *spec.user_len)
+    _check_range("reply_len", 1, spec.reply_len)
+    rng = np.random.default_rng(spec.seed)
+    low = token_floor(vocab_size)
+    system = _ids(rng, spec.system_len, low, vocab_size)
+    conversations = []
+    for _ in range(spec.num_conversations):
+        n = int(rng.integers(spec.turns[0], spec.turns[1] + 1))
+        lens = rng.integers(spec.user_len[0], spec.user_len[1] + 1, size=n)
+        conversations.append(Conversation(tuple(tuple(_ids(rng, int(m), low, vocab_size)) for m in lens)))
+    config = {**asdict(spec), "vocab_size": vocab_size, "token_low": low}
+    return MultiturnDataset(config, system, spec.reply_len, conversations)
