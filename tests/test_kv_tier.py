@@ -327,3 +327,18 @@ def test_fingerprint_changes_with_every_input(tmp_path):
     assert fingerprint(gguf, tok, g, quantization="auto") != fingerprint(model, tok, g, quantization="auto")
     with pytest.raises(InvalidArgumentError):
         fingerprint(tmp_path / "missing", tok, g, quantization="auto")
+
+
+def test_resized_tier_keeps_the_slots_that_still_exist(tmp_path, caplog):
+    g, caches, entries = saved_tier(tmp_path)
+    tier = KVTier.disk(g, 6, os.fspath(tmp_path), FP)  # restarted with a smaller kv_offload_size
+    try:
+        assert (tmp_path / f"{FP}.kv").stat().st_size == 6 * g.bytes_per_block
+        with caplog.at_level(logging.WARNING):
+            assert tier.load_index() == entries[:3]  # slot 7 is gone, and with it its child 1
+        assert "1 orphaned, 1 past the resized tier's end" in caplog.text
+        restored = random_caches(g, seed=8)
+        tier.load(restored, pairs([(2, 0), (5, 1), (0, 2)]))
+        assert_blocks_equal(caches, [4, 6, 8], restored, [0, 1, 2])
+    finally:
+        tier.close()

@@ -470,14 +470,17 @@ class KVTier:
     def _validate_entries(self, path: str, rows: list[object]) -> list[TierEntry]:
         kept: list[TierEntry] = []
         kept_slots: set[int] = set()
-        malformed = corrupt = orphaned = 0
+        malformed = corrupt = orphaned = gone = 0
         block_size = self.geometry.block_size
         for row in rows:
             if not (isinstance(row, list) and len(row) == 5):
                 malformed += 1
                 continue
             slot, parent, namespace, tokens, checksum = row
-            if not (_is_int(slot) and 0 <= slot < self.num_slots and slot not in kept_slots
+            if _is_int(slot) and slot >= self.num_slots:
+                gone += 1  # the tier was restarted smaller: that slot was cut off the file
+                continue
+            if not (_is_int(slot) and slot >= 0 and slot not in kept_slots
                     and _is_int(parent) and parent >= -1 and _is_int(checksum)
                     and (namespace is None or isinstance(namespace, str))
                     and isinstance(tokens, list) and len(tokens) == block_size
@@ -494,9 +497,9 @@ class KVTier:
                 continue
             kept.append((slot, parent, namespace, tokens))
             kept_slots.add(slot)
-        if malformed or corrupt or orphaned:
-            logger.warning("KV tier index %s: kept %d entries, dropped %d malformed, %d corrupt, %d orphaned",
-                           path, len(kept), malformed, corrupt, orphaned)
+        if malformed or corrupt or orphaned or gone:
+            logger.warning("KV tier index %s: kept %d entries, dropped %d malformed, %d corrupt, %d orphaned, "
+                           "%d past the resized tier's end", path, len(kept), malformed, corrupt, orphaned, gone)
         return kept
 
     def close(self) -> None:
