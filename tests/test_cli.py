@@ -89,6 +89,8 @@ def _non_default(f, annotation) -> tuple[list[str], object]:
         return [flag, str(value)], value
     if f.name in _STRUCTURED_STRINGS:
         return [flag, _STRUCTURED_STRINGS[f.name]], _STRUCTURED_STRINGS[f.name]
+    if typing.get_origin(annotation) is tuple:  # nargs: argparse hands the values over as a list
+        return [flag, "8"], ["8"]
     kinds = typing.get_args(annotation) or (annotation,)
     if str in kinds:  # "8" is a valid model path, device string, name and KV size (8 bytes) alike
         return [flag, "8"], "8"

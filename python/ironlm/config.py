@@ -162,6 +162,21 @@ class EngineConfig:
     distributed_timeout: float = _opt(
         120.0, "seconds a tensor-parallel collective may wait for the other ranks before the engine is declared "
         "dead", metavar="S")
+    # The KV hierarchy (a tier under the device pool's radix cache; engine/kv_tier.py).
+    kv_offload_memory: int | str | None = _opt(
+        None, "host-memory KV tier under the prefix cache, bytes or e.g. '16GiB' (pinned memory on GPU): evicted "
+        "prefix blocks are copied there and copied back on a hit instead of being recomputed")
+    kv_offload_dir: str | None = _opt(
+        None, "folder of a disk KV tier (a memory-mapped file, kv_offload_size large) under the prefix cache; it "
+        "persists across restarts of the same model, dtype and block size")
+    kv_offload_size: int | str = _opt("4GiB", "size of the disk KV tier in kv_offload_dir, bytes or e.g. '4GiB'")
+    swap_space: float = _opt(
+        0.0, "GiB of host memory a preempted request's KV blocks are swapped to and back from when copying beats "
+        "recomputing (vLLM's flag; 0 = off). Swaps into kv_offload_memory/kv_offload_dir instead when one is set",
+        metavar="GIB")
+    kv_pin_prefix: tuple[str, ...] = _opt(
+        (), "texts (e.g. a system prompt) prefilled at startup whose KV blocks stay on the device for good",
+        nargs="*", metavar="TEXT")
 
     def __post_init__(self) -> None:
         _check_ints(self, ("block_size", "max_num_seqs", "num_kv_blocks", "max_model_len", "max_num_batched_tokens",
@@ -205,6 +220,47 @@ class EngineConfig:
         if group is not None and group not in QUANT_GROUP_SIZES:
             raise _invalid("quantization_group_size",
                            f"must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, got {group!r}")
+        self._check_kv_tier()
+
+    def _check_kv_tier(self) -> None:
+        parse_bytes(self.kv_offload_memory, "kv_offload_memory")
+        if self.kv_offload_size is None:
+            raise _invalid("kv_offload_size", "must be bytes or a size such as '4GiB', got None")
+        parse_bytes(self.kv_offload_size, "kv_offload_size")
+        if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir):
+            raise _invalid("kv_offload_dir", f"must be a folder path, got {self.kv_offload_dir!r}")
+        if self.kv_offload_memory is not None and self.kv_offload_dir is not None:
+            raise _invalid("kv_offload_dir", "one KV tier at a time: kv_offload_memory is set too")
+        swap = self.swap_space
+        if isinstance(swap, bool) or not isinstance(swap, (int, float)) or not (math.isfinite(swap) and swap >= 0):
+            raise _invalid("swap_space", f"must be a number of GiB >= 0, got {swap!r}")
+        pins = self.kv_pin_prefix
+        if isinstance(pins, str) or not isinstance(pins, (list, tuple)) or not all(
+                isinstance(p, str) and p for p in pins):
+            raise _invalid("kv_pin_prefix", f"must be a list of non-empty texts, got {pins!r}")
+        if self.kv_tier_kind() is not None and not self.enable_prefix_caching:
+            name = "kv_offload_dir" if self.kv_offload_dir is not None else (
+                "kv_offload_memory" if self.kv_offload_memory is not None else "swap_space")
+            raise _invalid(name, "a KV tier lives under the prefix cache: it needs enable_prefix_caching")
+        if pins and not self.enable_prefix_caching:
+            raise _invalid("kv_pin_prefix", "pinned prefixes live in the prefix cache: it needs enable_prefix_caching")
+
+    def kv_tier_kind(self) -> str | None:
+        """"memory", "disk" or None: the tier under the device pool these settings ask for."""
+        if self.kv_offload_dir is not None:
+            return "disk"
+        if self.kv_offload_memory is not None or self.swap_space > 0:
+            return "memory"
+        return None
+
+    def resolve_kv_tier_bytes(self) -> int:
+        """Bytes of the KV tier (0 = none): kv_offload_memory, kv_offload_size with a folder, else swap_space GiB."""
+        kind = self.kv_tier_kind()
+        if kind == "disk":
+            return parse_bytes(self.kv_offload_size, "kv_offload_size") or 0
+        if self.kv_offload_memory is not None:
+            return parse_bytes(self.kv_offload_memory, "kv_offload_memory") or 0
+        return int(self.swap_space * 1024**3)
 
     def tenant_weight_map(self) -> dict[str, float] | None:
         """`tenant_weights` parsed: {tenant: share}."""
