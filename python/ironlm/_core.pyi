@@ -346,6 +346,8 @@ class SchedulerPlan:
     # [R] sample rows of grammar-constrained sequences (ascending); row i of take_bitmask()'s bits is mask_rows[i]
     mask_rows: npt.NDArray[np.int64]
     cow_pairs: npt.NDArray[np.int64]  # [K, 2] (src, dst) block copies to run before the forward
+    kv_demote: npt.NDArray[np.int64]  # [K, 2] (device block, tier slot) copies to run first
+    kv_promote: npt.NDArray[np.int64]  # [K, 2] (tier slot, device block) copies after kv_demote, before cow_pairs
     new_request_ids: list[str]  # admitted for the first time this step
     # [len(new_request_ids)] prompt tokens each one's first admission found in the prefix cache (full blocks)
     new_request_cached_tokens: npt.NDArray[np.int64]
@@ -394,6 +396,9 @@ class Scheduler:
         input_token_weight: float = 1.0,
         output_token_weight: float = 1.0,
         scheduler_delay_factor: float = 0.0,
+        tier_blocks: int = 0,
+        swap: bool = False,
+        sliding_window: int | None = None,
     ) -> Self:
         """Every argument up to ``max_queue_len`` is required: their defaults live in ``EngineConfig`` alone.
 
@@ -401,7 +406,11 @@ class Scheduler:
         ``input_token_weight`` plus sampled tokens × ``output_token_weight``, divided by its share in
         ``tenant_weights`` (1 if absent), and admits from the least charged tenant within the best
         priority. ``scheduler_delay_factor`` > 0 holds admissions, while sequences run, until that
-        × the last step's duration has passed since the last admission."""
+        × the last step's duration has passed since the last admission. ``tier_blocks`` > 0 adds a
+        lower KV tier of that many blocks (needs prefix caching): evicted cached blocks are demoted
+        there (``plan.kv_demote``) and hits on them promoted back (``plan.kv_promote``); with ``swap``
+        a preempted sequence's cached blocks are demoted at once. ``sliding_window``: every layer
+        attends only inside it, so blocks wholly before it are released."""
     def add_request(
         self,
         request_id: str,
@@ -511,7 +520,11 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """Counters without a scan: num_waiting, num_running, num_preemptions, num_timeouts,
         prefix_queries, prefix_hits, blocks_total, blocks_free, blocks_used, blocks_cached,
-        num_aborted, num_finished, num_steps, num_requests.
+        num_aborted, num_finished, num_steps, num_requests; the KV tier's tier_blocks_total,
+        tier_blocks_used, kv_promotions, kv_demotions (blocks), prefix_hits_tier (tokens, also in
+        prefix_hits), swap_out_blocks, swap_in_blocks, blocks_pinned; kv_slots_allocated and
+        kv_slots_used (token slots of running sequences' blocks, and tokens in them);
+        window_freed_blocks.
 
         num_preemptions counts sequences; num_timeouts and num_aborted count requests;
         num_finished counts sequences finished by a stop rule or ``finish``; blocks_used are
@@ -521,6 +534,23 @@ class Scheduler:
         under every policy) and live (requests waiting or running)."""
     @property
     def scheduler_delay_factor(self) -> float: ...
+    def set_promote_cost(self, copy_s_per_block: float, prefill_s_per_token: float) -> None:
+        """Promote tier hits only if copying a block back costs less than recomputing its tokens."""
+    @property
+    def promotes(self) -> bool: ...
+    def pin_prefix(self, token_ids: Sequence[int] | npt.NDArray[np.int64], namespace: str | None = None) -> int:
+        """Lock the device-cached full blocks of ``token_ids`` for good; the tokens pinned (0: not cached)."""
+    def tier_flush(self) -> npt.NDArray[np.int64]:
+        """Demote every unpinned unused cached block the tier can take (pins are released); the
+        ``(device_block, tier_slot)`` copies ``[K, 2]`` to run now."""
+    def tier_entries(self) -> list[tuple[int, int, str | None, list[int]]]:
+        """``(slot, parent_slot or -1, namespace, block token ids)`` of tier blocks whose whole path is in the
+        tier, parents first."""
+    def tier_restore(self, entries: Sequence[tuple[int, int, str | None, Sequence[int]]]) -> int:
+        """Rebuild tier nodes from an earlier run's ``tier_entries`` (idle scheduler, empty cache); the number
+        restored (an entry whose parent is missing is skipped)."""
+    @property
+    def tier_blocks(self) -> int: ...
 
 def apply_token_bitmask(
     logits: npt.NDArray[np.float32], rows: npt.NDArray[np.int64], bits: npt.NDArray[np.int32]

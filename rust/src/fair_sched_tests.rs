@@ -134,6 +134,7 @@ fn long_run_shares_follow_the_weights() {
             ..FairConfig::default()
         },
         delay_factor: 0.0,
+        ..SchedulerOptions::default()
     };
     let mut s = Scheduler::with_options(cfg(Policy::Fair, 4096), opts).unwrap();
     let mut started = HashMap::new();
@@ -287,6 +288,7 @@ fn randomized_fair_runs_never_starve() {
                 output_token_weight: 2.0,
             },
             delay_factor: [0.0, 0.5, 2.0][rng.index(3)],
+            ..SchedulerOptions::default()
         };
         let c = SchedulerConfig {
             max_num_seqs: 1 + rng.index(6),

@@ -31,6 +31,11 @@ pub struct Plan {
     pub mask_rows: Vec<i64>,
     /// [K * 2], (src, dst) pairs.
     pub cow_pairs: Vec<i64>,
+    /// [K * 2], (device block, tier slot) pairs: copy to the tier before anything else.
+    pub kv_demote: Vec<i64>,
+    /// [K * 2], (tier slot, device block) pairs: copy back after `kv_demote`, before
+    /// `cow_pairs` and the forward.
+    pub kv_promote: Vec<i64>,
     pub new_request_ids: Vec<Arc<str>>,
     /// Per `new_request_ids` entry: prompt tokens its first admission found in the prefix
     /// cache (full blocks only). Later re-admissions after preemption do not count, as in vLLM.
@@ -70,6 +75,8 @@ impl Plan {
         self.mask_rows.clear();
         self.mask_matchers.clear();
         self.cow_pairs.clear();
+        self.kv_demote.clear();
+        self.kv_promote.clear();
         self.new_request_ids.clear();
         self.new_request_cached_tokens.clear();
         self.preempted_request_ids.clear();

@@ -15,7 +15,7 @@ use crate::fair::{FairConfig, TenantStats, Vtc};
 use crate::grammar::{MaskJob, TokenBitmask};
 use crate::plan::Plan;
 use crate::queue::{monotonic, OrdF64, Policy, QueueParams, RequestQueue};
-use crate::radix::RadixCache;
+use crate::radix::{NodeId, RadixCache, TierStats};
 pub use crate::sequence::Finished;
 use crate::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
 
@@ -81,6 +81,14 @@ pub struct SchedulerOptions {
     /// × the last step's duration has passed since the last admission, so prefills that
     /// arrive close together share a step instead of each slowing a decode step. 0: off.
     pub delay_factor: f64,
+    /// Capacity in blocks of the tier under the device pool (host memory or a disk file):
+    /// evicted cached blocks are demoted there instead of dropped. 0: no tier.
+    pub tier_blocks: usize,
+    /// Swap: a preempted sequence's cached blocks go to the tier at once (swap-out) and come
+    /// back on resume when copying beats recomputing (swap-in). Needs a tier.
+    pub swap: bool,
+    /// Every layer attends only inside this window: blocks wholly before it are released.
+    pub sliding_window: Option<usize>,
 }
 
 impl SchedulerOptions {
@@ -91,6 +99,18 @@ impl SchedulerOptions {
                 "scheduler_delay_factor",
                 format!("must be >= 0, got {}", self.delay_factor),
             ));
+        }
+        if self.swap && self.tier_blocks == 0 {
+            return Err(CoreError::invalid(
+                "swap",
+                "needs a tier to swap to (tier_blocks > 0)",
+            ));
+        }
+        if self.tier_blocks >= u32::MAX as usize / 2 {
+            return Err(CoreError::invalid("tier_blocks", "too large"));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(CoreError::invalid("sliding_window", "must be >= 1"));
         }
         Ok(())
     }
@@ -115,6 +135,13 @@ pub struct SchedulerStats {
     pub num_steps: u64,
     /// Live requests (waiting, running or both).
     pub num_requests: usize,
+    pub tier: TierStats,
+    /// Over running sequences: token slots of the blocks they hold, and tokens in them (the
+    /// difference is internal fragmentation).
+    pub kv_slots_allocated: usize,
+    pub kv_slots_used: usize,
+    /// Blocks released because they fell outside the sliding window.
+    pub window_freed_blocks: u64,
 }
 
 pub struct Scheduler {
@@ -158,6 +185,25 @@ pub struct Scheduler {
     last_step_s: f64,
     /// `now` of the last `schedule` that admitted a waiting request.
     last_admit: f64,
+    swap: bool,
+    /// Promote tier blocks on a hit (the cost model says copying beats recomputing).
+    promote: bool,
+    sliding_window: Option<usize>,
+    /// What the pending plan wrote or copied into cached blocks: dropped from the cache if
+    /// the plan never runs.
+    inflight: Inflight,
+    swap_out: u64,
+    swap_in: u64,
+    window_freed_blocks: u64,
+}
+
+/// Cached blocks whose KV data only the pending plan's forward (or copies) will write.
+#[derive(Debug, Default)]
+struct Inflight {
+    /// Device blocks registered in the cache this step, or promoted into.
+    blocks: Vec<u32>,
+    /// Tier slots demoted into.
+    slots: Vec<u32>,
 }
 
 /// Where the mask computation's time went, summed over steps.
@@ -181,9 +227,15 @@ impl Scheduler {
     pub fn with_options(cfg: SchedulerConfig, opts: SchedulerOptions) -> CoreResult<Self> {
         cfg.validate()?;
         opts.validate()?;
+        if opts.tier_blocks > 0 && !cfg.enable_prefix_caching {
+            return Err(CoreError::invalid(
+                "tier_blocks",
+                "a KV tier needs enable_prefix_caching",
+            ));
+        }
         Ok(Self {
             alloc: BlockAllocator::new(cfg.num_blocks, cfg.block_size),
-            radix: RadixCache::new(cfg.block_size),
+            radix: RadixCache::new_tiered(cfg.block_size, opts.tier_blocks),
             queue: RequestQueue::with_vtc(cfg.policy, cfg.max_queue_len, Vtc::new(opts.fair)),
             reqs: Vec::new(),
             req_free: Vec::new(),
@@ -212,6 +264,13 @@ impl Scheduler {
             last_schedule: None,
             last_step_s: 0.0,
             last_admit: f64::NEG_INFINITY,
+            swap: opts.swap,
+            promote: true,
+            sliding_window: opts.sliding_window,
+            inflight: Inflight::default(),
+            swap_out: 0,
+            swap_in: 0,
+            window_freed_blocks: 0,
             cfg,
         })
     }
@@ -491,9 +550,68 @@ impl Scheduler {
         self.seqs.len()
     }
 
-    /// Drop every unlocked cached block; false if some cached blocks are still in use.
+    /// Drop every unlocked cached block (tier included); false if some cached blocks are
+    /// still in use.
     pub fn reset_prefix_cache(&mut self) -> bool {
         self.radix.reset(&mut self.alloc)
+    }
+
+    /// The cost model: promote tier blocks on a hit only if copying one back costs less than
+    /// recomputing its `block_size` tokens.
+    pub fn set_promote_cost(
+        &mut self,
+        copy_s_per_block: f64,
+        prefill_s_per_token: f64,
+    ) -> CoreResult<()> {
+        for (name, v) in [
+            ("copy_s_per_block", copy_s_per_block),
+            ("prefill_s_per_token", prefill_s_per_token),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(CoreError::invalid(name, format!("must be >= 0, got {v}")));
+            }
+        }
+        self.promote = copy_s_per_block < prefill_s_per_token * self.cfg.block_size as f64;
+        Ok(())
+    }
+
+    pub fn promotes(&self) -> bool {
+        self.promote
+    }
+
+    /// Lock the device-cached full blocks of `tokens` for good; returns the tokens pinned.
+    pub fn pin_prefix(&mut self, tokens: &[u32], ns: Option<&str>) -> usize {
+        if !self.cfg.enable_prefix_caching {
+            return 0;
+        }
+        self.radix.pin(tokens, ns)
+    }
+
+    /// Demote every unpinned, unused device-cached block the tier can take (shutdown of a
+    /// persistent tier); returns the copies still to run, (device block, tier slot) pairs.
+    pub fn tier_flush(&mut self) -> Vec<i64> {
+        let c = self.radix.flush(&mut self.alloc);
+        debug_assert!(c.promote.is_empty(), "promotions are never deferred");
+        c.demote
+    }
+
+    /// See `RadixCache::tier_entries`.
+    pub fn tier_entries(&self) -> Vec<(u32, i64, Option<String>, Vec<u32>)> {
+        self.radix.tier_entries()
+    }
+
+    /// See `RadixCache::restore`. Only into an idle scheduler with an empty cache.
+    pub fn tier_restore(
+        &mut self,
+        entries: &[(u32, i64, Option<String>, Vec<u32>)],
+    ) -> CoreResult<usize> {
+        if self.has_unfinished() || self.radix.num_nodes() > 1 {
+            return Err(CoreError::invalid(
+                "entries",
+                "tier_restore needs an idle scheduler with an empty prefix cache",
+            ));
+        }
+        Ok(self.radix.restore(entries))
     }
 
     /// Served tokens and virtual counter per tenant seen so far (every policy counts; `fair`
@@ -510,10 +628,22 @@ impl Scheduler {
         SchedulerOptions {
             fair: self.queue.vtc().config().clone(),
             delay_factor: self.delay_factor,
+            tier_blocks: self.radix.tier_capacity(),
+            swap: self.swap,
+            sliding_window: self.sliding_window,
         }
     }
 
     pub fn stats(&self) -> SchedulerStats {
+        let bs = self.cfg.block_size;
+        let (mut allocated, mut used) = (0, 0);
+        for &slot in &self.running {
+            let s = &self.seqs[slot as usize];
+            if s.status == Status::Running {
+                allocated += s.blocks.len() * bs;
+                used += s.computed.min(s.blocks.len() * bs);
+            }
+        }
         SchedulerStats {
             num_waiting: self.queue.len(),
             num_running: self.num_running,
@@ -526,6 +656,14 @@ impl Scheduler {
             num_finished: self.num_finished,
             num_steps: self.step,
             num_requests: self.req_ids.len(),
+            tier: TierStats {
+                swap_out: self.swap_out,
+                swap_in: self.swap_in,
+                ..self.radix.tier_stats()
+            },
+            kv_slots_allocated: allocated,
+            kv_slots_used: used,
+            window_freed_blocks: self.window_freed_blocks,
         }
     }
 
@@ -666,7 +804,7 @@ impl Scheduler {
 
     /// Give back a sequence's blocks: its safely computed full blocks go to the prefix cache
     /// first (so recompute or a later request hits them), then every ref is dropped.
-    fn release_blocks(&mut self, slot: Slot) {
+    fn release_blocks(&mut self, slot: Slot) -> NodeId {
         let bs = self.cfg.block_size;
         let s = &self.seqs[slot as usize];
         // Tokens of a plan that has not been `update`d yet may not be in the KV cache.
@@ -676,16 +814,24 @@ impl Scheduler {
             s.computed
         };
         let full = (safe / bs).min(s.blocks.len());
+        let mut cached = RadixCache::ROOT;
         if self.cfg.enable_prefix_caching && full > 0 {
             let idx = s.req as usize;
-            let ns = self.reqs[idx].as_ref().and_then(|r| r.namespace.as_deref());
+            let r = self.reqs[idx].as_ref();
+            let ns = r.and_then(|r| r.namespace.as_deref());
+            let prio = r.map_or(0, |r| r.queue.priority);
             let s = &self.seqs[slot as usize];
-            self.radix.insert(
-                &mut self.alloc,
-                &s.tokens[..full * bs],
-                &s.blocks[..full],
-                ns,
-            );
+            cached = self
+                .radix
+                .insert_with(
+                    &mut self.alloc,
+                    &s.tokens[..full * bs],
+                    &s.blocks[..full],
+                    ns,
+                    prio,
+                    None,
+                )
+                .node;
         }
         let s = &mut self.seqs[slot as usize];
         if s.node != RadixCache::ROOT {
@@ -699,11 +845,13 @@ impl Scheduler {
         s.prefilling = false;
         s.insert_pending = false;
         s.tail_shared = false;
+        cached
     }
 
     /// Panic if the bookkeeping disagrees with itself. O(everything); for tests.
     pub fn check_invariants(&self) {
         self.alloc.check_invariants();
+        self.radix.check_invariants(&self.alloc);
         let n = self.alloc.num_blocks();
         let mut holders = vec![0u32; n];
         let (mut running, mut waiting, mut reserved) = (0, 0, 0);

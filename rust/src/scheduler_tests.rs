@@ -129,20 +129,37 @@ fn prefix_hit_shares_blocks_and_counts() {
 }
 
 #[test]
-fn duplicate_blocks_are_swapped_for_the_canonical_copy() {
+fn requests_admitted_in_one_step_share_their_prefix() {
     let mut s = Scheduler::new(cfg(32, 4)).unwrap();
-    // Both prefill in the same step: no hit, two copies; the second insert dedups.
+    // The first one's full blocks are cached as they are allocated: the second hits them in
+    // the same step (its context is written by the same forward, before attention reads it).
     s.add_request("a", &toks(0..9), params(4)).unwrap();
     s.add_request("b", &toks(0..9), params(4)).unwrap();
-    let used_before = {
-        s.schedule(Some(0.0));
-        s.alloc.num_used()
-    };
-    assert_eq!(used_before, 6);
+    let plan = s.schedule(Some(0.0)).clone();
+    assert_eq!(plan.new_request_cached_tokens, [0, 8]);
+    assert_eq!(plan.num_prefill_tokens, 9 + 1);
+    assert_eq!(s.alloc.num_used(), 4);
     s.update(&[1, 2]).unwrap();
     s.check_invariants();
     assert_eq!(s.seqs[0].blocks[..2], s.seqs[1].blocks[..2]);
     assert_eq!(s.alloc.num_used(), 4);
+}
+
+#[test]
+fn a_plan_that_never_ran_uncaches_what_it_would_have_written() {
+    let mut s = Scheduler::new(cfg(32, 4)).unwrap();
+    s.add_request("a", &toks(0..9), params(4)).unwrap();
+    s.schedule(Some(0.0));
+    assert_eq!(s.radix.num_cached_blocks(), 2);
+    // No update: the forward failed. Its blocks never got their KV, so nobody may hit them.
+    let plan = s.schedule(Some(1.0)).clone();
+    s.check_invariants();
+    assert_eq!(plan.new_request_cached_tokens.len(), 0);
+    assert_eq!(plan.num_cached_tokens, 0, "re-admitted a without a hit");
+    assert_eq!(plan.preempted_request_ids, [Arc::from("a")]);
+    s.update(&[7]).unwrap();
+    s.check_invariants();
+    assert_eq!(s.radix.num_cached_blocks(), 2);
 }
 
 #[test]

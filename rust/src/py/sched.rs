@@ -48,6 +48,10 @@ pub struct PySchedulerPlan {
     #[pyo3(get)]
     cow_pairs: Py<PyAny>,
     #[pyo3(get)]
+    kv_demote: Py<PyAny>,
+    #[pyo3(get)]
+    kv_promote: Py<PyAny>,
+    #[pyo3(get)]
     new_request_ids: Py<PyList>,
     #[pyo3(get)]
     new_request_cached_tokens: Py<PyAny>,
@@ -120,6 +124,19 @@ fn finished_list<'py>(py: Python<'py>, finished: &[Finished]) -> PyResult<Bound<
     )
 }
 
+/// A flat `[k * 2]` list of pairs as a fresh int64 `[k, 2]` array.
+fn pairs(py: Python<'_>, flat: &[i64], name: &str) -> PyResult<Py<PyAny>> {
+    let k = flat.len() / 2;
+    // SAFETY: a fresh, C-contiguous array owned by nobody else; every element is written.
+    let a = unsafe { PyArray2::<i64>::new(py, [k, 2], false) };
+    if k > 0 {
+        unsafe { a.as_slice_mut() }
+            .map_err(|e| value_error(name, e))?
+            .copy_from_slice(flat);
+    }
+    Ok(a.into_any().unbind())
+}
+
 fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
     let p = s.plan();
     let (b, w) = (p.num_seqs(), p.block_table_width);
@@ -130,13 +147,7 @@ fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
             unsafe { block_tables.as_slice_mut() }.map_err(|e| value_error("block_tables", e))?;
         s.fill_block_tables(out);
     }
-    let k = p.cow_pairs.len() / 2;
-    let cow_pairs = unsafe { PyArray2::<i64>::new(py, [k, 2], false) };
-    if k > 0 {
-        unsafe { cow_pairs.as_slice_mut() }
-            .map_err(|e| value_error("cow_pairs", e))?
-            .copy_from_slice(&p.cow_pairs);
-    }
+    let cow_pairs = pairs(py, &p.cow_pairs, "cow_pairs")?;
     let ids = |v: &[std::sync::Arc<str>]| -> PyResult<Py<PyList>> {
         Ok(PyList::new(py, v.iter().map(|x| x.as_ref()))?.unbind())
     };
@@ -156,7 +167,9 @@ fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
             .into_any()
             .unbind(),
         mask_rows: array_i64(py, &p.mask_rows),
-        cow_pairs: cow_pairs.into_any().unbind(),
+        cow_pairs,
+        kv_demote: pairs(py, &p.kv_demote, "kv_demote")?,
+        kv_promote: pairs(py, &p.kv_promote, "kv_promote")?,
         new_request_ids: ids(&p.new_request_ids)?,
         new_request_cached_tokens: array_i64(py, &p.new_request_cached_tokens),
         preempted_request_ids: ids(&p.preempted_request_ids)?,
@@ -201,6 +214,9 @@ impl PyScheduler {
         input_token_weight = 1.0,
         output_token_weight = 1.0,
         scheduler_delay_factor = 0.0,
+        tier_blocks = 0,
+        swap = false,
+        sliding_window = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -216,6 +232,9 @@ impl PyScheduler {
         input_token_weight: f64,
         output_token_weight: f64,
         scheduler_delay_factor: f64,
+        tier_blocks: i64,
+        swap: bool,
+        sliding_window: Option<i64>,
     ) -> PyResult<Self> {
         let cfg = SchedulerConfig {
             num_blocks: count_arg("num_blocks", num_blocks, 1)?,
@@ -239,6 +258,11 @@ impl PyScheduler {
                 output_token_weight,
             },
             delay_factor: scheduler_delay_factor,
+            tier_blocks: count_arg("tier_blocks", tier_blocks, 0)?,
+            swap,
+            sliding_window: sliding_window
+                .map(|w| count_arg("sliding_window", w, 1))
+                .transpose()?,
         };
         Ok(Self {
             inner: Scheduler::with_options(cfg, opts)?,
@@ -449,6 +473,63 @@ impl PyScheduler {
         py.detach(|| inner.reset_prefix_cache())
     }
 
+    /// The cost model: a hit on tier blocks promotes them only if copying a block back costs
+    /// less than recomputing its ``block_size`` tokens (else the request recomputes them).
+    fn set_promote_cost(
+        &mut self,
+        copy_s_per_block: f64,
+        prefill_s_per_token: f64,
+    ) -> PyResult<()> {
+        Ok(self
+            .inner
+            .set_promote_cost(copy_s_per_block, prefill_s_per_token)?)
+    }
+
+    /// Whether tier hits are promoted (see ``set_promote_cost``).
+    #[getter]
+    fn promotes(&self) -> bool {
+        self.inner.promotes()
+    }
+
+    /// Lock the device-cached full blocks of ``token_ids`` for good; returns the tokens pinned
+    /// (0 if they are not cached: prefill them first).
+    #[pyo3(signature = (token_ids, namespace = None))]
+    fn pin_prefix(
+        &mut self,
+        token_ids: &Bound<'_, PyAny>,
+        namespace: Option<&str>,
+    ) -> PyResult<usize> {
+        let t = super::token_ids(token_ids, "token_ids")?;
+        Ok(self.inner.pin_prefix(&t, namespace))
+    }
+
+    /// Demote every unpinned, unused device-cached block the tier can take; returns the
+    /// ``(device_block, tier_slot)`` copies (int64 ``[k, 2]``) the caller must run now.
+    fn tier_flush(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let flat = self.inner.tier_flush();
+        pairs(py, &flat, "tier_flush")
+    }
+
+    /// ``(slot, parent_slot or -1, namespace, block token ids)`` for every tier block whose
+    /// whole path is in the tier, parents first.
+    fn tier_entries(&self) -> Vec<(u32, i64, Option<String>, Vec<u32>)> {
+        self.inner.tier_entries()
+    }
+
+    /// Rebuild tier nodes from ``tier_entries`` of an earlier run (parents first; entries
+    /// whose parent is missing are skipped). Returns how many were restored.
+    fn tier_restore(
+        &mut self,
+        entries: Vec<(u32, i64, Option<String>, Vec<u32>)>,
+    ) -> PyResult<usize> {
+        Ok(self.inner.tier_restore(&entries)?)
+    }
+
+    #[getter]
+    fn tier_blocks(&self) -> usize {
+        self.inner.options().tier_blocks
+    }
+
     #[getter]
     fn num_waiting(&self) -> usize {
         self.inner.num_waiting()
@@ -518,6 +599,18 @@ impl PyScheduler {
         d.set_item("num_finished", s.num_finished)?;
         d.set_item("num_steps", s.num_steps)?;
         d.set_item("num_requests", s.num_requests)?;
+        let t = s.tier;
+        d.set_item("tier_blocks_total", t.capacity)?;
+        d.set_item("tier_blocks_used", t.used)?;
+        d.set_item("kv_promotions", t.promotions)?;
+        d.set_item("kv_demotions", t.demotions)?;
+        d.set_item("prefix_hits_tier", t.hits)?;
+        d.set_item("swap_out_blocks", t.swap_out)?;
+        d.set_item("swap_in_blocks", t.swap_in)?;
+        d.set_item("blocks_pinned", t.pinned)?;
+        d.set_item("kv_slots_allocated", s.kv_slots_allocated)?;
+        d.set_item("kv_slots_used", s.kv_slots_used)?;
+        d.set_item("window_freed_blocks", s.window_freed_blocks)?;
         Ok(d)
     }
 

@@ -21,6 +21,11 @@ impl Scheduler {
         self.last_schedule = Some(now);
         self.step += 1;
         self.rollback_pending();
+        // Copies queued by a plan that had nothing to run are still waiting to be handed out:
+        // the slots they touch stay reserved until they are.
+        if !self.radix.has_copies() {
+            self.radix.begin_step();
+        }
         if self.cfg.policy == Policy::Fair && self.running.len() > 1 {
             // Counters moved since the last step: re-rank who gets tokens first and who is
             // preempted first.
@@ -104,6 +109,12 @@ impl Scheduler {
         }
         if !self.plan.is_empty() {
             self.pending_step = self.step;
+            let c = self.radix.take_copies();
+            self.inflight
+                .slots
+                .extend(c.demote.chunks_exact(2).map(|p| p[1] as u32));
+            self.plan.kv_demote = c.demote;
+            self.plan.kv_promote = c.promote;
         }
         self.start_masks();
         &self.plan
@@ -147,6 +158,8 @@ impl Scheduler {
         }
         // The plan ran: its tokens are in the KV cache now.
         self.pending_step = 0;
+        self.inflight.blocks.clear();
+        self.inflight.slots.clear();
         // Its masks are stale once the matchers advance (the sampler took them, or never will).
         self.discard_masks();
         for (r, &token) in sampled.iter().enumerate() {
@@ -228,9 +241,17 @@ impl Scheduler {
         for (&slot, &gen) in slots.iter().zip(&gens) {
             let s = &self.seqs[slot as usize];
             if s.gen == gen && s.status == Status::Running {
-                self.preempt(slot);
+                self.preempt_with(slot, false);
                 self.running_dirty = true;
             }
+        }
+        // What that plan would have written (forward) or copied (tier) is not there.
+        let (blocks, slots_) = (
+            std::mem::take(&mut self.inflight.blocks),
+            std::mem::take(&mut self.inflight.slots),
+        );
+        if !blocks.is_empty() || !slots_.is_empty() {
+            self.radix.invalidate(&mut self.alloc, &blocks, &slots_);
         }
         self.pending_step = 0;
         self.scratch_slots = slots;
@@ -432,6 +453,29 @@ impl Scheduler {
         s.computed_before = start;
         s.sched_step = step;
         s.computed = end;
+        if caching && end / bs > start / bs {
+            // Same-step sharing: a block this forward fills is cached now (its KV is written
+            // before any attention of the same forward reads it), so requests admitted after
+            // this one in the step already hit it.
+            let r = self.reqs[s.req as usize].as_ref().expect("live request");
+            let (ns, prio) = (r.namespace.as_deref(), r.queue.priority);
+            let full = end / bs;
+            let res = self.radix.insert_with(
+                &mut self.alloc,
+                &s.tokens[..full * bs],
+                &s.blocks[..full],
+                ns,
+                prio,
+                Some(&mut self.inflight.blocks),
+            );
+            if res.node != RadixCache::ROOT {
+                self.radix.lock(res.node);
+            }
+            if s.node != RadixCache::ROOT {
+                self.radix.unlock(s.node);
+            }
+            s.node = res.node;
+        }
         // Fairness charges prompt tokens once (not their recompute after a preemption) and
         // each sampled token.
         let r = self.reqs[s.req as usize].as_mut().expect("live request");
@@ -491,39 +535,56 @@ impl Scheduler {
         self.check_fair_head(slot);
         let bs = self.cfg.block_size;
         let idx = self.seqs[slot as usize].req as usize;
-        let (blocks, node) = if self.cfg.enable_prefix_caching {
+        let tiered = self.promote && self.radix.tier_capacity() > 0;
+        let (mut blocks, node, host, resumed) = if self.cfg.enable_prefix_caching {
             let r = self.reqs[idx].as_mut().expect("live request");
             let count = !r.counted;
             r.counted = true;
+            let (ns, prio, resumed) = (
+                r.namespace.as_deref(),
+                r.queue.priority,
+                r.preempted_step != 0,
+            );
             let toks = &self.seqs[slot as usize].tokens;
-            let m = self.radix.match_prefix(toks, r.namespace.as_deref(), count);
-            (m.blocks, m.node)
+            let m = self.radix.match_tiered(toks, ns, count, prio, tiered);
+            (m.blocks, m.node, m.host, resumed)
         } else {
-            (Vec::new(), RadixCache::ROOT)
+            (Vec::new(), RadixCache::ROOT, 0, false)
         };
         let cached = blocks.len() * bs;
         let len = self.seqs[slot as usize].tokens.len();
         let num_new = (len - cached).min(*budget);
-        // Hold the hit before evicting anything.
+        // Hold the hit before evicting anything (the tier part is promoted below).
         if node != RadixCache::ROOT {
             self.radix.lock(node);
         }
-        for &b in &blocks {
+        let on_device = blocks.len() - host;
+        for &b in &blocks[..on_device] {
             self.alloc.incref(b);
         }
-        let need = (cached + num_new).div_ceil(bs) - blocks.len();
+        let need = (cached + num_new).div_ceil(bs) - on_device;
         if need > self.alloc.num_free() && self.cfg.enable_prefix_caching {
             let short = need - self.alloc.num_free();
             self.radix.evict(&mut self.alloc, short);
         }
         if need > self.alloc.num_free() {
-            for &b in blocks.iter().rev() {
+            for &b in blocks[..on_device].iter().rev() {
                 self.alloc.decref(b);
             }
             if node != RadixCache::ROOT {
                 self.radix.unlock(node);
             }
             return false;
+        }
+        if host > 0 {
+            blocks = self.radix.promote(&mut self.alloc, node);
+            for &b in &blocks[on_device..] {
+                self.alloc.incref(b);
+            }
+            self.inflight.blocks.extend_from_slice(&blocks[on_device..]);
+            if resumed {
+                self.swap_in += host as u64;
+            }
         }
         self.queue.pop();
         let s = &mut self.seqs[slot as usize];
@@ -559,8 +620,16 @@ impl Scheduler {
     /// cache, its blocks are freed, and it goes back to the front of the queue keeping its
     /// generated tokens. The caller removes it from `running` (or marks it dirty).
     fn preempt(&mut self, slot: Slot) {
+        self.preempt_with(slot, self.swap);
+    }
+
+    /// `preempt`; with `swap`, its cached blocks go to the tier at once (swap-out).
+    fn preempt_with(&mut self, slot: Slot, swap: bool) {
         self.num_reserved -= 1 + self.pending_of(slot);
-        self.release_blocks(slot);
+        let node = self.release_blocks(slot);
+        if swap && node != RadixCache::ROOT {
+            self.swap_out += self.radix.demote_path(&mut self.alloc, node) as u64;
+        }
         self.seqs[slot as usize].status = Status::Waiting;
         self.num_running -= 1;
         self.num_preemptions += 1;
@@ -587,14 +656,18 @@ impl Scheduler {
         if full == 0 {
             return;
         }
-        let ns = self.reqs[s.req as usize]
-            .as_ref()
-            .and_then(|r| r.namespace.as_deref());
-        let res = self.radix.insert(
+        let r = self.reqs[s.req as usize].as_ref();
+        let (ns, prio) = (
+            r.and_then(|r| r.namespace.as_deref()),
+            r.map_or(0, |r| r.queue.priority),
+        );
+        let res = self.radix.insert_with(
             &mut self.alloc,
             &s.tokens[..full * bs],
             &s.blocks[..full],
             ns,
+            prio,
+            None,
         );
         for (mine, &canon) in s.blocks.iter_mut().zip(&res.blocks) {
             if *mine != canon {

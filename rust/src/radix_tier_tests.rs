@@ -1,0 +1,3 @@
+//! Tests of the tiered radix cache (demote, promote, restore, invalidate).
+
+use super::*;
