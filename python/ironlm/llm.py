@@ -45,6 +45,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """End the engine (idempotent; also runs at exit): a disk KV tier saves its blocks for the next start."""
+        self.engine.shutdown()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -144,6 +148,12 @@ class LLM:
             "prefix_cache_hits": stats["prefix_cache_hits"],
             "kv_cache_usage_perc": stats["kv_cache_usage_perc"],
             "num_preemptions": stats["num_preemptions"],
+            "prefix_cache_hits_tier": stats["prefix_hits_tier"],
+            "kv_promotions": stats["kv_promotions"],
+            "kv_demotions": stats["kv_demotions"],
+            "swap_in_blocks": stats["swap_in_blocks"],
+            "swap_out_blocks": stats["swap_out_blocks"],
+            "kv_waste_perc": stats["kv_waste_perc"],
             "model_weight_bytes": stats["model_weight_bytes"],
             "step_breakdown_s": self.engine.step_breakdown(),
         }

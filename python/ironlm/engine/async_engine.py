@@ -261,6 +261,14 @@ class AsyncLLMEngine:
         except BaseException as exc:  # whatever killed the loop: fail everyone fast
             logger.exception("engine loop died")
             self._die(exc)
+            return
+        # Stopped by `shutdown`: end the engine on its own thread (a disk KV tier saves its index here).
+        end = getattr(self.engine, "shutdown", None)
+        if callable(end):
+            try:
+                end()
+            except Exception:
+                logger.exception("engine shutdown failed")
 
     def _run_loop(self) -> None:
         engine = self.engine

@@ -2,7 +2,9 @@
 
 This is the only engine file that touches the device. It loads the model, sizes the KV pool (on a
 GPU by profiling a forward over the full token budget), allocates it, and per step moves the plan's
-numpy arrays to the device, runs the copy-on-write block copies and the forward.
+numpy arrays to the device, runs the KV tier copies (demote, promote), the copy-on-write block copies and the
+forward. It owns this rank's KV tier (engine/kv_tier.py), if the config asks for one: under tensor parallelism
+every rank keeps its own shard's blocks in its own tier, at the same slots.
 
 With `tensor_parallel_size > 1` rank 0's runner starts the other ranks (ironlm.distributed.executor), each of
 which builds a runner over its own shard and KV pool; every step rank 0 broadcasts the plan's arrays, all ranks
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from ironlm import _core
     from ironlm.distributed.executor import TPExecutor
     from ironlm.distributed.group import TPGroup
+    from ironlm.engine.kv_tier import KVTier
     from ironlm.engine.timing import StepTimer
     from ironlm.model.config import ModelConfig
 
@@ -89,11 +92,63 @@ class ModelRunner:
                                             self.device)
         self.max_model_len = self._max_model_len(self.num_blocks * config.block_size)
         self.startup_timings["kv_cache"] = time.perf_counter() - t0
+        self.tier: KVTier | None = None
+        if config.kv_tier_kind() is not None:
+            t0 = time.perf_counter()
+            self.tier = self._build_tier()
+            self.startup_timings["kv_tier"] = time.perf_counter() - t0
         if config.warmup:
             t0 = time.perf_counter()
             self.profile(min(self.token_budget, 64))
             self.startup_timings["warmup"] = time.perf_counter() - t0
         self._ready = True
+
+    def _build_tier(self) -> KVTier:
+        """This rank's tier: as many slots as the configured bytes hold (the fewest any rank holds, as the core
+        sees one slot count). Disk tier files are keyed by a fingerprint of the model, its shard and the KV
+        layout, so a restart of another model (or rank) never reads them."""
+        from ironlm.engine.kv_tier import KVTier, TierGeometry, fingerprint
+
+        config, shard = self.config, self.shard_config
+        geometry = TierGeometry(num_layers=shard.num_layers, block_size=config.block_size,
+                                num_kv_heads=shard.num_kv_heads, head_dim=shard.head_dim, dtype=self.dtype)
+        slots = config.resolve_kv_tier_bytes() // geometry.bytes_per_block
+        if self.tp is not None:
+            slots = self.tp.min_int(slots)
+        param = "kv_offload_dir" if config.kv_tier_kind() == "disk" else (
+            "kv_offload_memory" if config.kv_offload_memory is not None else "swap_space")
+        if slots < 1:
+            raise InvalidArgumentError(f"{param}: the KV tier holds no block ({geometry.bytes_per_block} bytes "
+                                       "each)", param)
+        if config.kv_offload_dir is None:
+            return KVTier.memory(geometry, slots, self.device)
+        rank, world = (0, 1) if self.tp is None else (self.tp.rank, self.tp.world)
+        key = fingerprint(self.model_path, self.tokenizer, geometry, quantization=config.quantization,
+                          quantization_group_size=config.quantization_group_size, tp_rank=rank, tp_size=world)
+        return KVTier.disk(geometry, slots, config.kv_offload_dir, key)
+
+    def measure_tier_copy(self, blocks: int = 8, rounds: int = 3) -> float:
+        """Seconds to copy one block back from the tier (what a promotion costs), best of `rounds`.
+
+        Slots are read into free device blocks and written back unchanged, so a disk tier's restored content
+        stays intact (the device blocks are free at startup and written before they are read)."""
+        assert self.tier is not None and self.kv_caches is not None
+        n = max(1, min(blocks, self.tier.num_slots, self.num_blocks))
+        back = np.stack([np.arange(n), np.arange(n)], axis=1).astype(np.int64)
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            self.tier.load(self.kv_caches, back)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - t0)
+            self.tier.store(self.kv_caches, back)
+        return best / n
+
+    def close_tier(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
 
     def execute(self, plan: _core.SchedulerPlan, timer: StepTimer | None = None) -> torch.Tensor:
         """Logits [plan.num_samples, vocab] (float32) for the plan's `logits_indices` rows.
@@ -102,7 +157,9 @@ class ModelRunner:
         Under tensor parallelism the time spent in collectives (plan broadcast, all-reduces, logits gather) is
         taken out of the prepare / forward phases into its own `tp_comm` phase.
         """
-        arrays = StepArrays.of(plan)
+        return self.execute_arrays(StepArrays.of(plan), timer)
+
+    def execute_arrays(self, arrays: StepArrays, timer: StepTimer | None = None) -> torch.Tensor:
         tp = self.tp
         c0 = c1 = 0.0 if tp is None else tp.comm_s
         if self.executor is not None:
@@ -120,6 +177,12 @@ class ModelRunner:
         """The forward over one plan's arrays (every rank runs it; rank 0's result is the logits)."""
         assert self.kv_caches is not None
         device = self.device
+        if len(plan.kv_demote) or len(plan.kv_promote):
+            if timer is not None:
+                timer.lap("prepare")
+            self._tier_copies(plan)
+            if timer is not None:
+                timer.lap("kv_copy", sync=device)
         if len(plan.cow_pairs):
             copy_blocks(self.kv_caches, plan.cow_pairs)
         input_ids = torch.from_numpy(plan.input_ids).to(device, non_blocking=True)
@@ -136,6 +199,16 @@ class ModelRunner:
         if timer is not None:
             timer.lap("forward", sync=device)
         return logits
+
+    def _tier_copies(self, plan: StepArrays) -> None:
+        """Demotions first: a block demoted this step may be the device block a promotion fills."""
+        assert self.kv_caches is not None
+        if self.tier is None:
+            raise RuntimeError("the scheduler planned KV tier copies but this runner has no tier")
+        if len(plan.kv_demote):
+            self.tier.store(self.kv_caches, plan.kv_demote)
+        if len(plan.kv_promote):
+            self.tier.load(self.kv_caches, plan.kv_promote)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op without tensor parallelism)."""

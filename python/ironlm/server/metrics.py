@@ -33,6 +33,9 @@ _GAUGES = (
     ("model_weight_bytes", "model_weight_bytes", ("Resident bytes of the model weights as stored (quantized "
                                                   "blocks or dense tensors).")),
     ("result_cache_size", "result_cache_size", "Finished results held by the result cache (--result-cache-size)."),
+    ("kv_waste_perc", "kv_waste_perc", ("Internal fragmentation of the running sequences' KV blocks: 1 - token "
+                                        "slots filled / token slots held.")),
+    ("kv_blocks_pinned", "blocks_pinned", "Device KV blocks pinned for good (--kv-pin-prefix)."),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -43,7 +46,13 @@ _COUNTERS = (
     ("engine_restarts", "num_engine_restarts", "Engine loop restarts after repeated step failures."),
     ("dedupe_hits", "dedupe_hits_total", "Requests that joined an identical running request's sequence."),
     ("result_cache_hits", "result_cache_hits_total", "Requests answered from the result cache, without the engine."),
+    ("kv_promotions", "kv_promotions", "KV blocks copied back from the tier to the device pool (hits, swap-ins)."),
+    ("kv_demotions", "kv_demotions", "KV blocks copied from the device pool down to the tier (evictions, swap-outs)."),
+    ("kv_swap_in_blocks", "swap_in_blocks", "KV blocks of preempted requests copied back on resume (--swap-space)."),
+    ("kv_swap_out_blocks", "swap_out_blocks", "KV blocks of preempted requests copied to the tier (--swap-space)."),
 )
+_TIERS = ("device", "host", "disk")
+_TIER_OF_KIND = {"memory": "host", "disk": "disk"}  # LLMEngine.stats()["kv_tier"] -> the tier label
 
 
 class _StatsCollector(Collector):
@@ -64,9 +73,31 @@ class _StatsCollector(Collector):
         for state in ("free", "used", "cached"):
             blocks.add_metric([self._model, state], float(s.get(f"blocks_{state}", 0)))
         yield blocks
+        yield from self._kv_tiers(s)
         up = GaugeMetricFamily("ironlm:engine_healthy", "1 while the engine loop is alive.", labels=["model_name"])
         up.add_metric([self._model], 1.0 if self._healthy() else 0.0)
         yield up
+
+
+    def _kv_tiers(self, s: dict) -> Iterator[Metric]:
+        """Where cached KV blocks live, and which tier prefix-cache hits were served from."""
+        lower = _TIER_OF_KIND.get(s.get("kv_tier") or "")
+        device_hits = s.get("prefix_cache_hits", 0) - s.get("prefix_hits_tier", 0)
+        on_tier = s.get("tier_blocks_used", 0)
+        blocks = GaugeMetricFamily("ironlm:kv_offload_blocks", "KV blocks held per tier (device: used + cached).",
+                                   labels=["model_name", "tier"])
+        hits = CounterMetricFamily("ironlm:prefix_cache_hits_by_tier", "Prompt tokens found in the prefix cache, "
+                                   "by the tier their blocks were on (device, or host/disk: promoted).",
+                                   labels=["model_name", "tier"])
+        for tier in _TIERS:
+            if tier == "device":
+                held, hit = s.get("blocks_used", 0) + s.get("blocks_cached", 0), device_hits
+            else:
+                held, hit = (on_tier, s.get("prefix_hits_tier", 0)) if tier == lower else (0, 0)
+            blocks.add_metric([self._model, tier], float(held))
+            hits.add_metric([self._model, tier], float(hit))
+        yield blocks
+        yield hits
 
 
 class ObserverGroup:

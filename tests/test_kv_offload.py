@@ -1,0 +1,285 @@
+"""The KV hierarchy, engine side: a host-memory or disk tier under the prefix cache, swap, pinned prefixes, metrics.
+
+Every case compares greedy outputs with a tier against the same engine without one: the tier may only change
+where KV comes from, never what is computed. Pools are tiny (block 4) so that eviction and preemption happen
+within a few requests; prompts are token ids so shared prefixes have exact lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ironlm import LLM, SamplingParams
+from ironlm.config import EngineConfig
+from ironlm.distributed.plan_codec import OP_STEP, StepArrays, pack, unpack
+from ironlm.exceptions import EngineDeadError, InvalidArgumentError
+from server_utils import tiny_model_path
+
+BLOCK = 4
+BASE = {"block_size": BLOCK, "dtype": "float32", "device": "cpu", "max_model_len": 128, "seed": 0}
+# 48 blocks = 192 tokens: two 50-token prompts with their outputs fit, six shared prefixes do not.
+SMALL_POOL = {**BASE, "num_kv_blocks": 48, "max_num_seqs": 2}
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(tiny_model_path(tmp_path_factory))
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 250) for _ in range(n)]
+
+
+def _texts(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+# ---- settings -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, param", [
+    ({"kv_offload_memory": "lots"}, "kv_offload_memory"),
+    ({"kv_offload_memory": 0}, "kv_offload_memory"),
+    ({"kv_offload_dir": "/tmp/x", "kv_offload_size": "-1"}, "kv_offload_size"),
+    ({"kv_offload_dir": ""}, "kv_offload_dir"),
+    ({"kv_offload_dir": "/tmp/x", "kv_offload_memory": "1GiB"}, "kv_offload_dir"),
+    ({"swap_space": -1.0}, "swap_space"),
+    ({"swap_space": float("nan")}, "swap_space"),
+    ({"kv_pin_prefix": "a system prompt"}, "kv_pin_prefix"),
+    ({"kv_pin_prefix": [""]}, "kv_pin_prefix"),
+    ({"kv_offload_memory": "1GiB", "enable_prefix_caching": False}, "kv_offload_memory"),
+    ({"swap_space": 1.0, "enable_prefix_caching": False}, "swap_space"),
+    ({"kv_pin_prefix": ["x"], "enable_prefix_caching": False}, "kv_pin_prefix"),
+])
+def test_bad_tier_settings_name_the_field(kwargs, param):
+    with pytest.raises(InvalidArgumentError) as exc:
+        EngineConfig(**kwargs)
+    assert exc.value.param == param
+
+
+def test_tier_size_from_settings():
+    assert EngineConfig().kv_tier_kind() is None and EngineConfig().resolve_kv_tier_bytes() == 0
+    assert EngineConfig(kv_offload_memory="2MiB").resolve_kv_tier_bytes() == 2 << 20
+    assert EngineConfig(swap_space=0.5).kv_tier_kind() == "memory"
+    assert EngineConfig(swap_space=0.5).resolve_kv_tier_bytes() == 1 << 29
+    disk = EngineConfig(kv_offload_dir="/tmp/x", swap_space=0.5)  # swap goes to the disk tier then
+    assert disk.kv_tier_kind() == "disk" and disk.resolve_kv_tier_bytes() == 4 << 30
+
+
+def test_plan_codec_carries_tier_copies():
+    empty = np.zeros(0, dtype=np.int64)
+    demote, promote = np.array([[3, 0], [4, 1]]), np.array([[7, 3]])
+    arrays = StepArrays(empty, empty, empty, empty, np.zeros(1, dtype=np.int64), empty, empty,
+                        np.zeros((0, 0), dtype=np.int32), np.array([[1, 2]]), 0, 0, demote, promote)
+    op, got, _ = unpack(pack(OP_STEP, arrays))
+    assert op == OP_STEP and got is not None
+    assert got.kv_demote.tolist() == demote.tolist() and got.kv_promote.tolist() == promote.tolist()
+    assert got.cow_pairs.tolist() == [[1, 2]]
+
+
+def test_runner_copies_blocks_through_its_tier(model):
+    """A copies-only plan moves a block device -> tier -> another device block (demote before promote), and
+    measuring the copy cost leaves the tier's content as it was."""
+    import torch
+
+    from ironlm.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model=model, num_kv_blocks=16, kv_offload_memory="256KiB", warmup=False,
+                                      **{k: v for k, v in BASE.items() if k != "max_model_len"}))
+    assert runner.tier is not None and runner.tier.num_slots == 32  # 256 KiB of 8 KiB blocks
+    kv = runner.kv_caches
+    assert kv is not None
+    for k, v in kv:
+        k[3].normal_()
+        v[3].normal_()
+    before = [(k[3].clone(), v[3].clone()) for k, v in kv]
+    empty = np.zeros(0, dtype=np.int64)
+
+    def copies(demote: list[list[int]], promote: list[list[int]]) -> StepArrays:
+        return StepArrays(empty, empty, empty, empty, np.zeros(1, dtype=np.int64), empty, empty,
+                          np.zeros((0, 0), dtype=np.int32), np.zeros((0, 2), dtype=np.int64), 0, 0,
+                          np.array(demote, dtype=np.int64).reshape(-1, 2),
+                          np.array(promote, dtype=np.int64).reshape(-1, 2))
+
+    runner.run(copies([[3, 5]], []))
+    # Block 7's old content goes down before slot 5 comes back into it (and into block 3).
+    runner.run(copies([[7, 6]], [[5, 7], [5, 3]]))
+    for (k, v), (k0, v0) in zip(kv, before):
+        assert torch.equal(k[7], k0) and torch.equal(v[7], v0) and torch.equal(k[3], k0)
+    runner.measure_tier_copy()  # reads slots 0-7 into blocks 0-7 and writes them back
+    runner.run(copies([], [[5, 9]]))
+    assert all(torch.equal(k[9], k0) for (k, _), (k0, _) in zip(kv, before))
+    runner.close_tier()
+
+
+# ---- (a) a host-memory tier under a tiny pool ---------------------------------------------------------------
+def _shared_prefix_rounds(seed: int = 0) -> list[list[list[int]]]:
+    """Three rounds over six 40-token prefixes (60 blocks: more than the pool), a new 8-token suffix each round."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, 40) for _ in range(6)]
+    return [[p + _tokens(rng, 8) for p in prefixes] for _ in range(3)]
+
+
+@pytest.fixture(scope="module")
+def baseline(model):
+    llm = LLM(model, **SMALL_POOL)
+    outs = [_texts(_generate(llm, prompts)) for prompts in _shared_prefix_rounds()]
+    return llm, outs
+
+
+@pytest.fixture(scope="module")
+def tiered(model):
+    llm = LLM(model, kv_offload_memory="1MiB", **SMALL_POOL)  # 128 blocks of 8 KiB
+    outs = [_texts(_generate(llm, prompts)) for prompts in _shared_prefix_rounds()]
+    return llm, outs
+
+
+def test_memory_tier_serves_evicted_prefixes_with_identical_output(baseline, tiered):
+    llm, outs = tiered
+    assert outs == baseline[1]
+    s = llm.engine.stats()
+    assert s["kv_tier"] == "memory" and s["tier_blocks_total"] == 128
+    assert s["kv_demotions"] > 0 and s["kv_promotions"] > 0
+    assert s["prefix_hits_tier"] > 0
+    # Without the tier the later rounds recompute what the tier hands back.
+    assert s["prefix_cache_hits"] > baseline[0].engine.stats()["prefix_cache_hits"]
+    assert 0.0 <= s["kv_waste_perc"] < 1.0
+    assert llm.engine.step_breakdown()["kv_copy"] > 0
+
+
+def test_reset_starts_the_tier_empty_and_keeps_serving(model, baseline):
+    llm = LLM(model, kv_offload_memory="1MiB", **SMALL_POOL)
+    first = _shared_prefix_rounds()[0]
+    assert _texts(_generate(llm, first)) == baseline[1][0]
+    llm.engine.reset()
+    assert llm.engine.stats()["tier_blocks_used"] == 0
+    assert _texts(_generate(llm, first)) == baseline[1][0]
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    with pytest.raises(EngineDeadError):
+        llm.engine.step()
+
+
+# ---- (b) the disk tier across restarts --------------------------------------------------------------------
+DISK = {**BASE, "num_kv_blocks": 64, "max_num_seqs": 4, "kv_offload_size": "1MiB"}
+
+
+def _long_prompt() -> list[int]:
+    return _tokens(random.Random(7), 90)
+
+
+@pytest.fixture(scope="module")
+def disk_reference(model):
+    llm = LLM(model, **{k: v for k, v in DISK.items() if k != "kv_offload_size"})
+    return _texts(_generate(llm, [_long_prompt()]))
+
+
+def _serve_once(model: str, folder: Path) -> LLM:
+    llm = LLM(model, kv_offload_dir=str(folder), **DISK)
+    _generate(llm, [_long_prompt()])
+    return llm
+
+
+def test_disk_tier_survives_a_restart(model, tmp_path, disk_reference):
+    first = _serve_once(model, tmp_path)
+    assert first.engine.stats()["prefix_hits_tier"] == 0
+    first.shutdown()
+    assert list(tmp_path.glob("*.idx")), "shutdown wrote no index"
+    second = LLM(model, kv_offload_dir=str(tmp_path), **DISK)
+    assert second.engine.stats()["tier_blocks_used"] >= len(_long_prompt()) // BLOCK - 1
+    out = _generate(second, [_long_prompt()])
+    assert _texts(out) == disk_reference
+    assert out[0].num_cached_tokens > 0
+    assert second.engine.stats()["prefix_hits_tier"] > 0
+    second.shutdown()
+
+
+def test_corrupt_disk_tier_is_ignored_with_a_warning(model, tmp_path, disk_reference, caplog):
+    _serve_once(model, tmp_path).shutdown()
+    data = next(tmp_path.glob("*.kv"))
+    raw = bytearray(data.read_bytes())
+    raw[::4096] = bytes(b ^ 0xFF for b in raw[::4096])  # a flipped byte in every page
+    data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(model, kv_offload_dir=str(tmp_path), **DISK)
+    assert "checksum" in caplog.text
+    out = _generate(llm, [_long_prompt()])
+    assert _texts(out) == disk_reference
+    assert out[0].num_cached_tokens == 0 and llm.engine.stats()["prefix_hits_tier"] == 0
+    llm.shutdown()
+
+
+def test_foreign_disk_tier_is_ignored_with_a_warning(model, tmp_path, disk_reference, caplog):
+    """Another engine's files put under this engine's names: the index names another fingerprint."""
+    _serve_once(model, tmp_path / "a").shutdown()
+    other = LLM(model, kv_offload_dir=str(tmp_path / "b"), quantization="none", **DISK)  # another fingerprint
+    other.shutdown()
+    (own_kv,), (own_idx,) = (tmp_path / "b").glob("*.kv"), (tmp_path / "b").glob("*.idx")
+    own_kv.write_bytes(next((tmp_path / "a").glob("*.kv")).read_bytes())
+    own_idx.write_bytes(next((tmp_path / "a").glob("*.idx")).read_bytes())
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(model, kv_offload_dir=str(tmp_path / "b"), quantization="none", **DISK)
+    assert "foreign fingerprint" in caplog.text
+    out = _generate(llm, [_long_prompt()])
+    assert _texts(out) == disk_reference
+    assert out[0].num_cached_tokens == 0
+    llm.shutdown()
+
+
+# ---- (c) swap instead of recompute ------------------------------------------------------------------------
+# 16 blocks = 64 tokens for four 20-token prompts growing by 24 tokens each: preemption is certain.
+SWAP_POOL = {**BASE, "num_kv_blocks": 16, "max_num_seqs": 4, "max_model_len": 64}
+SWAP_PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_swap_keeps_greedy_output_and_copies_both_ways(model):
+    rng = random.Random(3)
+    prompts = [_tokens(rng, 20) for _ in range(4)]
+    plain = LLM(model, **SWAP_POOL)
+    expected = _texts(_generate(plain, prompts, SWAP_PARAMS))
+    assert plain.engine.stats()["num_preemptions"] > 0
+    swapped = LLM(model, swap_space=0.001, **SWAP_POOL)  # ~1 MiB: 128 blocks
+    assert _texts(_generate(swapped, prompts, SWAP_PARAMS)) == expected
+    s = swapped.engine.stats()
+    assert s["num_preemptions"] > 0
+    assert s["swap_out_blocks"] > 0 and s["swap_in_blocks"] > 0
+
+
+# ---- (d) pinned prefixes ----------------------------------------------------------------------------------
+def test_pinned_prefix_survives_a_flood(model):
+    rng = random.Random(11)
+    system = "You are a terse assistant."
+    llm = LLM(model, kv_pin_prefix=[system], **SMALL_POOL)
+    pinned = llm.engine.stats()["blocks_pinned"]
+    assert pinned > 0
+    system_ids = llm.get_tokenizer().encode(system)  # as the engine encodes a text prompt
+    _generate(llm, [_tokens(rng, 40) for _ in range(12)])  # 12 x 11 blocks through a 48-block pool
+    out = _generate(llm, [system_ids + _tokens(rng, 6)])
+    assert out[0].num_cached_tokens >= pinned * BLOCK
+    assert llm.engine.stats()["blocks_pinned"] == pinned
+
+
+# ---- (e) metrics ---------------------------------------------------------------------------------------
+def test_metrics_export_the_kv_hierarchy(tiered):
+    from ironlm.server.metrics import ServerMetrics
+
+    llm, _ = tiered
+    text = ServerMetrics(llm.engine.stats, lambda: True, "tiny").render().decode()
+    s = llm.engine.stats()
+    for series in ('ironlm:kv_offload_blocks{model_name="tiny",tier="device"}',
+                   'ironlm:kv_offload_blocks{model_name="tiny",tier="host"}',
+                   'ironlm:kv_offload_blocks{model_name="tiny",tier="disk"} 0.0',
+                   'ironlm:prefix_cache_hits_by_tier_total{model_name="tiny",tier="host"}',
+                   "ironlm:kv_promotions_total", "ironlm:kv_demotions_total", "ironlm:kv_swap_in_blocks_total",
+                   "ironlm:kv_swap_out_blocks_total", "ironlm:kv_waste_perc", "ironlm:prefix_cache_hits_total"):
+        assert series in text, series
+    assert f'ironlm:kv_offload_blocks{{model_name="tiny",tier="host"}} {float(s["tier_blocks_used"])}' in text
+    assert f'ironlm:kv_promotions_total{{model_name="tiny"}} {float(s["kv_promotions"])}' in text
