@@ -1088,41 +1088,11 @@ impl RadixCache {
         true
     }
 
-    /// Drop `id`'s last device block (it has no tier blocks: they sit below device ones only
-    /// when the node was demoted, and a leaf drops tail first). Removes the node when empty.
+    /// Drop `id`'s last device block, with what lies below it (its tier tail and any tier
+    /// children: their KV is only valid after this block's).
     fn drop_tail(&mut self, alloc: &mut BlockAllocator, id: NodeId) {
-        let bs = self.block_size;
-        // Tier blocks after the device ones go first: the device block is cut with its tail.
-        loop {
-            let n = &mut self.nodes[id as usize];
-            if n.blocks.len() == n.dev {
-                break;
-            }
-            let s = n.blocks.pop().expect("tier tail");
-            n.tokens.truncate(n.blocks.len() * bs);
-            self.tier.used -= 1;
-            self.free_slot(s);
-        }
-        let n = &mut self.nodes[id as usize];
-        let b = n.blocks.pop().expect("device block");
-        n.tokens.truncate(n.blocks.len() * bs);
-        n.dev -= 1;
-        let (locked, now_empty, parent) = (n.lock_ref > 0, n.blocks.is_empty(), n.parent);
-        alloc.release_cached(b);
-        self.owner[b as usize] = NONE;
-        self.num_cached -= 1;
-        if !locked {
-            self.num_evictable -= 1;
-        }
-        if now_empty {
-            if parent != Self::ROOT {
-                self.nodes[parent as usize].dev_children -= 1;
-            }
-            self.remove(id);
-            self.sync_leaf(parent);
-        } else {
-            self.sync_leaf(id);
-        }
+        let j = self.nodes[id as usize].dev - 1;
+        self.cut(alloc, id, j);
     }
 
     /// A free tier slot, dropping the coldest tier blocks if the tier is full. None if there is no tier or nothing can be dropped this step.
@@ -1135,7 +1105,13 @@ impl RadixCache {
             let id = key.2;
             let bs = self.block_size;
             let n = &mut self.nodes[id as usize];
-            let s = n.blocks.pop().expect("host leaf has tier blocks");
+            let s = *n.blocks.last().expect("host leaf has tier blocks");
+            if self.tier.busy[s as usize] == self.step {
+                // Copied this step: its slot is not reusable before the next one, so dropping
+                // it would gain nothing.
+                return None;
+            }
+            n.blocks.pop();
             n.tokens.truncate(n.blocks.len() * bs);
             let (now_empty, parent) = (n.blocks.is_empty(), n.parent);
             self.tier.used -= 1;

@@ -304,7 +304,9 @@ impl Scheduler {
             let r = self.reqs[idx as usize].as_ref().expect("live request");
             let id = r.id.clone();
             for &sl in r.slots.iter() {
-                if self.seqs[sl as usize].is_live() {
+                // A slot of this request that finished may hold another request's sequence.
+                let q = &self.seqs[sl as usize];
+                if q.is_live() && q.req == idx {
                     self.plan
                         .finished
                         .push((id.clone(), sl, FinishReason::Timeout));
