@@ -253,6 +253,15 @@ def test_swap_keeps_greedy_output_and_copies_both_ways(model):
     assert s["swap_out_blocks"] > 0 and s["swap_in_blocks"] > 0
 
 
+def test_costly_copies_recompute_instead_with_identical_output(model, baseline):
+    """When the cost model says copying back costs more than recomputing, tier hits are recomputed."""
+    llm = LLM(model, kv_offload_memory="1MiB", **SMALL_POOL)
+    llm.engine._set_promote_cost(1.0, 1e-9)  # 1 s a block vs ~nothing a token: never worth copying
+    assert [_texts(_generate(llm, prompts)) for prompts in _shared_prefix_rounds()] == baseline[1]
+    s = llm.engine.stats()
+    assert s["kv_demotions"] > 0 and s["kv_promotions"] == 0 and s["prefix_hits_tier"] == 0
+
+
 # ---- (d) pinned prefixes ----------------------------------------------------------------------------------
 def test_pinned_prefix_survives_a_flood(model):
     rng = random.Random(11)
@@ -261,10 +270,18 @@ def test_pinned_prefix_survives_a_flood(model):
     pinned = llm.engine.stats()["blocks_pinned"]
     assert pinned > 0
     system_ids = llm.get_tokenizer().encode(system)  # as the engine encodes a text prompt
-    _generate(llm, [_tokens(rng, 40) for _ in range(12)])  # 12 x 11 blocks through a 48-block pool
-    out = _generate(llm, [system_ids + _tokens(rng, 6)])
+    flood, question = [_tokens(rng, 40) for _ in range(12)], _tokens(rng, 6)  # 12 x 11 blocks, a 48-block pool
+    _generate(llm, flood)
+    out = _generate(llm, [system_ids + question])
     assert out[0].num_cached_tokens >= pinned * BLOCK
     assert llm.engine.stats()["blocks_pinned"] == pinned
+    # The control: the same prefix served (not pinned) before the same flood is gone after it.
+    control = LLM(model, **SMALL_POOL)
+    _generate(control, [system_ids])
+    _generate(control, flood)
+    again = _generate(control, [system_ids + question])
+    assert again[0].num_cached_tokens == 0
+    assert _texts(again) == _texts(out)
 
 
 # ---- (e) metrics ---------------------------------------------------------------------------------------
@@ -283,3 +300,18 @@ def test_metrics_export_the_kv_hierarchy(tiered):
         assert series in text, series
     assert f'ironlm:kv_offload_blocks{{model_name="tiny",tier="host"}} {float(s["tier_blocks_used"])}' in text
     assert f'ironlm:kv_promotions_total{{model_name="tiny"}} {float(s["kv_promotions"])}' in text
+
+
+# ---- tensor parallelism: each rank copies its own shard of every block ------------------------------------
+def test_tp2_swap_matches_tp1(model):
+    rng = random.Random(5)
+    prompts = [_tokens(rng, 20) for _ in range(4)]
+    expected = _texts(_generate(LLM(model, **SWAP_POOL), prompts, SWAP_PARAMS))
+    tp = LLM(model, tensor_parallel_size=2, distributed_timeout=30, swap_space=0.001, **SWAP_POOL)
+    try:
+        assert tp.engine.runner.tier is not None and tp.engine.stats()["tier_blocks_total"] > 0
+        assert _texts(_generate(tp, prompts, SWAP_PARAMS)) == expected
+        s = tp.engine.stats()
+        assert s["swap_out_blocks"] > 0 and s["swap_in_blocks"] > 0
+    finally:
+        tp.shutdown()
