@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -200,6 +202,32 @@ def test_disk_tier_survives_a_restart(model, tmp_path, disk_reference):
     assert out[0].num_cached_tokens > 0
     assert second.engine.stats()["prefix_hits_tier"] > 0
     second.shutdown()
+
+
+def test_disk_tier_saved_by_async_engine_shutdown_and_at_exit(model, tmp_path):
+    """AsyncLLMEngine.shutdown ends the engine on its thread (saving the tier); a process that never calls
+    shutdown saves it at exit."""
+    import asyncio
+
+    from ironlm.engine import AsyncLLMEngine, LLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model, kv_offload_dir=str(tmp_path / "async"), **DISK)))
+
+    async def serve() -> None:
+        async for _ in engine.generate({"prompt_token_ids": _long_prompt()}, GREEDY):
+            pass
+        await engine.shutdown(drain_timeout=5)
+
+    asyncio.run(serve())
+    assert list((tmp_path / "async").glob("*.idx"))
+    code = (f"from ironlm import LLM, SamplingParams\n"
+            f"llm = LLM({model!r}, kv_offload_dir={str(tmp_path / 'exit')!r}, **{DISK!r})\n"
+            f"llm.generate([{{'prompt_token_ids': {_long_prompt()!r}}}], SamplingParams(max_tokens=2), "
+            f"use_tqdm=False)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    llm = LLM(model, kv_offload_dir=str(tmp_path / "exit"), **DISK)
+    assert llm.engine.stats()["tier_blocks_used"] > 0
+    llm.shutdown()
 
 
 def test_corrupt_disk_tier_is_ignored_with_a_warning(model, tmp_path, disk_reference, caplog):
