@@ -26,6 +26,7 @@ mod step;
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
 mod tests;
+mod window;
 
 /// Every field is the caller's to choose: the defaults live in the Python `EngineConfig` alone.
 #[derive(Debug, Clone, PartialEq)]
@@ -340,7 +341,7 @@ impl Scheduler {
             )));
         }
         // The KV of the last generated token is never needed.
-        let blocks = (total - 1).div_ceil(c.block_size);
+        let blocks = self.blocks_to_complete(total - 1);
         if blocks > c.num_blocks {
             return Err(CoreError::RequestTooLarge(format!(
                 "prompt ({} tokens) + max_tokens ({}) needs {blocks} KV blocks, the cache has {}",
@@ -640,8 +641,9 @@ impl Scheduler {
         for &slot in &self.running {
             let s = &self.seqs[slot as usize];
             if s.status == Status::Running {
-                allocated += s.blocks.len() * bs;
-                used += s.computed.min(s.blocks.len() * bs);
+                let (held, freed) = (s.blocks.len() - s.window_freed, s.window_freed * bs);
+                allocated += held * bs;
+                used += (s.computed - freed).min(held * bs);
             }
         }
         SchedulerStats {
@@ -815,7 +817,8 @@ impl Scheduler {
         };
         let full = (safe / bs).min(s.blocks.len());
         let mut cached = RadixCache::ROOT;
-        if self.cfg.enable_prefix_caching && full > 0 {
+        // Its later blocks' path would need the ones the window released.
+        if self.cfg.enable_prefix_caching && full > 0 && s.window_freed == 0 {
             let idx = s.req as usize;
             let r = self.reqs[idx].as_ref();
             let ns = r.and_then(|r| r.namespace.as_deref());
@@ -838,8 +841,9 @@ impl Scheduler {
             self.radix.unlock(s.node);
             s.node = RadixCache::ROOT;
         }
-        self.alloc.free_all(&s.blocks);
+        self.alloc.free_all(&s.blocks[s.window_freed..]);
         s.blocks.clear();
+        s.window_freed = 0;
         s.computed = 0;
         s.computed_before = 0;
         s.prefilling = false;
@@ -893,7 +897,8 @@ impl Scheduler {
                     assert!(self.alloc.ref_count(b) <= 1 && !self.alloc.is_cached(b));
                 }
             }
-            for &b in &s.blocks {
+            self.check_window(slot);
+            for &b in &s.blocks[s.window_freed..] {
                 holders[b as usize] += 1;
             }
         }

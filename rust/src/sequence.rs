@@ -209,6 +209,8 @@ pub(crate) struct Sequence {
     pub is_fork_parent: bool,
     /// Its partly filled last block may be shared (after a fork, until it next appends).
     pub tail_shared: bool,
+    /// Leading entries of `blocks` released by the sliding window (no longer held; read 0).
+    pub window_freed: usize,
     pub stop: Arc<StopTokens>,
     /// Length (prompt + min_tokens) it must reach before its next token may be a stop token.
     pub min_len: usize,
@@ -236,6 +238,7 @@ impl Sequence {
             insert_pending: false,
             is_fork_parent: false,
             tail_shared: false,
+            window_freed: 0,
             stop: Arc::default(),
             min_len: 0,
             max_len: 0,

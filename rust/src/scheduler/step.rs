@@ -33,6 +33,7 @@ impl Scheduler {
         }
         self.compact_running();
         self.expire_waiting(now);
+        self.release_window_blocks();
 
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut make_room_for_waiting = false;
@@ -455,15 +456,17 @@ impl Scheduler {
         s.computed_before = start;
         s.sched_step = step;
         s.computed = end;
-        if caching && end / bs > start / bs {
+        // After a window release the path would need the released blocks: nothing to cache.
+        if caching && end / bs > start / bs && s.window_freed == 0 {
             // Same-step sharing: a block this forward fills is cached now (its KV is written
             // before any attention of the same forward reads it), so requests admitted after
             // this one in the step already hit it.
             let r = self.reqs[s.req as usize].as_ref().expect("live request");
             let (ns, prio) = (r.namespace.as_deref(), r.queue.priority);
             let full = end / bs;
-            let res = self.radix.insert_with(
+            let res = self.radix.insert_from(
                 &mut self.alloc,
+                s.node,
                 &s.tokens[..full * bs],
                 &s.blocks[..full],
                 ns,
@@ -613,6 +616,7 @@ impl Scheduler {
             self.plan.new_request_cached_tokens.push(cached as i64);
         }
         self.plan.num_cached_tokens += cached;
+        self.release_window_blocks_of(slot);
         self.emit(slot, num_new);
         *budget -= num_new;
         true
@@ -655,7 +659,7 @@ impl Scheduler {
         let s = &mut self.seqs[slot as usize];
         s.insert_pending = false;
         let full = (s.computed / bs).min(s.blocks.len());
-        if full == 0 {
+        if full == 0 || s.window_freed > 0 {
             return;
         }
         let r = self.reqs[s.req as usize].as_ref();
@@ -712,7 +716,8 @@ impl Scheduler {
             s.is_fork_parent = false;
             s.tail_shared = true;
             s.status = Status::Running;
-            self.alloc.fork(&s.blocks);
+            s.window_freed = p.window_freed;
+            self.alloc.fork(&s.blocks[s.window_freed..]);
             if s.node != RadixCache::ROOT {
                 self.radix.lock(s.node);
             }
