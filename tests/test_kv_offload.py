@@ -157,6 +157,20 @@ def test_memory_tier_serves_evicted_prefixes_with_identical_output(baseline, tie
     assert llm.engine.step_breakdown()["kv_copy"] > 0
 
 
+def test_failed_steps_never_leave_unwritten_blocks_in_either_tier(model, baseline):
+    """Every 5th forward fails before its tier copies and writes ran; the core rolls those plans back, so the
+    rounds served afterwards (hitting whatever survived in both tiers) are still exact."""
+    from ironlm.engine.faults import parse
+
+    llm = LLM(model, kv_offload_memory="1MiB", **SMALL_POOL)
+    llm.engine.faults = parse("forward:raise:every=5")
+    errors = [o.error for prompts in _shared_prefix_rounds() for o in _generate(llm, prompts)]
+    assert any(errors) and not all(errors)
+    llm.engine.faults = None
+    assert [_texts(_generate(llm, prompts)) for prompts in _shared_prefix_rounds()] == baseline[1]
+    assert llm.engine.stats()["prefix_hits_tier"] > 0
+
+
 def test_reset_starts_the_tier_empty_and_keeps_serving(model, baseline):
     llm = LLM(model, kv_offload_memory="1MiB", **SMALL_POOL)
     first = _shared_prefix_rounds()[0]
