@@ -175,7 +175,8 @@ class EngineConfig:
         "recomputing (vLLM's flag; 0 = off). Swaps into kv_offload_memory/kv_offload_dir instead when one is set",
         metavar="GIB")
     kv_pin_prefix: tuple[str, ...] = _opt(
-        (), "texts (e.g. a system prompt) prefilled at startup whose KV blocks stay on the device for good",
+        (), "texts prefilled at startup whose whole KV blocks stay on the device for good: a shared prompt start "
+        "as the model sees it (for chat, the rendered template up to the end of the system message)",
         nargs="*", metavar="TEXT")
 
     def __post_init__(self) -> None:
