@@ -206,3 +206,40 @@ def test_greedy_generation_matches_transformers(model):
         assert list(got.token_ids) == want_tokens
         lps = [d[t].logprob for d, t in zip(got.logprobs, got.token_ids)]
         assert lps == pytest.approx(want_lps, abs=1e-4)
+    # Blocks are released only where every layer slides (Mistral), never under a full-attention layer.
+    every_layer = None not in llm.engine.model_config.layer_windows
+    assert (llm.engine.scheduler.stats()["window_freed_blocks"] > 0) == every_layer
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    arch, overrides = MODELS["mistral"]
+    path = make_tiny_model(tmp_path_factory.mktemp("mistral-pool"), arch, **overrides)
+    return path, load_hf_reference(path)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_sequences_longer_than_the_pool_run_inside_the_window(mistral, backend):
+    """Every layer slides, so blocks wholly before the window go back to the pool while their sequence runs: a
+    271-token sequence (17 blocks of 16) runs on a 14-block pool (224 tokens) next to a 190-token one, and greedy
+    outputs still match transformers. Released blocks are reused at once and the tables show block 0 in their
+    place, so a backend that read outside the window unmasked would diverge."""
+    path, hf = mistral
+    rng = np.random.default_rng(2)
+    vocab = hf.config.vocab_size
+    lens, max_new = (150, 231), 40
+    prompts = [rng.integers(6, vocab, size=n).tolist() for n in lens]
+    # Chunks of 64: one sequence holds at most (32 + 64) / 16 + 1 = 7 blocks, 14 with prefix caching (a cached
+    # path keeps its released blocks until the window has passed it).
+    llm = LLM(str(path), num_kv_blocks=14, block_size=16, seed=0, dtype="float32", max_num_batched_tokens=64,
+              max_num_seqs=2, attention_backend=backend)
+    assert llm.engine.max_model_len >= max(lens) + max_new  # not capped at the pool's 224 tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == _hf_greedy(hf, prompt, max_new)[0]
+    stats = llm.engine.scheduler.stats()
+    # Each sequence's last query (position n + 38) still sees the window: (n + 39 - 32) // 16 blocks were
+    # released before it (more if a preemption made it recompute).
+    assert stats["window_freed_blocks"] >= sum((n + max_new - 1 - WINDOW) // 16 for n in lens)
+    assert stats["blocks_used"] == 0

@@ -71,9 +71,6 @@ class LLMEngine:
         self._closed = False
         # Held by each step and by shutdown: the at-exit shutdown waits for a step another thread is running.
         self._lock = threading.Lock()
-        # A plan scheduled but not `update`d (its step failed): the core rolls it back at the next schedule();
-        # until then its tree lists blocks the forward never wrote and slots the copies never filled.
-        self._plan_pending = False
         # Only a disk tier of a single-rank engine persists: other ranks' tiers would need their own index.
         self._persist = self.tier is not None and self.tier.persistent and config.tensor_parallel_size == 1
         if self.tier is not None and self.tier.persistent and not self._persist:
@@ -129,6 +126,9 @@ class LLMEngine:
             tenant_weights=config.tenant_weight_map(), input_token_weight=config.fair_input_token_weight,
             output_token_weight=config.fair_output_token_weight, scheduler_delay_factor=config.scheduler_delay_factor,
             tier_blocks=0 if self.tier is None else self.tier.num_slots, swap=config.swap_space > 0,
+            # A block is released only once it is outside every layer's window: all must slide, the widest decides.
+            sliding_window=None if None in (lw := runner.model_config.layer_windows) else max(
+                w for w in lw if w is not None),
         )
         if self._promote_cost is not None:
             self.scheduler.set_promote_cost(*self._promote_cost)
@@ -249,10 +249,14 @@ class LLMEngine:
     def _save_tier(self) -> None:
         tier, kv = self.tier, self.runner.kv_caches
         assert tier is not None and kv is not None
-        if self._plan_pending:
-            logger.warning("KV tier: the last step failed and its plan is not rolled back yet; not saving an index")
-            return
         t0 = time.perf_counter()
+        # Close the core's last step with an idle one (nothing is left to schedule): a plan that was never
+        # `update`d (its step failed) is rolled back, so its unwritten blocks and unfilled slots leave the tree,
+        # and blocks the last step promoted become evictable (the core keeps them on the device for the step
+        # that promoted them, whose copies might not have run yet).
+        self.abort_request(list(self.table.requests))
+        idle = self.scheduler.schedule()
+        self.runner.tier_copies(idle.kv_demote, idle.kv_promote)
         pairs = self.scheduler.tier_flush()
         if len(pairs):
             tier.store(kv, pairs)
@@ -365,7 +369,6 @@ class LLMEngine:
         timer = self.timer
         timer.start()
         plan = self.scheduler.schedule()
-        self._plan_pending = False  # schedule() rolled back a plan left pending by a failed step
         timer.lap("schedule")
         touched: dict[str, EngineRequest] = {}
         for _, slot, reason, _ in plan.finished:  # timed out while waiting
@@ -378,7 +381,6 @@ class LLMEngine:
             if request is not None and request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = cached
-        self._plan_pending = True
         forward_s = timer.totals["forward"]
         try:
             if self.faults is not None:
@@ -398,7 +400,6 @@ class LLMEngine:
             return self._fail_step(plan, exc, touched)
         # The core's stop decision: slot -> (reason, matched stop_token_ids entry or None).
         finished = {slot: (reason, tok) for _, slot, reason, tok in self.scheduler.update(sampled.token_ids)}
-        self._plan_pending = False
         timer.lap("update")
         self._postprocess(plan, sampled, finished, touched)
         timer.lap("detokenize")

@@ -180,7 +180,7 @@ class ModelRunner:
         if len(plan.kv_demote) or len(plan.kv_promote):
             if timer is not None:
                 timer.lap("prepare")
-            self._tier_copies(plan)
+            self.tier_copies(plan.kv_demote, plan.kv_promote)
             if timer is not None:
                 timer.lap("kv_copy", sync=device)
         if len(plan.cow_pairs):
@@ -200,15 +200,16 @@ class ModelRunner:
             timer.lap("forward", sync=device)
         return logits
 
-    def _tier_copies(self, plan: StepArrays) -> None:
-        """Demotions first: a block demoted this step may be the device block a promotion fills."""
+    def tier_copies(self, demote: np.ndarray, promote: np.ndarray) -> None:
+        """This rank's copies (device block, slot) down, then (slot, device block) up: a block demoted in a step
+        may be the device block a promotion of the same step fills."""
         assert self.kv_caches is not None
         if self.tier is None:
             raise RuntimeError("the scheduler planned KV tier copies but this runner has no tier")
-        if len(plan.kv_demote):
-            self.tier.store(self.kv_caches, plan.kv_demote)
-        if len(plan.kv_promote):
-            self.tier.load(self.kv_caches, plan.kv_promote)
+        if len(demote):
+            self.tier.store(self.kv_caches, demote)
+        if len(promote):
+            self.tier.load(self.kv_caches, promote)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op without tensor parallelism)."""
@@ -242,6 +243,8 @@ class ModelRunner:
     def _max_model_len(self, pool_tokens: int) -> int:
         """The configured context length, which the pool must hold; else the model's own, capped to the pool."""
         length = self.config.resolve_max_model_len(self.model_config.max_model_len, self.device.type)
+        if None not in self.model_config.layer_windows:
+            return length  # every layer slides: a sequence holds only its window's blocks (the core checks each)
         if self.config.max_model_len is None:
             return min(length, pool_tokens)
         if length > pool_tokens:
