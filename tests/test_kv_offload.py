@@ -204,18 +204,24 @@ def _serve_once(model: str, folder: Path) -> LLM:
     return llm
 
 
-def test_disk_tier_survives_a_restart(model, tmp_path, disk_reference):
+def test_disk_tier_survives_restarts(model, tmp_path, disk_reference):
     first = _serve_once(model, tmp_path)
     assert first.engine.stats()["prefix_hits_tier"] == 0
     first.shutdown()
     assert list(tmp_path.glob("*.idx")), "shutdown wrote no index"
+    # The second run's only request ends in the step that promoted its prefix back: saved again all the same.
     second = LLM(model, kv_offload_dir=str(tmp_path), **DISK)
     assert second.engine.stats()["tier_blocks_used"] >= len(_long_prompt()) // BLOCK - 1
-    out = _generate(second, [_long_prompt()])
-    assert _texts(out) == disk_reference
-    assert out[0].num_cached_tokens > 0
-    assert second.engine.stats()["prefix_hits_tier"] > 0
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    out = _generate(second, [_long_prompt()], one)
+    assert _texts(out) == [disk_reference[0][:1]]
+    assert out[0].num_cached_tokens > 0 and second.engine.stats()["prefix_hits_tier"] > 0
     second.shutdown()
+    third = LLM(model, kv_offload_dir=str(tmp_path), **DISK)
+    out = _generate(third, [_long_prompt()])
+    assert _texts(out) == disk_reference
+    assert out[0].num_cached_tokens > 0 and third.engine.stats()["prefix_hits_tier"] > 0
+    third.shutdown()
 
 
 def test_disk_tier_saved_by_async_engine_shutdown_and_at_exit(model, tmp_path):
