@@ -1,4 +1,4 @@
-"""`ironlm bench {throughput,serve,latency,scheduler,perplexity,soak}`: argument parsing and output (table, --json, --plot).
+"""`ironlm bench {throughput,serve,latency,restart,scheduler,perplexity,soak}`: argument parsing and output (table, --json, --plot).
 
 Heavy imports (torch, transformers, httpx) happen only when a subcommand runs.
 """
@@ -70,9 +70,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _dataset_args(p: argparse.ArgumentParser) -> None:
+def _dataset_args(p: argparse.ArgumentParser, multiturn: bool = False) -> None:
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=("random", "prefix"), default="random")
+    g.add_argument("--dataset", choices=("random", "prefix", "multiturn") if multiturn else ("random", "prefix"),
+                   default="random")
     g.add_argument("--num-requests", "--num-prompts", type=int, default=None, help="default 64")
     g.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="random: default 32 512")
     g.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="random: default 16 256")
@@ -80,6 +81,20 @@ def _dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--suffix-len", type=int, help="prefix: unique suffix tokens, default 32")
     g.add_argument("--prefix-output-len", type=int, help="prefix: output tokens per request, default 32")
     g.add_argument("--seed", type=int, default=0)
+    if multiturn:
+        _multiturn_args(p)
+
+
+def _multiturn_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multiturn dataset (--dataset multiturn; the KV tier compare)")
+    g.add_argument("--num-conversations", type=int, help="default 32 (--quick: 8)")
+    g.add_argument("--turns", type=int, nargs=2, metavar=("MIN", "MAX"), help="turns per conversation, default 4 8")
+    g.add_argument("--system-len", type=int, help="shared system prompt tokens, default 256")
+    g.add_argument("--user-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="user message tokens, default 32 96")
+    g.add_argument("--reply-len", type=int, help="assistant tokens per turn (EOS ignored), default 32")
+    g.add_argument("--compare-tier", action="store_true",
+                   help="run without, then with a KV tier (the --kv-offload-*/--swap-space flags given, else a disk "
+                        "tier (GPU: host memory) sized to the working set); prints the ratios")
 
 
 # EngineConfig fields that are no bench flag: MODEL is positional, --seed and --warmup are the workload's, and
@@ -93,16 +108,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, perplexity, soak")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, restart, scheduler, "
+                                                "perplexity, soak")
     sub = bench.add_subparsers(dest="bench_command",
-                               metavar="{throughput,serve,latency,scheduler,perplexity,soak}")
+                               metavar="{throughput,serve,latency,restart,scheduler,perplexity,soak}")
     sub.required = True
 
     tp = sub.add_parser("throughput", help="offline throughput via LLM.generate (optionally vs transformers)",
                         description=f"Offline throughput through LLM.generate; {W_HELP}.",
                         formatter_class=HelpFormatter)
     tp.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
-    _dataset_args(tp)
+    _dataset_args(tp, multiturn=True)
     _engine_args(tp)
     g = tp.add_argument_group("baseline")
     g.add_argument("--baseline", choices=("none", "transformers", "llama.cpp"), default="none",
@@ -181,6 +197,22 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _threads(pp, "ironlm and llama-perplexity")
     pp.add_argument("--json", metavar="PATH", help="write every figure, the configuration and the machine here")
     pp.set_defaults(func=cmd_perplexity, plot=None)  # a table of five numbers needs no plot
+
+    rs = sub.add_parser("restart", help="first-request TTFT on a long prefix after a restart, with vs without a disk "
+                                        "KV tier",
+                        description="Engine A (disk KV tier in a fresh folder) prefills a --prompt-len prompt and shuts "
+                                    "down; engine B restarts on that folder, engine C has no tier; each one's first "
+                                    "request is the prompt + a new suffix. Reports both TTFTs and their ratio.",
+                        formatter_class=HelpFormatter)
+    rs.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
+    rs.add_argument("--prompt-len", type=int, default=2048, help="the prefix computed before the restart")
+    rs.add_argument("--suffix-len", type=int, default=32, help="new tokens after it in the timed request")
+    rs.add_argument("--repeats", type=int, default=3, help="restarts of B and C, alternating; medians reported")
+    rs.add_argument("--seed", type=int, default=0)
+    _threads(rs, "ironlm")
+    _engine_args(rs)
+    _common(rs)
+    rs.set_defaults(func=cmd_restart)
 
     so = sub.add_parser("soak", help="minutes of mixed traffic at a multiple of the measured capacity; leak check",
                         description="Measures capacity (closed loop), then drives open-loop Poisson traffic at "
@@ -273,8 +305,28 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching, compare_prefix_caching=args.compare_prefix_caching,
         repeats=args.repeats, warmup=args.warmup, threads=args.threads, engine_args=engine_args,
         progress=not args.no_progress, structured=args.structured)
+    if args.dataset == "multiturn":
+        return _multiturn(args, engine_args={**engine_args, "enable_prefix_caching": True})
     report = tp.run(config)
     return _finish(report, args, tp.summary_text(report), tp.plot)
+
+
+def _multiturn(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    from ironlm.bench import multiturn as mt
+    from ironlm.bench.datasets import MultiturnSpec
+
+    if args.baseline != "none" or args.structured or args.compare_prefix_caching:
+        print("ironlm bench throughput: error: --dataset multiturn compares ironlm with and without a KV tier "
+              "(--compare-tier): no --baseline, --structured or --compare-prefix-caching", file=sys.stderr)
+        return 2
+    base = mt.quick_spec() if args.quick else MultiturnSpec()
+    spec = MultiturnSpec(args.num_conversations or base.num_conversations, tuple(args.turns or base.turns),
+                         args.system_len or base.system_len, tuple(args.user_len or base.user_len),
+                         args.reply_len or base.reply_len, args.seed)
+    config = mt.MultiturnConfig(model=args.model, spec=spec, compare_tier=args.compare_tier, engine_args=engine_args,
+                                threads=args.threads, progress=not args.no_progress)
+    report = mt.run(config)
+    return _finish(report, args, mt.summary_text(report), mt.plot)
 
 
 @_missing_baseline_is_an_error
@@ -305,6 +357,23 @@ def cmd_latency(args: argparse.Namespace) -> int:
         config = lt.quick(config)
     report = lt.run(config)
     return _finish(report, args, lt.summary_text(report), lt.plot)
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    from ironlm.bench import restart as rs
+
+    engine_args = _engine_kwargs(args, "kv_offload_dir", "kv_offload_size")
+    # The tier folder given is where a fresh one is made; the size, unless given, is what the prompt needs.
+    size = args.kv_offload_size
+    config = rs.RestartConfig(
+        model=args.model, prompt_len=args.prompt_len, suffix_len=args.suffix_len, repeats=args.repeats,
+        seed=args.seed, engine_args={**engine_args, "enable_prefix_caching": True}, tier_dir=args.kv_offload_dir,
+        tier_size=None if size == EngineConfig.__dataclass_fields__["kv_offload_size"].default else size,
+        threads=args.threads, progress=not args.no_progress)
+    if args.quick:
+        config = rs.quick(config)
+    report = rs.run(config)
+    return _finish(report, args, rs.summary_text(report), rs.plot)
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ironlm.bench.baseline import BaselineRun, TransformersBaseline, sync
 from ironlm.bench.datasets import Dataset, PrefixSpec, RandomSpec, make_dataset, warmup_dataset
+from ironlm.bench.kv import StepTap
 from ironlm.bench.report import format_table, machine_info
 
 # The phases of `LLMEngine.step` whose time is the model's own work.
@@ -78,9 +79,13 @@ def _ironlm_once(llm, ds: Dataset, progress: bool) -> dict[str, Any]:
     before = engine.stats()
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in ds.requests]
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in ds.requests]
+    tap = StepTap().attach(engine)
     sync(engine.device)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=progress)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=progress)
+    finally:
+        tap.detach()
     sync(engine.device)
     elapsed = time.perf_counter() - t0
     after = engine.stats()
@@ -97,6 +102,8 @@ def _ironlm_once(llm, ds: Dataset, progress: bool) -> dict[str, Any]:
         "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
         "num_steps": after["num_steps"] - before["num_steps"],
         "step_breakdown_s": engine.step_breakdown(),
+        "kv_slots_allocated": tap.slots_allocated, "kv_slots_used": tap.slots_used,
+        "prefill_tokens": tap.prefill_tokens,
     }
 
 
@@ -154,6 +161,8 @@ def _ironlm_result(label: str, caching: bool, runs: list[dict[str, Any]], ds: Da
     queries = sum(r["prefix_cache_queries"] for r in runs)
     hits = sum(r["prefix_cache_hits"] for r in runs)
     merged = _merge_breakdowns(runs)
+    # Slots the running sequences' blocks hold vs tokens in them, summed over every step of every run.
+    allocated_used = (sum(r["kv_slots_allocated"] for r in runs), sum(r["kv_slots_used"] for r in runs))
     return {
         "label": label, "engine": "ironlm", "prefix_caching": caching,
         **_rates(elapsed, last["output_tokens"], last["prompt_tokens"], len(ds.requests)),
@@ -166,6 +175,8 @@ def _ironlm_result(label: str, caching: bool, runs: list[dict[str, Any]], ds: Da
         "prefix_cache_queries": queries, "prefix_cache_hits": hits,
         "prefix_cache_reset": all(r["prefix_cache_reset"] for r in runs),
         "num_preemptions": last["num_preemptions"], "num_steps": last["num_steps"],
+        "prefill_tokens": last["prefill_tokens"],
+        "kv_waste": 1.0 - allocated_used[1] / allocated_used[0] if allocated_used[0] else 0.0,
         "step_overhead": step_overhead(merged, sum(r["elapsed_s"] for r in runs)),
     }
 
@@ -340,6 +351,10 @@ def summary_text(report: dict[str, Any]) -> str:
     if "prefix_caching_speedup" in report:
         lines.append(f"prefix caching: {report['prefix_caching_speedup']:.2f}× faster, hit rate "
                      f"{100 * report['prefix_cache_hit_rate']:.1f}%")
+    for r in report["results"]:
+        if "kv_waste" in r:
+            lines.append(f"KV waste ({r['label']}): {100 * r['kv_waste']:.2f}% of the slots held by running "
+                         f"sequences are empty (block size {report['model']['block_size']}, averaged over steps)")
     ov = report["step_overhead"]
     phases = "  ".join(f"{k} {v:.1f}%" for k, v in sorted(ov["phases_pct"].items(), key=lambda kv: -kv[1]))
     lines.append(f"engine step breakdown ({ov['step_wall_s']:.2f} s in steps, "
