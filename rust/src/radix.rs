@@ -296,7 +296,9 @@ impl RadixCache {
     ) -> PrefixMatch {
         let cap = tokens.len().saturating_sub(1) / self.block_size;
         let (node, blocks, host) = match self.ns_id(ns) {
-            Some(ns) => self.walk(&tokens[..cap * self.block_size], ns, !tiered),
+            Some(ns) => {
+                self.walk_from(Self::ROOT, 0, &tokens[..cap * self.block_size], ns, !tiered)
+            }
             None => (Self::ROOT, Vec::new(), 0),
         };
         if count {
@@ -393,6 +395,71 @@ impl RadixCache {
         blocks: &[BlockId],
         ns: Option<&str>,
         prio: i64,
+        added: Option<&mut Vec<BlockId>>,
+    ) -> InsertResult {
+        self.insert_from(alloc, Self::ROOT, tokens, blocks, ns, prio, added)
+    }
+
+    /// A running sequence that holds (locked) `from` has full blocks up to `tokens.len() / bs`:
+    /// cache the new ones. Returns the node to lock instead of `from` (maybe `from` itself).
+    /// The common case, a sequence that alone holds its edge, lengthens the edge in place:
+    /// no hashing, no allocation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn extend(
+        &mut self,
+        alloc: &mut BlockAllocator,
+        from: NodeId,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        ns: Option<&str>,
+        prio: i64,
+        mut added: Option<&mut Vec<BlockId>>,
+    ) -> NodeId {
+        let bs = self.block_size;
+        let total = (tokens.len() / bs).min(blocks.len());
+        if from != Self::ROOT && self.extends_in_place(from) {
+            let mut skip = 0;
+            let mut id = from;
+            while id != Self::ROOT {
+                skip += self.nodes[id as usize].blocks.len();
+                id = self.nodes[id as usize].parent;
+            }
+            if skip >= total {
+                self.touch(from, prio);
+                return from;
+            }
+            let new = &blocks[skip..total];
+            for &b in new {
+                alloc.set_cached(b, true);
+                self.set_owner(b, from);
+            }
+            if let Some(a) = added.as_deref_mut() {
+                a.extend_from_slice(new);
+            }
+            let n = &mut self.nodes[from as usize];
+            n.tokens.extend_from_slice(&tokens[skip * bs..total * bs]);
+            n.blocks.extend_from_slice(new);
+            n.dev += new.len();
+            self.num_cached += new.len();
+            self.touch(from, prio);
+            return from;
+        }
+        self.insert_from(alloc, from, tokens, blocks, ns, prio, added)
+            .node
+    }
+
+    /// `insert_with` for a caller that already holds `from`, a node whose path spells a prefix
+    /// of `tokens` (the node it locked after its last insert): the walk starts there, so a
+    /// sequence that fills one more block hashes one block, not its whole history.
+    #[allow(clippy::too_many_arguments)]
+    pub fn insert_from(
+        &mut self,
+        alloc: &mut BlockAllocator,
+        from: NodeId,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        ns: Option<&str>,
+        prio: i64,
         mut added: Option<&mut Vec<BlockId>>,
     ) -> InsertResult {
         let bs = self.block_size;
@@ -402,7 +469,25 @@ impl RadixCache {
         );
         let total = (tokens.len() / bs).min(blocks.len());
         let ns = self.intern(ns);
-        let (mut node, mut out, host) = self.walk(&tokens[..total * bs], ns, false);
+        let mut out = Vec::with_capacity(total);
+        let mut start = Self::ROOT;
+        if from != Self::ROOT
+            && self.nodes[from as usize].live
+            && self.nodes[from as usize].ns == ns
+        {
+            for id in self.path_ids(from) {
+                out.extend_from_slice(&self.nodes[id as usize].blocks);
+            }
+            if out.len() <= total {
+                start = from;
+            } else {
+                out.clear();
+            }
+        }
+        debug_assert!(start == Self::ROOT || self.path(start).0 == tokens[..out.len() * bs]);
+        let skip = out.len();
+        let (mut node, cont, host) = self.walk_from(start, skip, &tokens[..total * bs], ns, false);
+        out.extend_from_slice(&cont);
         if host > 0 {
             self.materialize(alloc, node, blocks, &mut out, added.as_deref_mut());
         }
@@ -530,7 +615,7 @@ impl RadixCache {
     pub fn pin(&mut self, tokens: &[u32], ns: Option<&str>) -> usize {
         let Some(ns) = self.ns_id(ns) else { return 0 };
         let full = tokens.len() / self.block_size * self.block_size;
-        let (node, blocks, _) = self.walk(&tokens[..full], ns, true);
+        let (node, blocks, _) = self.walk_from(Self::ROOT, 0, &tokens[..full], ns, true);
         if node == Self::ROOT {
             return 0;
         }
@@ -904,19 +989,23 @@ impl RadixCache {
     /// inside it (at a mismatch, or at the first tier block when `device_only`). Returns the
     /// deepest matched node, the blocks of the match and how many of them (the last) are tier
     /// slots.
-    fn walk(
+    /// Starts at `from`, whose path spells the first `skip` blocks of `tokens`; the blocks
+    /// returned are the continuation.
+    fn walk_from(
         &mut self,
+        from: NodeId,
+        skip: usize,
         tokens: &[u32],
         ns: u32,
         device_only: bool,
     ) -> (NodeId, Vec<BlockId>, usize) {
         let bs = self.block_size;
-        let total = tokens.len() / bs;
+        let total = tokens.len() / bs - skip;
         let mut blocks = Vec::with_capacity(total);
         let mut host = 0;
-        let mut node = Self::ROOT;
+        let mut node = from;
         while blocks.len() < total {
-            let rest = &tokens[blocks.len() * bs..];
+            let rest = &tokens[(skip + blocks.len()) * bs..];
             let key = edge_key(ns, &rest[..bs]);
             let Some(&child) = self.nodes[node as usize].children.get(&key) else {
                 break;
@@ -993,6 +1082,13 @@ impl RadixCache {
         self.sync_leaf(id);
         self.sync_leaf(mid);
         mid
+    }
+
+    /// `id` may take more blocks at the end of its edge: one sequence alone holds it, nothing
+    /// hangs below it and all its blocks are on the device (locked nodes always are).
+    fn extends_in_place(&self, id: NodeId) -> bool {
+        let n = &self.nodes[id as usize];
+        n.lock_ref == 1 && n.children.is_empty() && n.dev == n.blocks.len()
     }
 
     /// Point the owner maps at `id` for all its blocks.
@@ -1302,11 +1398,18 @@ impl RadixCache {
         let now = self.clock;
         let mut id = node;
         while id != Self::ROOT {
-            self.leave_leaves(id);
+            let n = &self.nodes[id as usize];
+            // Only a node in a leaf set is keyed by these fields (a locked path has none).
+            let keyed = n.in_leaves || n.in_host_leaves;
+            if keyed {
+                self.leave_leaves(id);
+            }
             let n = &mut self.nodes[id as usize];
             n.last_access = now;
             n.prio = n.prio.min(prio);
-            self.sync_leaf(id);
+            if keyed {
+                self.sync_leaf(id);
+            }
             id = self.nodes[id as usize].parent;
         }
     }

@@ -464,7 +464,7 @@ impl Scheduler {
             let r = self.reqs[s.req as usize].as_ref().expect("live request");
             let (ns, prio) = (r.namespace.as_deref(), r.queue.priority);
             let full = end / bs;
-            let res = self.radix.insert_from(
+            let node = self.radix.extend(
                 &mut self.alloc,
                 s.node,
                 &s.tokens[..full * bs],
@@ -473,13 +473,15 @@ impl Scheduler {
                 prio,
                 Some(&mut self.inflight.blocks),
             );
-            if res.node != RadixCache::ROOT {
-                self.radix.lock(res.node);
+            if node != s.node {
+                if node != RadixCache::ROOT {
+                    self.radix.lock(node);
+                }
+                if s.node != RadixCache::ROOT {
+                    self.radix.unlock(s.node);
+                }
+                s.node = node;
             }
-            if s.node != RadixCache::ROOT {
-                self.radix.unlock(s.node);
-            }
-            s.node = res.node;
         }
         // Fairness charges prompt tokens once (not their recompute after a preemption) and
         // each sampled token.
