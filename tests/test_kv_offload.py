@@ -155,6 +155,9 @@ def test_memory_tier_serves_evicted_prefixes_with_identical_output(baseline, tie
     assert s["prefix_cache_hits"] > baseline[0].engine.stats()["prefix_cache_hits"]
     assert 0.0 <= s["kv_waste_perc"] < 1.0
     assert llm.engine.step_breakdown()["kv_copy"] > 0
+    # The cost model's prefill side follows the timed prefill-heavy steps (within the drift the core is told).
+    ema, (_, told) = llm.engine._prefill_s_per_token, llm.engine._promote_cost
+    assert ema is not None and abs(ema - told) <= 0.25 * told
 
 
 def test_failed_steps_never_leave_unwritten_blocks_in_either_tier(model, baseline):

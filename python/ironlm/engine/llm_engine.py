@@ -77,7 +77,7 @@ class LLMEngine:
             logger.warning("kv_offload_dir: with tensor parallelism the disk KV tier starts empty and is not "
                            "saved at shutdown")
         self._promote_cost: tuple[float, float] | None = None  # (copy s/block, prefill s/token) as the core has it
-        self._prefill_s_per_token: float | None = None
+        self._prefill_s_per_token: float | None = None  # None until a real prefill-heavy step was timed
         self.timer = StepTimer()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -171,8 +171,9 @@ class LLMEngine:
 
     def _measure_costs(self) -> None:
         """The core promotes tier blocks on a hit only when copying them back beats recomputing them: measure
-        both sides here (a timed prefill forward; blocks read back from the tier), refine the prefill side from
-        real steps later (`_track_prefill_cost`)."""
+        both sides here (a timed prefill forward; blocks read back from the tier). The startup forward is short,
+        so it overstates the per-token cost of a long prefill (2-3x on CPU): the first real prefill-heavy step
+        replaces it, later ones refine it (`_track_prefill_cost`)."""
         runner, bs = self.runner, self.config.block_size
         tokens = max(1, min(runner.token_budget, 128, runner.num_blocks * bs))
         if not self.config.warmup:
@@ -181,11 +182,11 @@ class LLMEngine:
         runner.profile(tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._prefill_s_per_token = (time.perf_counter() - t0) / tokens
+        prefill_s = (time.perf_counter() - t0) / tokens
         copy_s = runner.measure_tier_copy()
-        self._set_promote_cost(copy_s, self._prefill_s_per_token)
+        self._set_promote_cost(copy_s, prefill_s)
         logger.info("KV tier cost model: copy %.3g ms/block, prefill %.3g ms/token (%.3g ms per %d-token block)",
-                    copy_s * 1e3, self._prefill_s_per_token * 1e3, self._prefill_s_per_token * bs * 1e3, bs)
+                    copy_s * 1e3, prefill_s * 1e3, prefill_s * bs * 1e3, bs)
 
     def _set_promote_cost(self, copy_s_per_block: float, prefill_s_per_token: float) -> None:
         self._promote_cost = (copy_s_per_block, prefill_s_per_token)
@@ -202,7 +203,7 @@ class LLMEngine:
         copy_s, told = self._promote_cost
         if abs(ema - told) > _COST_DRIFT * told:
             self._set_promote_cost(copy_s, ema)
-            logger.debug("KV tier cost model: prefill now %.3g ms/token", ema * 1e3)
+            logger.info("KV tier cost model: prefill now %.3g ms/token (from %d-token steps)", ema * 1e3, prefill)
 
     def _pin_prefixes(self) -> None:
         """Prefill each `kv_pin_prefix` text as a one-token request, then pin its full blocks on the device."""
