@@ -157,9 +157,7 @@ class ModelRunner:
         Under tensor parallelism the time spent in collectives (plan broadcast, all-reduces, logits gather) is
         taken out of the prepare / forward phases into its own `tp_comm` phase.
         """
-        return self.execute_arrays(StepArrays.of(plan), timer)
-
-    def execute_arrays(self, arrays: StepArrays, timer: StepTimer | None = None) -> torch.Tensor:
+        arrays = StepArrays.of(plan)
         tp = self.tp
         c0 = c1 = 0.0 if tp is None else tp.comm_s
         if self.executor is not None:
