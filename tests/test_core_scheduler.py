@@ -1,7 +1,8 @@
 """A simulated generation loop through ``ironlm._core.Scheduler``, checked independently.
 
 The test keeps its own copy of every sequence's tokens (from ``add_request`` and the tokens it
-"samples"), and a simulated KV cache: each plan's copy-on-write pairs are applied, then every
+"samples"), and a simulated KV cache (and KV tier, when the scheduler has one): each plan's tier copies
+(``kv_demote`` then ``kv_promote``) and copy-on-write pairs are applied, then every
 token row writes a hash of ``(namespace, tokens[: pos + 1])`` at its slot. Every row's whole context
 must then read back exactly its own prefix hashes through ``block_tables``: a wrong prefix hit,
 a missing copy-on-write, a block freed too early or a bad slot mapping all show up as a stale
@@ -54,12 +55,13 @@ class Harness:
         self.sched = make_scheduler(**cfg)
         self.bs = cfg["block_size"]
         self.kv = np.full(cfg["num_blocks"] * self.bs, -1, dtype=np.int64)
+        self.tier = np.full(cfg.get("tier_blocks", 0) * self.bs, -1, dtype=np.int64)
         self.seqs: dict[int, Seq] = {}
         self.requests: dict[str, set[int]] = {}  # live slots
         self.now = 0.0
         self.running: set[int] = set()
         self.seen = {"hits": 0, "chunks": 0, "preempted": 0, "cow": 0, "fork_rows": 0, "timeouts": 0,
-                     "aborted": 0, "finished": 0, "recompute_rows": 0}
+                     "aborted": 0, "finished": 0, "recompute_rows": 0, "demoted": 0, "promoted": 0}
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, **kw) -> bool:
         try:
@@ -125,7 +127,16 @@ class Harness:
         if sched.has_unfinished():
             assert T > 0, "no progress with work left"
 
-        # Copy-on-write pairs first, as the engine does.
+        # Tier copies first (device -> tier, then back), then copy-on-write, as the engine does.
+        for block, slot in plan.kv_demote.tolist():
+            self.tier[slot * bs:(slot + 1) * bs] = self.kv[block * bs:(block + 1) * bs]
+            self.seen["demoted"] += 1
+        for slot, block in plan.kv_promote.tolist():
+            self.kv[block * bs:(block + 1) * bs] = self.tier[slot * bs:(slot + 1) * bs]
+            self.seen["promoted"] += 1
+        # A copy batch never names a destination twice (one index_copy per batch).
+        assert len(set(plan.kv_demote[:, 1].tolist())) == len(plan.kv_demote)
+        assert len(set(plan.kv_promote[:, 1].tolist())) == len(plan.kv_promote)
         assert plan.cow_pairs.shape == (len(plan.cow_pairs), 2)
         for src, dst in plan.cow_pairs:
             self.kv[dst * bs:(dst + 1) * bs] = self.kv[src * bs:(src + 1) * bs]
@@ -242,9 +253,26 @@ CONFIGS = [
 
 @pytest.mark.parametrize("policy,caching", CONFIGS)
 def test_simulated_generation_loop(policy: str, caching: bool) -> None:
-    rng = random.Random(f"{policy}-{caching}")
+    _simulate(random.Random(f"{policy}-{caching}"), policy=policy, enable_prefix_caching=caching)
+
+
+@pytest.mark.parametrize("policy,swap,tier_blocks", [("fcfs", False, 12), ("priority", True, 40), ("fcfs", True, 3)])
+def test_simulated_generation_loop_with_a_kv_tier(policy: str, swap: bool, tier_blocks: int) -> None:
+    """Evictions demote to the tier, hits promote back, preemptions swap out: every context must still read
+    its own prefix through the copies the plans carry."""
+    h = _simulate(random.Random(f"tier-{policy}-{swap}-{tier_blocks}"), policy=policy, enable_prefix_caching=True,
+                  tier_blocks=tier_blocks, swap=swap)
+    st = h.sched.stats()
+    assert h.seen["demoted"] == st["kv_demotions"] > 0 and h.seen["promoted"] == st["kv_promotions"] > 0, h.seen
+    assert st["prefix_hits_tier"] > 0
+    if swap:
+        assert st["swap_out_blocks"] > 0 and st["swap_in_blocks"] > 0, st
+
+
+def _simulate(rng: random.Random, **cfg) -> Harness:
+    caching = cfg["enable_prefix_caching"]
     h = Harness(rng, num_blocks=28, block_size=4, max_num_seqs=6, max_num_batched_tokens=20,
-                max_model_len=64, policy=policy, enable_prefix_caching=caching)
+                max_model_len=64, **cfg)
     system = [rng.randrange(30, 60) for _ in range(20)]
     next_id = 0
     for _ in range(500):
@@ -298,6 +326,7 @@ def test_simulated_generation_loop(policy: str, caching: bool) -> None:
         assert seen["hits"] > 0 and st["prefix_hits"] > 0, seen
     else:
         assert st["prefix_hits"] == 0
+    return h
 
 
 def test_priority_request_preempts_lower_priority() -> None:
