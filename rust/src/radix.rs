@@ -452,7 +452,7 @@ impl RadixCache {
     /// of `tokens` (the node it locked after its last insert): the walk starts there, so a
     /// sequence that fills one more block hashes one block, not its whole history.
     #[allow(clippy::too_many_arguments)]
-    pub fn insert_from(
+    fn insert_from(
         &mut self,
         alloc: &mut BlockAllocator,
         from: NodeId,

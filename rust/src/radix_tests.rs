@@ -13,11 +13,22 @@ fn cache(
     tokens: &[u32],
     ns: Option<&str>,
 ) -> Vec<BlockId> {
+    cache_with(r, a, tokens, ns, 0)
+}
+
+/// `cache` for a request of priority `prio` (also used by the tier tests).
+pub(super) fn cache_with(
+    r: &mut RadixCache,
+    a: &mut BlockAllocator,
+    tokens: &[u32],
+    ns: Option<&str>,
+    prio: i64,
+) -> Vec<BlockId> {
     let mut blocks = Vec::new();
     for t in 0..tokens.len() {
         a.append_slot(&mut blocks, t).unwrap();
     }
-    let res = r.insert(a, tokens, &blocks, ns);
+    let res = r.insert_with(a, tokens, &blocks, ns, prio, None);
     for (mine, &canon) in blocks.iter_mut().zip(&res.blocks) {
         if *mine != canon {
             a.incref(canon);

@@ -11,23 +11,9 @@ fn toks(first: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| first * 1000 + i).collect()
 }
 
-/// Fresh blocks for `tokens`, cached, then released (ref 0). Returns the canonical blocks.
+/// Fresh blocks for `tokens`, cached by a request of priority `prio`, then released (ref 0).
 fn cache(r: &mut RadixCache, a: &mut BlockAllocator, tokens: &[u32], prio: i64) -> Vec<BlockId> {
-    let mut blocks = Vec::new();
-    for t in 0..tokens.len() {
-        a.append_slot(&mut blocks, t).unwrap();
-    }
-    let res = r.insert_with(a, tokens, &blocks, None, prio, None);
-    for (mine, &canon) in blocks.iter_mut().zip(&res.blocks) {
-        if *mine != canon {
-            a.incref(canon);
-            a.decref(*mine);
-            *mine = canon;
-        }
-    }
-    a.free_all(&blocks);
-    r.check_invariants(a);
-    res.blocks
+    super::tests::cache_with(r, a, tokens, None, prio)
 }
 
 fn pairs(flat: &[i64]) -> Vec<(u32, u32)> {

@@ -15,7 +15,7 @@ use crate::fair::{FairConfig, TenantStats, Vtc};
 use crate::grammar::{MaskJob, TokenBitmask};
 use crate::plan::Plan;
 use crate::queue::{monotonic, OrdF64, Policy, QueueParams, RequestQueue};
-use crate::radix::{NodeId, RadixCache, TierStats};
+use crate::radix::{InsertResult, NodeId, RadixCache, TierStats};
 pub use crate::sequence::Finished;
 use crate::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
 
@@ -819,22 +819,7 @@ impl Scheduler {
         let mut cached = RadixCache::ROOT;
         // Its later blocks' path would need the ones the window released.
         if self.cfg.enable_prefix_caching && full > 0 && s.window_freed == 0 {
-            let idx = s.req as usize;
-            let r = self.reqs[idx].as_ref();
-            let ns = r.and_then(|r| r.namespace.as_deref());
-            let prio = r.map_or(0, |r| r.queue.priority);
-            let s = &self.seqs[slot as usize];
-            cached = self
-                .radix
-                .insert_with(
-                    &mut self.alloc,
-                    &s.tokens[..full * bs],
-                    &s.blocks[..full],
-                    ns,
-                    prio,
-                    None,
-                )
-                .node;
+            cached = self.cache_seq(slot, full).node;
         }
         let s = &mut self.seqs[slot as usize];
         if s.node != RadixCache::ROOT {
@@ -850,6 +835,18 @@ impl Scheduler {
         s.insert_pending = false;
         s.tail_shared = false;
         cached
+    }
+
+    /// Cache the first `full` blocks of a sequence, under its request's namespace and priority.
+    fn cache_seq(&mut self, slot: Slot, full: usize) -> InsertResult {
+        let bs = self.cfg.block_size;
+        let s = &self.seqs[slot as usize];
+        let r = self.reqs[s.req as usize].as_ref();
+        let ns = r.and_then(|r| r.namespace.as_deref());
+        let prio = r.map_or(0, |r| r.queue.priority);
+        let (tokens, blocks) = (&s.tokens[..full * bs], &s.blocks[..full]);
+        self.radix
+            .insert_with(&mut self.alloc, tokens, blocks, ns, prio, None)
     }
 
     /// Panic if the bookkeeping disagrees with itself. O(everything); for tests.

@@ -664,19 +664,8 @@ impl Scheduler {
         if full == 0 || s.window_freed > 0 {
             return;
         }
-        let r = self.reqs[s.req as usize].as_ref();
-        let (ns, prio) = (
-            r.and_then(|r| r.namespace.as_deref()),
-            r.map_or(0, |r| r.queue.priority),
-        );
-        let res = self.radix.insert_with(
-            &mut self.alloc,
-            &s.tokens[..full * bs],
-            &s.blocks[..full],
-            ns,
-            prio,
-            None,
-        );
+        let res = self.cache_seq(slot, full);
+        let s = &mut self.seqs[slot as usize];
         for (mine, &canon) in s.blocks.iter_mut().zip(&res.blocks) {
             if *mine != canon {
                 self.alloc.incref(canon);
