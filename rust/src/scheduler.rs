@@ -590,7 +590,13 @@ impl Scheduler {
 
     /// Demote every unpinned, unused device-cached block the tier can take (shutdown of a
     /// persistent tier); returns the copies still to run, (device block, tier slot) pairs.
+    /// Ends the step first: a plan never `update`d is rolled back (what it would have written
+    /// is uncached), and blocks promoted by the last plan, whose copies have run, may go.
     pub fn tier_flush(&mut self) -> Vec<i64> {
+        self.rollback_pending();
+        if !self.radix.has_copies() {
+            self.radix.begin_step();
+        }
         let c = self.radix.flush(&mut self.alloc);
         debug_assert!(c.promote.is_empty(), "promotions are never deferred");
         c.demote

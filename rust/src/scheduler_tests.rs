@@ -947,3 +947,38 @@ fn randomized_scheduler_invariants() {
         "{seen:?}"
     );
 }
+
+#[test]
+fn tier_flush_ends_the_step_first() {
+    let opts = SchedulerOptions {
+        tier_blocks: 8,
+        ..SchedulerOptions::default()
+    };
+    let mut s = Scheduler::with_options(cfg(8, 4), opts).unwrap();
+    // Cached, demoted by a flood, then promoted back by a hit whose request ends that step.
+    s.add_request("a", &toks(0..9), params(1)).unwrap();
+    step(&mut s, 1);
+    s.add_request("flood", &toks(100..128), params(1)).unwrap();
+    step(&mut s, 1);
+    assert!(s.stats().tier.demotions > 0);
+    s.add_request("b", &toks(0..9), params(1)).unwrap();
+    let (plan, _) = step(&mut s, 1);
+    assert!(!plan.kv_promote.is_empty());
+    // Its promoted blocks are flushed although the promoting step was the last one.
+    let copies = s.tier_flush();
+    s.check_invariants();
+    assert_eq!(s.radix.num_cached_blocks(), 0, "{copies:?}");
+    let prefix: Vec<_> = s
+        .tier_entries()
+        .into_iter()
+        .filter(|e| e.3 == toks(0..4))
+        .collect();
+    assert_eq!(prefix.len(), 1);
+
+    // A plan that never ran is rolled back, not flushed.
+    s.add_request("c", &toks(200..209), params(1)).unwrap();
+    s.schedule(Some(9.0));
+    s.tier_flush();
+    s.check_invariants();
+    assert!(s.tier_entries().iter().all(|e| e.3 != toks(200..204)));
+}

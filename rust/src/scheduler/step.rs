@@ -228,7 +228,7 @@ impl Scheduler {
     // ---- schedule helpers -----------------------------------------------------------------
 
     /// Clear the plan; preempt the sequences of a plan that was never `update`d.
-    fn rollback_pending(&mut self) {
+    pub(super) fn rollback_pending(&mut self) {
         let mut slots = std::mem::take(&mut self.scratch_slots);
         let mut gens = std::mem::take(&mut self.scratch_gens);
         slots.clear();
