@@ -135,14 +135,16 @@ def test_restart_bench_end_to_end(tiny_model, tmp_path, capsys):
     from ironlm.bench.cli import main
 
     out = tmp_path / "restart.json"
-    rc = main(["restart", tiny_model, "--prompt-len", "64", "--suffix-len", "4", "--repeats", "1", *TINY_KV,
+    rc = main(["restart", tiny_model, "--prompt-len", "64", "--suffix-len", "4", "--repeats", "2", *TINY_KV,
                "--num-kv-blocks", "64", "--kv-offload-dir", str(tmp_path), "--no-progress", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    (b,), (c,) = report["with_tier"], report["without_tier"]
     assert report["engine_a"]["cached_tokens"] == 0
-    assert b["cached_tokens"] == b["prefix_hits_tier"] == 64 and b["kv_promotions"] == 16  # all 16 blocks, from disk
-    assert c["cached_tokens"] == 0 and c["prefix_hits_tier"] == 0
+    assert len(report["with_tier"]) == len(report["without_tier"]) == 2
+    for b in report["with_tier"]:  # the 2nd restart too: the 1st one's promoted blocks went back to the tier
+        assert b["cached_tokens"] == b["prefix_hits_tier"] == 64 and b["kv_promotions"] == 16  # all 16, from disk
+    for c in report["without_tier"]:
+        assert c["cached_tokens"] == 0 and c["prefix_hits_tier"] == 0
     assert report["ttft_ratio"] == pytest.approx(report["ttft_without_tier_s"] / report["ttft_with_tier_s"])
     assert list(tmp_path.iterdir()) == [out]  # the fresh tier folder made inside the one given is gone
     assert "TTFT without / with the disk tier" in capsys.readouterr().out

@@ -131,6 +131,7 @@ def drive(llm, ds: MultiturnDataset, progress: bool = False) -> dict[str, Any]:
         "cached_tokens_at_admission": sum(cached),
         # Greedy replies, in conversation and turn order: equal digests = the tier changed no output.
         "replies_digest": hashlib.sha256(json.dumps(sorted(replies.items())).encode()).hexdigest()[:16],
+        "replies": [replies[key] for key in sorted(replies)],
         "counters": counters, "steps": steps,
         "step_breakdown_s": engine.step_breakdown(),
     }
@@ -215,6 +216,7 @@ def run(config: MultiturnConfig) -> dict[str, Any]:
             "prefill_tokens_ratio": off["prefill_tokens"] / on["prefill_tokens"] if on["prefill_tokens"] else None,
             "time_ratio": off["elapsed_s"] / on["elapsed_s"],
             "same_replies": off["replies_digest"] == on["replies_digest"],
+            "turns_with_other_replies": sum(a != b for a, b in zip(off["replies"], on["replies"])),
         }
     return report
 
@@ -243,7 +245,8 @@ def summary_text(report: dict[str, Any]) -> str:
         c = report["tier_comparison"]
         pre = "n/a" if c["prefill_tokens_ratio"] is None else f"{c['prefill_tokens_ratio']:.2f}x"
         lines.append(f"without / with tier: prefill tokens {pre}, time {c['time_ratio']:.2f}x; greedy replies "
-                     + ("identical" if c["same_replies"] else "DIFFER"))
+                     + ("identical" if c["same_replies"] else f"differ in {c['turns_with_other_replies']} of "
+                        f"{len(report['results'][0]['replies'])} turns"))
     short = sum(r["turns_short"] for r in report["results"])
     if short:
         lines.append(f"warning: {short} turns ended before reply_len tokens")
