@@ -119,7 +119,7 @@ def run(config: RestartConfig) -> dict[str, Any]:
     ttft_b = statistics.median(r["ttft_s"] for r in with_tier)
     ttft_c = statistics.median(r["ttft_s"] for r in without)
     return {
-        "bench": "restart", "config": asdict(config), "machine": machine_info(model["device"]), "model": model,
+        "bench": "restart", "config": asdict(config), "machine": machine_info(str(model["device"])), "model": model,
         "tier_size": size, "engine_a": cold, "with_tier": with_tier, "without_tier": without,
         "ttft_with_tier_s": ttft_b, "ttft_without_tier_s": ttft_c, "ttft_ratio": ttft_c / ttft_b,
         "same_first_token": all(b["first_token"] == c["first_token"] for b, c in zip(with_tier, without)),
