@@ -324,7 +324,7 @@ def _multiturn(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                          args.system_len or base.system_len, tuple(args.user_len or base.user_len),
                          args.reply_len or base.reply_len, args.seed)
     config = mt.MultiturnConfig(model=args.model, spec=spec, compare_tier=args.compare_tier, engine_args=engine_args,
-                                threads=args.threads, progress=not args.no_progress)
+                                repeats=args.repeats, threads=args.threads, progress=not args.no_progress)
     report = mt.run(config)
     return _finish(report, args, mt.summary_text(report), mt.plot)
 

@@ -7,7 +7,8 @@ between two turns of one conversation the engine serves every other live one: on
 the device pool, a conversation's history is evicted before its next turn, unless a tier below keeps it.
 
 `compare_tier` runs the same conversations without a tier, then with one (the flags given, or a disk tier in a
-fresh temporary folder sized to the working set, on GPU host memory), each in a fresh engine.
+fresh temporary folder sized to the working set, on GPU host memory), each in a fresh engine; `repeats`
+alternates the two that many times (machine drift hits both alike) and compares medians.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -47,6 +49,7 @@ class MultiturnConfig:
     compare_tier: bool = False
     engine_args: dict[str, Any] = field(default_factory=dict)  # may carry the kv_offload_* / swap_space fields
     tier_slack: float = 1.25  # an automatic tier holds this multiple of the working set
+    repeats: int = 1  # rounds of (no tier, tier), each run a fresh engine; the ratios are of the medians
     threads: int | None = None
     progress: bool = True
 
@@ -190,18 +193,23 @@ def run(config: MultiturnConfig) -> dict[str, Any]:
         import torch
 
         torch.set_num_threads(config.threads)
+    if config.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {config.repeats}")
     given = has_tier(config.engine_args)
     labels = ["no tier", "tier"] if config.compare_tier else ["tier" if given else "no tier"]
     results: list[dict[str, Any]] = []
-    with FreshTierDir(config.engine_args.get("kv_offload_dir")) as folder:
+    for rnd in range(config.repeats):
         for label in labels:
-            args = without_tier(config.engine_args) if label == "no tier" else dict(config.engine_args)
-            if label == "tier" and not given:
-                args.update(_auto_tier(results[0], config.tier_slack, folder))
-            elif args.get("kv_offload_dir") is not None:
-                args["kv_offload_dir"] = folder  # inside the folder given, emptied (see FreshTierDir)
-            result, ds, model = _one(config, args, label)
-            results.append(result)
+            # A fresh folder for every tiered run: the last run's engine saved its tier at shutdown, and a run
+            # must not start with the previous run's KV (see FreshTierDir).
+            with FreshTierDir(config.engine_args.get("kv_offload_dir")) as folder:
+                args = without_tier(config.engine_args) if label == "no tier" else dict(config.engine_args)
+                if label == "tier" and not given:
+                    args.update(_auto_tier(results[0], config.tier_slack, folder))
+                elif args.get("kv_offload_dir") is not None:
+                    args["kv_offload_dir"] = folder
+                result, ds, model = _one(config, args, label if config.repeats == 1 else f"{label} #{rnd + 1}")
+            results.append({**result, "config_label": label, "round": rnd + 1})
     report: dict[str, Any] = {
         "bench": "throughput", "dataset_kind": "multiturn",
         "config": asdict(config),
@@ -210,13 +218,16 @@ def run(config: MultiturnConfig) -> dict[str, Any]:
         "dataset": ds.summary(),
         "results": results,
     }
-    if len(results) == 2:
-        off, on = results
+    if config.compare_tier:
+        off = [r for r in results if r["config_label"] == "no tier"]
+        on = [r for r in results if r["config_label"] == "tier"]
+        prefill_on = statistics.median(r["prefill_tokens"] for r in on)
         report["tier_comparison"] = {
-            "prefill_tokens_ratio": off["prefill_tokens"] / on["prefill_tokens"] if on["prefill_tokens"] else None,
-            "time_ratio": off["elapsed_s"] / on["elapsed_s"],
-            "same_replies": off["replies_digest"] == on["replies_digest"],
-            "turns_with_other_replies": sum(a != b for a, b in zip(off["replies"], on["replies"])),
+            "prefill_tokens_ratio": statistics.median(r["prefill_tokens"] for r in off) / prefill_on
+            if prefill_on else None,
+            "time_ratio": statistics.median(r["elapsed_s"] for r in off) / statistics.median(r["elapsed_s"] for r in on),
+            "same_replies": off[0]["replies_digest"] == on[0]["replies_digest"],
+            "turns_with_other_replies": sum(a != b for a, b in zip(off[0]["replies"], on[0]["replies"])),
         }
     return report
 
@@ -244,7 +255,8 @@ def summary_text(report: dict[str, Any]) -> str:
     if "tier_comparison" in report:
         c = report["tier_comparison"]
         pre = "n/a" if c["prefill_tokens_ratio"] is None else f"{c['prefill_tokens_ratio']:.2f}x"
-        lines.append(f"without / with tier: prefill tokens {pre}, time {c['time_ratio']:.2f}x; greedy replies "
+        medians = "" if report["config"]["repeats"] == 1 else " (medians)"
+        lines.append(f"without / with tier{medians}: prefill tokens {pre}, time {c['time_ratio']:.2f}x; greedy replies "
                      + ("identical" if c["same_replies"] else f"differ in {c['turns_with_other_replies']} of "
                         f"{len(report['results'][0]['replies'])} turns"))
     short = sum(r["turns_short"] for r in report["results"])
