@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,10 @@ class StepTap:
     cached_tokens: int = 0
     slots_allocated: int = 0
     slots_used: int = 0
+    # Runner time (tier copies + forward) of steps with prefill tokens vs decode-only steps: what bounds a run.
+    prefill_steps_s: float = 0.0
+    decode_only_steps_s: float = 0.0
+    decode_only_steps: int = 0
 
     def attach(self, engine) -> StepTap:
         self._engine = engine
@@ -49,7 +54,15 @@ class StepTap:
         s = self._engine.scheduler.stats()
         self.slots_allocated += s["kv_slots_allocated"]
         self.slots_used += s["kv_slots_used"]
-        return self._execute(plan, timer)
+        t0 = time.perf_counter()
+        logits = self._execute(plan, timer)  # the step timer syncs a GPU at the forward's end
+        dt = time.perf_counter() - t0
+        if plan.num_prefill_tokens:
+            self.prefill_steps_s += dt
+        else:
+            self.decode_only_steps_s += dt
+            self.decode_only_steps += 1
+        return logits
 
     @property
     def kv_waste(self) -> float:
@@ -59,7 +72,9 @@ class StepTap:
     def summary(self) -> dict[str, Any]:
         return {"steps": self.steps, "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
                 "cached_tokens": self.cached_tokens, "kv_slots_allocated": self.slots_allocated,
-                "kv_slots_used": self.slots_used, "kv_waste": self.kv_waste}
+                "kv_slots_used": self.slots_used, "kv_waste": self.kv_waste,
+                "prefill_steps_s": self.prefill_steps_s, "decode_only_steps_s": self.decode_only_steps_s,
+                "decode_only_steps": self.decode_only_steps}
 
 
 def core_counters(engine) -> dict[str, int]:

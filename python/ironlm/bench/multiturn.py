@@ -259,6 +259,10 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append(f"without / with tier{medians}: prefill tokens {pre}, time {c['time_ratio']:.2f}x; greedy replies "
                      + ("identical" if c["same_replies"] else f"differ in {c['turns_with_other_replies']} of "
                         f"{len(report['results'][0]['replies'])} turns"))
+    for r in report["results"]:
+        st = r["steps"]
+        lines.append(f"{r['label']}: runner time in steps with prefill {st['prefill_steps_s']:.1f} s, in "
+                     f"{st['decode_only_steps']} decode-only steps {st['decode_only_steps_s']:.1f} s")
     short = sum(r["turns_short"] for r in report["results"])
     if short:
         lines.append(f"warning: {short} turns ended before reply_len tokens")
