@@ -109,6 +109,7 @@ def test_multiturn_compare_tier_end_to_end(tiny_model, tmp_path, capsys):
         assert r["turns"] == ds["num_requests"] and r["turns_short"] == 0
         assert r["prefill_tokens"] <= ds["prompt_tokens"] + r["counters"]["num_preemptions"] * 96
         assert 0 <= r["kv_waste"] < 0.5 and r["steps"]["kv_slots_allocated"] > 0
+        assert r["steps"]["decode_only_steps"] > 0 and r["steps"]["prefill_steps_s"] > 0
     # the histories no longer fit: without a tier most are recomputed, with one they come back from it
     assert off["counters"]["prefix_hits_tier"] == 0 and off["counters"]["kv_promotions"] == 0
     assert on["counters"]["prefix_hits_tier"] > 0 and on["counters"]["kv_promotions"] > 0
