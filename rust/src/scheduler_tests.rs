@@ -650,8 +650,9 @@ fn namespaces_never_share_blocks() {
 
 use crate::test_rng::Rng;
 
-/// Hash of (namespace, tokens[0..=pos]): what a KV slot holds if it was computed right.
-fn kv_hash(prev: u64, token: u32) -> u64 {
+/// Hash of (namespace, tokens[0..=pos]): what a KV slot holds if it was computed right (also
+/// used by the window tests).
+pub(super) fn kv_hash(prev: u64, token: u32) -> u64 {
     (prev ^ token as u64)
         .wrapping_mul(0x100_0000_01B3)
         .rotate_left(17)

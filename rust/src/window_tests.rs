@@ -173,13 +173,7 @@ fn forks_share_then_release_their_own_refs() {
     assert_eq!(s.alloc.num_free(), 40);
 }
 
-/// Hash of (namespace, tokens[0..=pos]): what a KV slot holds if it was computed right.
-fn kv_hash(prev: u64, token: u32) -> u64 {
-    (prev ^ token as u64)
-        .wrapping_mul(0x100_0000_01B3)
-        .rotate_left(17)
-        .wrapping_add(1)
-}
+use crate::scheduler::tests::kv_hash;
 
 #[derive(Debug, Default)]
 struct Seen {
