@@ -192,7 +192,9 @@ async def _kill_mid_run(url: str) -> list[tuple[str, int, int]]:
 
     async with httpx.AsyncClient(base_url=url, timeout=180) as client:
         started = asyncio.Event()
-        bodies = [_completion(f"stream {i}: tell me a story", max_tokens=48, stream=True) for i in range(16)]
+        # 32 streams, so that past the affinity margin both replicas hold requests still queued (max_num_seqs 2)
+        # when the first token arrives, whichever replica is killed (16 could all finish on one side first).
+        bodies = [_completion(f"stream {i}: tell me a story", max_tokens=48, stream=True) for i in range(32)]
         tasks = [asyncio.ensure_future(_stream(client, b, started)) for b in bodies]
         await asyncio.wait_for(started.wait(), 120)
         victim = _engine_replica_actors()[0]
