@@ -251,13 +251,10 @@ class LLMEngine:
         tier, kv = self.tier, self.runner.kv_caches
         assert tier is not None and kv is not None
         t0 = time.perf_counter()
-        # Close the core's last step with an idle one (nothing is left to schedule): a plan that was never
-        # `update`d (its step failed) is rolled back, so its unwritten blocks and unfilled slots leave the tree,
-        # and blocks the last step promoted become evictable (the core keeps them on the device for the step
-        # that promoted them, whose copies might not have run yet).
+        # Requests still live hold their blocks; the core's flush ends its last step itself (a plan never
+        # `update`d is rolled back, the last step's promotions become evictable) and returns every copy still
+        # queued with its own demotions.
         self.abort_request(list(self.table.requests))
-        idle = self.scheduler.schedule()
-        self.runner.tier_copies(idle.kv_demote, idle.kv_promote)
         pairs = self.scheduler.tier_flush()
         if len(pairs):
             tier.store(kv, pairs)
