@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from devices import logprob_atol
 from ironlm import LLM, SamplingParams
 from tiny_models import make_tiny_model
 
@@ -82,8 +83,8 @@ def _generate(llm: LLM, prompts, **params):
             for o in outs]
 
 
-def logprob_atol(llm: LLM) -> float:
-    return 1e-4 if llm.engine.device.type == "cpu" else 5e-4
+def engine_atol(llm: LLM) -> float:
+    return logprob_atol(llm.engine.device, llm.engine.runner.dtype)
 
 
 def test_greedy_matches_transformers(arch_model):
@@ -92,7 +93,7 @@ def test_greedy_matches_transformers(arch_model):
     got = _generate(llm, prompts)
     for (tokens, lps), (ref_tokens, ref_lps) in zip(got, expected):
         assert tokens == ref_tokens
-        assert lps == pytest.approx(ref_lps, abs=logprob_atol(llm))
+        assert lps == pytest.approx(ref_lps, abs=engine_atol(llm))
 
 
 @pytest.mark.parametrize("variant", ["no_prefix_cache", "chunked_prefill", "preemption", "one_at_a_time"])

@@ -70,6 +70,7 @@ def tp_engines(models):
         llm.engine.runner.shutdown()
 
 
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tp2_greedy_equals_tp1(variant, models, tp_engines):
     ref = LLM(models[variant], **ENGINE)
@@ -87,6 +88,7 @@ def test_tp2_greedy_equals_tp1(variant, models, tp_engines):
     assert tp.engine.step_breakdown()["tp_comm"] > 0
 
 
+@pytest.mark.devices(2)
 def test_killed_worker_is_reported_not_hung(tp_engines):
     from ironlm.engine.async_engine import AsyncLLMEngine
 
