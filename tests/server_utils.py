@@ -22,10 +22,12 @@ from typing import Any
 import grpc
 import uvicorn
 
+from ironlm.config import ServerConfig
 from ironlm.engine import AsyncLLMEngine  # re-exported for the tests: one import site to update
 from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
 from ironlm.server.api import build_app
 from ironlm.server.grpc_service import start_grpc_server
+from ironlm.server.http_limits import uvicorn_options
 
 # float32 explicitly: the serving tests compare greedy text exactly, whatever "auto" resolves to.
 TINY_ENGINE_KW = {"num_kv_blocks": 256, "block_size": 4, "max_model_len": 256, "max_num_seqs": 64,
@@ -33,7 +35,8 @@ TINY_ENGINE_KW = {"num_kv_blocks": 256, "block_size": 4, "max_model_len": 256, "
 
 
 class LiveServer:
-    def __init__(self, app: Any, engine: AsyncLLMEngine | None = None) -> None:
+    def __init__(self, app: Any, engine: AsyncLLMEngine | None = None, limits: ServerConfig | None = None) -> None:
+        """`limits`: also apply `ironlm serve`'s connection limits (server/http_limits.py) from this config."""
         self.app, self.engine = app, engine
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -41,7 +44,8 @@ class LiveServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.url}/v1"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+        options = uvicorn_options(limits) if limits is not None else {}
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2, **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()

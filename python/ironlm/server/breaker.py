@@ -6,8 +6,9 @@ until `cooldown_s` has passed), `half_open` (up to `probes` requests are let thr
 of them succeeding closes the breaker with an empty window).
 
 Failures are server-side ones only: a 5xx response other than 503, or an error event inside a 200 stream. Client
-errors (4xx), disconnects and the server's own refusals (503: queue full, shed, timeout, draining) say nothing about
-the engine's health and are not counted; counting its own 503s would let shedding trip the breaker.
+faults (4xx, a client gone before its response started, timeouts the client asked for: 503 `timeout`) and the
+server's own refusals (503: queue full, shed, draining) say nothing about the engine's health and are not counted:
+counting its own 503s would let shedding trip the breaker, counting disconnects would let anyone open it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ironlm.exceptions import InvalidArgumentError
@@ -161,6 +163,14 @@ def is_failure(status: int) -> bool | None:
     return None
 
 
+def verdict(status: int, stream_error: int | None, gone: bool) -> bool | None:
+    """What one HTTP request says about the engine: an error event in its stream counts as that status; a
+    client that left before its response started says nothing, whatever the app then answered nobody."""
+    if stream_error is not None:
+        return is_failure(stream_error)
+    return None if gone else is_failure(status)
+
+
 class BreakerMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware, which would buffer streams): gates POSTs to the generation routes."""
 
@@ -178,6 +188,7 @@ class BreakerMiddleware:
         outcome = _Outcome()
         token = _current.set(outcome)
         status = 0
+        gone = False  # the client left before its response started: whatever follows is not the engine's doing
 
         async def send_status(message: Message) -> None:
             nonlocal status
@@ -185,12 +196,19 @@ class BreakerMiddleware:
                 status = message["status"]
             await send(message)
 
+        async def watch_receive() -> Message:
+            nonlocal gone
+            message = await receive()
+            if message["type"] == "http.disconnect" and status == 0:
+                gone = True
+            return message
+
         failed: bool | None = None
         try:
-            await self.app(scope, receive, send_status)
-            failed = is_failure(outcome.stream_error or status)
-        except Exception:  # an unhandled error: the app's 500 (ServerErrorMiddleware sits outside us)
-            failed = True
+            await self.app(scope, watch_receive, send_status)
+            failed = verdict(status, outcome.stream_error, gone)
+        except Exception as exc:  # an unhandled error: the app's 500 (ServerErrorMiddleware sits outside us)
+            failed = None if gone or isinstance(exc, ClientDisconnect) else True
             raise
         finally:  # a cancelled request (client gone) records nothing
             _current.reset(token)
