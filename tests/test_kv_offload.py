@@ -156,7 +156,7 @@ def test_memory_tier_serves_evicted_prefixes_with_identical_output(baseline, tie
     assert 0.0 <= s["kv_waste_perc"] < 1.0
     assert llm.engine.step_breakdown()["kv_copy"] > 0
     # The cost model's prefill side follows the timed prefill-heavy steps (within the drift the core is told).
-    ema, (_, told) = llm.engine._prefill_s_per_token, llm.engine._promote_cost
+    ema, (_, told) = llm.engine.kv.prefill_s_per_token, llm.engine.kv.promote_cost
     assert ema is not None and abs(ema - told) <= 0.25 * told
 
 
@@ -307,7 +307,7 @@ def test_swap_keeps_greedy_output_and_copies_both_ways(model):
 def test_costly_copies_recompute_instead_with_identical_output(model, baseline):
     """When the cost model says copying back costs more than recomputing, tier hits are recomputed."""
     llm = LLM(model, kv_offload_memory="1MiB", **SMALL_POOL)
-    llm.engine._set_promote_cost(1.0, 1e-9)  # 1 s a block vs ~nothing a token: never worth copying
+    llm.engine.kv.set_promote_cost(1.0, 1e-9)  # 1 s a block vs ~nothing a token: never worth copying
     assert [_texts(_generate(llm, prompts)) for prompts in _shared_prefix_rounds()] == baseline[1]
     s = llm.engine.stats()
     assert s["kv_demotions"] > 0 and s["kv_promotions"] == 0 and s["prefix_hits_tier"] == 0

@@ -1,4 +1,4 @@
-"""The KV tier's storage (engine/kv_tier.py): copies between a paged pool and the tier for both tier kinds and
+"""The KV tier's storage (engine/kv/tier.py): copies between a paged pool and the tier for both tier kinds and
 dtypes, the disk tier's index across a simulated restart, and every way a stale, foreign or corrupt file must be
 refused with a warning instead of being loaded."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from ironlm.engine.kv_tier import KVTier, TierGeometry, fingerprint
+from ironlm.engine.kv.tier import KVTier, TierGeometry, fingerprint
 from ironlm.exceptions import InvalidArgumentError
 
 NUM_BLOCKS = 12

@@ -162,7 +162,7 @@ class EngineConfig:
     distributed_timeout: float = _opt(
         120.0, "seconds a tensor-parallel collective may wait for the other ranks before the engine is declared "
         "dead", metavar="S")
-    # The KV hierarchy (a tier under the device pool's radix cache; engine/kv_tier.py).
+    # The KV hierarchy (a tier under the device pool's radix cache; engine/kv/tier.py).
     kv_offload_memory: int | str | None = _opt(
         None, "host-memory KV tier under the prefix cache, bytes or e.g. '16GiB' (pinned memory on GPU): evicted "
         "prefix blocks are copied there and copied back on a hit instead of being recomputed")

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from ironlm import _core
+from ironlm.config import ServerConfig
 from ironlm.engine import faults
 from ironlm.engine.dedupe import Deduper, RequestKey, request_key
 from ironlm.engine.outputs import RequestOutput
@@ -36,25 +37,21 @@ from ironlm.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from ironlm.config import EngineConfig
     from ironlm.model.config import ModelConfig
     from ironlm.sampling_params import SamplingParams
 
 logger = logging.getLogger("ironlm.async_engine")
 
-# A step that raises (the engine already turns forward errors into per-request errors, so this means
-# its own bookkeeping failed) fails the requests in flight; this many in a row and the loop restarts the engine
-# (`StepEngine.reset`, when it has one; without one the engine is dead).
-MAX_STEP_FAILURES = 3
-# Restarts in a row with no successful step in between before the engine is declared dead: restarting did not
-# help, so /health turns 503 and the orchestrator gets to restart the process.
-MAX_RESTARTS = 2
-# A step running longer than this (a hung kernel, a deadlock) makes /health answer 503 "engine_stalled", so an
-# orchestrator restarts the process. Far above any real step: a full prefill budget on a laptop CPU takes
-# seconds. The one home of the default: `ironlm serve --health-stall-timeout` reads it from here.
-STALL_TIMEOUT_S = 300.0  # ServerConfig.health_stall_timeout is the flag's default
+# The loop's fault policy, defaults from ServerConfig (their one home; `ironlm serve` flags of the same names):
+# - max_step_failures (engine_restart_after_failures): a step that raises (the engine already turns forward
+#   errors into per-request errors, so this means its own bookkeeping failed) fails the requests in flight; this
+#   many in a row and the loop restarts the engine (`StepEngine.reset`, when it has one; else it is dead);
+# - max_restarts (engine_max_restarts): restarts in a row with no successful step in between before the engine
+#   is declared dead: restarting did not help, so /health turns 503 and the orchestrator restarts the process;
+# - stall_timeout_s (health_stall_timeout): a step running longer (a hung kernel, a deadlock) makes /health
+#   answer 503 "engine_stalled". Far above any real step: a full prefill budget on a laptop CPU takes seconds.
+_DEFAULTS = ServerConfig()
 # The keyword arguments of StepEngine.add_request a caller may pass through `add_request(**kwargs)`.
 # add_request keyword -> LLMEngine.add_request keyword: a request's `timeout` (the whole request) also
 # bounds its wait in the queue.
@@ -67,8 +64,10 @@ Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[st
 
 class AsyncLLMEngine:
     def __init__(self, engine: StepEngine, *, observer: OutputObserver | None = None, start: bool = True,
-                 stall_timeout_s: float = STALL_TIMEOUT_S, max_step_failures: int = MAX_STEP_FAILURES,
-                 max_restarts: int = MAX_RESTARTS, dedupe: bool = False, result_cache_size: int = 0) -> None:
+                 stall_timeout_s: float = _DEFAULTS.health_stall_timeout,
+                 max_step_failures: int = _DEFAULTS.engine_restart_after_failures,
+                 max_restarts: int = _DEFAULTS.engine_max_restarts, dedupe: bool = _DEFAULTS.dedupe_requests,
+                 result_cache_size: int = _DEFAULTS.result_cache_size) -> None:
         """`dedupe`: identical deterministic requests in flight share one sequence; `result_cache_size`: finished
         deterministic results kept for identical later requests (engine/dedupe.py). Both off by default."""
         if not stall_timeout_s > 0:
@@ -81,6 +80,11 @@ class AsyncLLMEngine:
         self.num_restarts = 0
         self._faults = faults.from_env()  # None unless a test sets IRONLM_FAULT
         self.engine = engine
+        # What the servers read of the model (see protocol.EngineClient): the step engine's, fixed at load; an
+        # engine without a model config or device (a test double) reports None and "cpu".
+        self.tokenizer, self.model_name, self.max_model_len = engine.tokenizer, engine.model_name, engine.max_model_len
+        self.model_config: ModelConfig | None = getattr(engine, "model_config", None)
+        self.device: Any = getattr(engine, "device", "cpu")
         self.stall_timeout_s = stall_timeout_s
         self.step_started_at: float | None = None  # set by the engine thread while a step runs
         self.last_step_time: float | None = None
@@ -104,29 +108,7 @@ class AsyncLLMEngine:
 
         return cls(LLMEngine(config), **kwargs)
 
-    # ---- what the server reads (see protocol.EngineClient) ------------------------------------------
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        return self.engine.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def model_config(self) -> ModelConfig | None:
-        """The loaded model's config; None for an engine without one (test doubles)."""
-        return getattr(self.engine, "model_config", None)
-
-    @property
-    def device(self) -> Any:
-        """Where the model runs (a torch.device, or "cpu" for an engine that does not say)."""
-        return getattr(self.engine, "device", "cpu")
-
+    # ---- health and load (see protocol.EngineClient) ------------------------------------------------
     @property
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()

@@ -5,9 +5,8 @@ into logits, the sampler into tokens, and the sequence table turns sampled token
 The only per-request Python work is detokenization of the tokens a step produced.
 
 With a KV tier (kv_offload_memory / kv_offload_dir / swap_space) the core plans block copies between the device
-pool and the tier; the runner performs them before the forward. A disk tier outlives the process: `shutdown()`
-(also run at exit) writes every cached block to it with an index, and the next engine on the same folder and
-model restores that index before serving.
+pool and the tier; the runner performs them before the forward. What the tier needs outside the step (restore at
+start, the promotion cost model, pinned prefixes, save at `shutdown()`, also run at exit) is kv/lifecycle.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import functools
 import itertools
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -27,30 +25,22 @@ import torch
 from ironlm import _core
 from ironlm.config import EngineConfig
 from ironlm.engine import faults
+from ironlm.engine.kv.lifecycle import TierLifecycle
 from ironlm.engine.model_runner import ModelRunner
 from ironlm.engine.outputs import RequestMetrics, RequestOutput
 from ironlm.engine.prompts import PromptType, apply_chat_template, encode_prompt
 from ironlm.engine.sequence_table import EngineRequest, SequenceTable
 from ironlm.engine.timing import StepTimer
-from ironlm.exceptions import EngineDeadError, InvalidArgumentError, TensorParallelError
+from ironlm.exceptions import EngineDeadError, TensorParallelError
 from ironlm.sampler import Sampler, SamplerOutput
 from ironlm.sampling_params import SamplingParams
 from ironlm.structured.compiler import GrammarCache
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from ironlm.engine.kv_tier import KVTier
-    from ironlm.model.config import ModelConfig
     from ironlm.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("ironlm.engine")
 
-# The promotion cost model's prefill estimate follows steps whose forward is at least this many prefill tokens
-# (and mostly prefill), as an exponential average; the core gets a new figure once it moves by _COST_DRIFT.
-_COST_MIN_PREFILL = 64
-_COST_EMA = 0.2
-_COST_DRIFT = 0.25
 # How long the at-exit shutdown waits for a step another thread is running before it gives up saving.
 _EXIT_WAIT_S = 30.0
 
@@ -66,18 +56,16 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.runner = ModelRunner(config)
+        self.runner = runner = ModelRunner(config)
+        # What the runner loaded, fixed for the engine's life (read by the CLI, the server and the benchmarks).
+        self.tokenizer, self.model_config, self.model_name = runner.tokenizer, runner.model_config, runner.model_name
+        self.model_path, self.max_model_len, self.num_blocks = runner.model_path, runner.max_model_len, runner.num_blocks
+        self.device, self.dtype, self.startup_timings = runner.device, runner.dtype, runner.startup_timings
         self.faults = faults.from_env()  # None unless a test sets IRONLM_FAULT
         self._closed = False
         # Held by each step and by shutdown: the at-exit shutdown waits for a step another thread is running.
         self._lock = threading.Lock()
-        # Only a disk tier of a single-rank engine persists: other ranks' tiers would need their own index.
-        self._persist = self.tier is not None and self.tier.persistent and config.tensor_parallel_size == 1
-        if self.tier is not None and self.tier.persistent and not self._persist:
-            logger.warning("kv_offload_dir: with tensor parallelism the disk KV tier starts empty and is not "
-                           "saved at shutdown")
-        self._promote_cost: tuple[float, float] | None = None  # (copy s/block, prefill s/token) as the core has it
-        self._prefill_s_per_token: float | None = None  # None until a real prefill-heavy step was timed
+        self.kv = TierLifecycle(config, runner)
         self.timer = StepTimer()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -91,25 +79,20 @@ class LLMEngine:
                                      cache_size=config.grammar_cache_size, timeout=config.grammar_compile_timeout)
         # Only a tier that persists has anything to do at exit (a weak reference: the hook keeps no engine alive).
         self._atexit = functools.partial(_shutdown_at_exit, weakref.ref(self))
-        restored = False
         try:
             self._new_state()
-            if self._persist:
-                self._restore_tier()
-                restored = True
+            if self.kv.persist:
                 atexit.register(self._atexit)
-            if self.tier is not None:
-                self._measure_costs()
-            self._pin_prefixes()
+            self.kv.start()
+            self.kv.pin_prefixes(self._prefill)
         except BaseException:
             # Release the tier (its file lock) and the ranks now; a restored index is written back.
-            self._persist = restored
             self.shutdown()
             raise
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d", self.model_name,
                     self.device, self.dtype, self.num_blocks, config.block_size, self.max_model_len)
-        if self.tier is not None:
-            logger.info("KV tier: %s, %d blocks%s", self.tier.kind, self.tier.num_slots,
+        if runner.tier is not None:
+            logger.info("KV tier: %s, %d blocks%s", runner.tier.kind, runner.tier.num_slots,
                         ", swap on" if config.swap_space > 0 else "")
 
     def _new_state(self) -> None:
@@ -125,13 +108,12 @@ class LLMEngine:
             max_queue_len=None if config.max_queue_len is None else config.max_queue_len + config.max_num_seqs,
             tenant_weights=config.tenant_weight_map(), input_token_weight=config.fair_input_token_weight,
             output_token_weight=config.fair_output_token_weight, scheduler_delay_factor=config.scheduler_delay_factor,
-            tier_blocks=0 if self.tier is None else self.tier.num_slots, swap=config.swap_space > 0,
+            tier_blocks=0 if runner.tier is None else runner.tier.num_slots, swap=config.swap_space > 0,
             # A block is released only once it is outside every layer's window: all must slide, the widest decides.
             sliding_window=None if None in (lw := runner.model_config.layer_windows) else max(
                 w for w in lw if w is not None),
         )
-        if self._promote_cost is not None:
-            self.scheduler.set_promote_cost(*self._promote_cost)
+        self.kv.attach(self.scheduler)
         self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
                                seed=config.seed)
         self.table = SequenceTable(self.sampler, runner.tokenizer)
@@ -150,78 +132,16 @@ class LLMEngine:
         """
         dropped = list(self.table.requests)
         self._new_state()
-        self._pin_prefixes()
+        self.kv.pin_prefixes(self._prefill)
         return dropped
 
-    # ---- the KV tier: restore at start, save at shutdown, pinned prefixes, cost model ----------------
-    @property
-    def tier(self) -> KVTier | None:
-        return self.runner.tier
-
-    def _restore_tier(self) -> None:
-        """Rebuild the prefix cache's tier nodes from the disk tier's index (validated by the tier: a foreign or
-        corrupt file yields nothing, with a warning)."""
-        assert self.tier is not None
-        t0 = time.perf_counter()
-        entries = self.tier.load_index()
-        restored = self.scheduler.tier_restore(entries) if entries else 0
-        self.runner.startup_timings["kv_tier_restore"] = time.perf_counter() - t0
-        logger.info("KV tier: restored %d of %d indexed blocks from %s", restored, len(entries),
-                    self.config.kv_offload_dir)
-
-    def _measure_costs(self) -> None:
-        """The core promotes tier blocks on a hit only when copying them back beats recomputing them: measure
-        both sides here (a timed prefill forward; blocks read back from the tier). The startup forward is short,
-        so it overstates the per-token cost of a long prefill (2-3x on CPU): the first real prefill-heavy step
-        replaces it, later ones refine it (`_track_prefill_cost`)."""
-        runner, bs = self.runner, self.config.block_size
-        tokens = max(1, min(runner.token_budget, 128, runner.num_blocks * bs))
-        if not self.config.warmup:
-            runner.profile(tokens)  # once untimed: the first forward compiles / allocates
-        t0 = time.perf_counter()
-        runner.profile(tokens)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        prefill_s = (time.perf_counter() - t0) / tokens
-        copy_s = runner.measure_tier_copy()
-        self._set_promote_cost(copy_s, prefill_s)
-        logger.info("KV tier cost model: copy %.3g ms/block, prefill %.3g ms/token (%.3g ms per %d-token block)",
-                    copy_s * 1e3, prefill_s * 1e3, prefill_s * bs * 1e3, bs)
-
-    def _set_promote_cost(self, copy_s_per_block: float, prefill_s_per_token: float) -> None:
-        self._promote_cost = (copy_s_per_block, prefill_s_per_token)
-        self.scheduler.set_promote_cost(copy_s_per_block, prefill_s_per_token)
-
-    def _track_prefill_cost(self, plan: _core.SchedulerPlan, forward_s: float) -> None:
-        prefill = plan.num_prefill_tokens
-        if self._promote_cost is None or prefill < _COST_MIN_PREFILL or plan.num_decode_tokens * 8 > prefill:
-            return
-        per_token = forward_s / prefill
-        ema = self._prefill_s_per_token
-        ema = per_token if ema is None else (1 - _COST_EMA) * ema + _COST_EMA * per_token
-        self._prefill_s_per_token = ema
-        copy_s, told = self._promote_cost
-        if abs(ema - told) > _COST_DRIFT * told:
-            self._set_promote_cost(copy_s, ema)
-            logger.info("KV tier cost model: prefill now %.3g ms/token (from %d-token steps)", ema * 1e3, prefill)
-
-    def _pin_prefixes(self) -> None:
-        """Prefill each `kv_pin_prefix` text as a one-token request, then pin its full blocks on the device."""
-        for i, text in enumerate(self.config.kv_pin_prefix):
-            rid = f"pin-{i}"
-            try:
-                self.add_request(rid, text, SamplingParams(temperature=0, max_tokens=1))
-            except ValueError as exc:
-                raise InvalidArgumentError(f"kv_pin_prefix: entry {i} cannot be prefilled: {exc}",
-                                           "kv_pin_prefix") from exc
-            ids = self.table.requests[rid].prompt_token_ids
-            while self.has_unfinished_requests():
-                self.step()
-            pinned = self.scheduler.pin_prefix(ids)
-            logger.info("kv_pin_prefix %d: %d of %d tokens pinned on the device (whole blocks)", i, pinned, len(ids))
-            if pinned == 0:
-                logger.warning("kv_pin_prefix %d (%d tokens) pinned nothing: shorter than one KV block of %d tokens",
-                               i, len(ids), self.config.block_size)
+    def _prefill(self, request_id: str, text: str) -> list[int]:
+        """Run `text` as a one-token greedy request to its end (a pinned prefix); its prompt token ids."""
+        self.add_request(request_id, text, SamplingParams(temperature=0, max_tokens=1))
+        ids = self.table.requests[request_id].prompt_token_ids
+        while self.has_unfinished_requests():
+            self.step()
+        return ids
 
     def shutdown(self, wait_s: float | None = None) -> None:
         """End the engine: a disk tier first takes every cached block and its index (so the next engine on the
@@ -237,8 +157,9 @@ class LLMEngine:
             self._closed = True
             atexit.unregister(self._atexit)
             try:
-                if self._persist:
-                    self._save_tier()
+                if self.kv.restored:
+                    self.abort_request(list(self.table.requests))  # live requests hold their blocks
+                    self.kv.save()
             except Exception:  # a failed save loses the cache, never the shutdown
                 logger.exception("KV tier: saving the index failed; the next start begins with an empty tier")
             finally:
@@ -246,59 +167,6 @@ class LLMEngine:
                 self.runner.shutdown()
         finally:
             self._lock.release()
-
-    def _save_tier(self) -> None:
-        tier, kv = self.tier, self.runner.kv_caches
-        assert tier is not None and kv is not None
-        t0 = time.perf_counter()
-        # Requests still live hold their blocks; the core's flush ends its last step itself (a plan never
-        # `update`d is rolled back, the last step's promotions become evictable) and returns every copy still
-        # queued with its own demotions.
-        self.abort_request(list(self.table.requests))
-        pairs = self.scheduler.tier_flush()
-        if len(pairs):
-            tier.store(kv, pairs)
-        entries = self.scheduler.tier_entries()
-        tier.save_index(entries)
-        logger.info("KV tier: saved %d blocks (%d demoted at shutdown) to %s in %.2f s", len(entries), len(pairs),
-                    self.config.kv_offload_dir, time.perf_counter() - t0)
-
-    # ---- what the model runner loaded (read by the CLI, the server and the benchmarks) --------------
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        return self.runner.tokenizer
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.runner.model_config
-
-    @property
-    def model_name(self) -> str:
-        return self.runner.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
-    @property
-    def model_path(self) -> str:
-        return self.runner.model_path
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.runner.dtype
-
-    @property
-    def num_blocks(self) -> int:
-        return self.runner.num_blocks
-
-    @property
-    def startup_timings(self) -> dict[str, float]:
-        return self.runner.startup_timings
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType,
@@ -384,7 +252,7 @@ class LLMEngine:
             if self.faults is not None:
                 self.faults.check("forward")
             logits = self.runner.execute(plan, timer)
-            self._track_prefill_cost(plan, timer.totals["forward"] - forward_s)
+            self.kv.track_prefill(plan, timer.totals["forward"] - forward_s)
             with torch.inference_mode():  # the sampler edits the (inference-mode) logits in place
                 # The masks were computed on the core's worker while the forward ran: this join is ~free.
                 bitmask = self.scheduler.take_bitmask() if len(plan.mask_rows) else None
@@ -490,7 +358,7 @@ class LLMEngine:
         s = self.scheduler.stats()
         total = max(1, s["blocks_total"])
         allocated = s["kv_slots_allocated"]
-        tier_kind = None if self.tier is None else self.tier.kind
+        tier_kind = None if self.runner.tier is None else self.runner.tier.kind
         return {
             "num_requests_running": s["num_running"],
             "num_requests_waiting": s["num_waiting"],

@@ -3,7 +3,7 @@
 This is the only engine file that touches the device. It loads the model, sizes the KV pool (on a
 GPU by profiling a forward over the full token budget), allocates it, and per step moves the plan's
 numpy arrays to the device, runs the KV tier copies (demote, promote), the copy-on-write block copies and the
-forward. It owns this rank's KV tier (engine/kv_tier.py), if the config asks for one: under tensor parallelism
+forward. It owns this rank's KV tier (engine/kv/tier.py), if the config asks for one: under tensor parallelism
 every rank keeps its own shard's blocks in its own tier, at the same slots.
 
 With `tensor_parallel_size > 1` rank 0's runner starts the other ranks (ironlm.distributed.executor), each of
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ironlm import _core
     from ironlm.distributed.executor import TPExecutor
     from ironlm.distributed.group import TPGroup
-    from ironlm.engine.kv_tier import KVTier
+    from ironlm.engine.kv.tier import KVTier
     from ironlm.engine.timing import StepTimer
     from ironlm.model.config import ModelConfig
 
@@ -107,7 +107,7 @@ class ModelRunner:
         """This rank's tier: as many slots as the configured bytes hold (the fewest any rank holds, as the core
         sees one slot count). Disk tier files are keyed by a fingerprint of the model, its shard and the KV
         layout, so a restart of another model (or rank) never reads them."""
-        from ironlm.engine.kv_tier import KVTier, TierGeometry, fingerprint
+        from ironlm.engine.kv.tier import KVTier, TierGeometry, fingerprint
 
         config, shard = self.config, self.shard_config
         geometry = TierGeometry(num_layers=shard.num_layers, block_size=config.block_size,

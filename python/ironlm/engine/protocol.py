@@ -35,14 +35,10 @@ class OutputObserver(Protocol):
 class StepEngine(Protocol):
     """One model, one caller thread: add requests, `step()` until none is unfinished."""
 
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase: ...
-
-    @property
-    def model_name(self) -> str: ...
-
-    @property
-    def max_model_len(self) -> int: ...
+    # What the engine loaded, fixed for its life (AsyncLLMEngine copies these once).
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    max_model_len: int
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None, *,
                     priority: int = 0, deadline: float | None = None, queue_timeout: float | None = None,
@@ -73,23 +69,12 @@ class EngineClient(Protocol):
     observer: OutputObserver | None  # set once by the server before it serves (metrics)
     stall_timeout_s: float  # a step running longer makes /health report the engine stalled
 
-    # ---- the model
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase: ...
-
-    @property
-    def model_name(self) -> str: ...
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def model_config(self) -> ModelConfig | None: ...
-
-    @property
-    def device(self) -> Any:
-        """A torch.device or its name: where /health reads device memory."""
-        ...
+    # ---- the model (fixed for the engine's life)
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    max_model_len: int
+    model_config: ModelConfig | None
+    device: Any  # a torch.device or its name: where /health reads device memory
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> list[int]:
