@@ -37,33 +37,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if server.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("binding %s without --api-key: anyone who can reach it can use the model", server.host)
     t0 = time.perf_counter()
-    from ironlm.engine import AsyncLLMEngine, LLMEngine
-    from ironlm.server.api import build_app
+    from ironlm.server.assemble import assemble
     from ironlm.server.launcher import serve_app
 
     config = config_from_args(args, model_from_args(args))
     logger.info("phase imports: %.2fs", time.perf_counter() - t0)
     logger.info("loading model %s", config.model or "(built-in default: SmolLM2-135M-Instruct)")
-    engine = LLMEngine(config)
-    for phase, seconds in getattr(engine, "startup_timings", {}).items():
-        logger.info("phase %s: %.2fs", phase, seconds)
-    t0 = time.perf_counter()
-    aengine = AsyncLLMEngine(engine, stall_timeout_s=server.health_stall_timeout,
-                             max_step_failures=server.engine_restart_after_failures,
-                             max_restarts=server.engine_max_restarts, dedupe=server.dedupe_requests,
-                             result_cache_size=server.result_cache_size)
-    names = args.served_model_name or [engine.model_name]
-    app = build_app(aengine, served_model_name=names, api_key=api_key, config=server)
-    logger.info("phase engine loop + app: %.2fs (model %s, max_model_len %d)", time.perf_counter() - t0,
-                names[0], engine.max_model_len)
+    served = assemble(config, server, args.served_model_name, api_key=api_key)
+    names = served.names
 
     def ready() -> None:
         logger.info("ready: serving %s on http://%s:%d after %.2fs", names[0], server.host, server.port,
                     time.perf_counter() - t_start)
 
-    asyncio.run(serve_app(aengine, app, host=server.host, port=server.port, grpc_port=server.grpc_port,
-                          model_names=names, api_key=api_key, drain_timeout=server.drain_timeout,
-                          log_level=server.log_level, on_ready=ready))
+    asyncio.run(serve_app(served.engine, served.app, host=server.host, port=server.port,
+                          grpc_port=server.grpc_port, model_names=names, api_key=api_key,
+                          drain_timeout=server.drain_timeout, log_level=server.log_level, on_ready=ready))
     return 0
 
 

@@ -74,22 +74,16 @@ class EngineReplica:
         import torch
         from ray import serve
 
-        from ironlm.engine import AsyncLLMEngine, LLMEngine
-        from ironlm.server.api import build_app
+        from ironlm.server.assemble import assemble
 
         # Ray reserves logical CPUs only; without this torch would start one thread per core of the machine
         # in every replica and the replicas would fight over the cores.
         torch.set_num_threads(threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         t0 = time.perf_counter()
-        server = server_config
-        self.engine = AsyncLLMEngine(LLMEngine(engine_config), stall_timeout_s=server.health_stall_timeout,
-                                     max_step_failures=server.engine_restart_after_failures,
-                                     max_restarts=server.engine_max_restarts, dedupe=server.dedupe_requests,
-                                     result_cache_size=server.result_cache_size)
-        self.drain_timeout = server.drain_timeout
-        names = served_model_names or [self.engine.model_name]
-        self.app = build_app(self.engine, served_model_name=names, config=server)
+        served = assemble(engine_config, server_config, served_model_names)
+        self.engine, self.app = served.engine, served.app
+        self.drain_timeout = server_config.drain_timeout
         logger.info("replica %s ready in %.2fs", self.replica_id, time.perf_counter() - t0)
 
     async def handle_http(self, request: ForwardedRequest,
