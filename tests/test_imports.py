@@ -145,3 +145,17 @@ def test_importing_the_package_and_engine_stays_light() -> None:
     code = "import sys; from ironlm.engine import LLMEngine; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"  # the lazy name really resolves
+
+
+def test_importing_the_core_loads_no_engine() -> None:
+    """`import ironlm._core` runs `ironlm/__init__.py` first: the package root must not pull the engine in (its
+    names load on first use), so the Rust core and the light config/exception modules come alone."""
+    heavy = ("ironlm.engine", "ironlm.engine.async_engine", "ironlm.engine.outputs", "torch", "transformers")
+    code = f"import sys, ironlm._core; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    # The lazy names still resolve, from the root and from the engine package.
+    code = ("import sys, ironlm; from ironlm import RequestOutput; from ironlm.engine import AsyncLLMEngine; "
+            "print(RequestOutput.__module__, AsyncLLMEngine.__module__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["ironlm.engine.outputs", "ironlm.engine.async_engine", "False"]

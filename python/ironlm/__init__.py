@@ -1,12 +1,14 @@
 """ironlm: a small, fast LLM inference and serving engine."""
 
+import importlib
+from typing import TYPE_CHECKING
+
 # numpy first: the core builds numpy arrays, and rust-numpy panics (PanicException) instead of raising when it
 # cannot import numpy's C API; importing it here turns a missing numpy into a plain ImportError at `import ironlm`.
 import numpy  # noqa: F401
 
 from ironlm import _core
 from ironlm.config import EngineConfig
-from ironlm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ironlm.exceptions import (
     CoreError,
     DefaultModelNotInstalled,
@@ -27,6 +29,12 @@ from ironlm.exceptions import (
     TensorParallelError,
     UnsupportedModelError,
 )
+
+if TYPE_CHECKING:
+    from ironlm.engine import LLMEngine
+    from ironlm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from ironlm.llm import LLM
+    from ironlm.sampling_params import SamplingParams
 
 __version__ = _core.__version__
 
@@ -60,15 +68,20 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # torch/transformers load only when the model side is used, so `import ironlm` stays light.
-    if name == "LLM":
-        from ironlm.llm import LLM
-        return LLM
-    if name == "LLMEngine":
-        from ironlm.engine import LLMEngine
-        return LLMEngine
-    if name == "SamplingParams":
-        from ironlm.sampling_params import SamplingParams
-        return SamplingParams
-    raise AttributeError(f"module 'ironlm' has no attribute {name!r}")
+# name -> the module that defines it, imported on first use: `import ironlm` (and so `import ironlm._core`, which
+# runs this file first) loads neither the engine nor torch/transformers.
+_LAZY = {
+    "LLM": "ironlm.llm",
+    "LLMEngine": "ironlm.engine",
+    "SamplingParams": "ironlm.sampling_params",
+    "CompletionOutput": "ironlm.engine.outputs",
+    "Logprob": "ironlm.engine.outputs",
+    "RequestOutput": "ironlm.engine.outputs",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ironlm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
