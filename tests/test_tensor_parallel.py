@@ -11,6 +11,9 @@ config. The last test kills the MQA engine's worker.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -95,7 +98,7 @@ def test_killed_worker_is_reported_not_hung(tp_engines):
     llm = tp_engines("mqa-tied-bias")
     worker = llm.engine.runner.executor.procs[0]
     worker.kill()
-    worker.join(10)
+    worker.wait(10)
     engine = AsyncLLMEngine(llm.engine)
 
     async def one() -> None:
@@ -191,3 +194,63 @@ def test_each_rank_loads_its_slice(tmp_path, models, source):
         torch.testing.assert_close(dense(layer[r].o), dense(f.o)[r * q:(r + 1) * q], atol=atol, rtol=0)
         torch.testing.assert_close(dense(layer[r].down), dense(f.down)[r * inter:(r + 1) * inter], atol=atol, rtol=0)
         assert ranks[r].config.vocab_size * 2 >= full.config.vocab_size
+
+
+# ---- workers never re-import the user's __main__ --------------------------------------------------------------
+# As every vLLM example is written: no `if __name__ == "__main__":` guard. A worker that re-ran this module would
+# build another TP=2 engine (multiprocessing's spawn refuses that with a bootstrapping RuntimeError).
+TOP_LEVEL_SCRIPT = """
+import json, sys
+from ironlm import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_timeout=20, **json.loads(sys.argv[2]))
+out = llm.generate(json.loads(sys.argv[3]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                   use_tqdm=False)
+print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in out]), flush=True)
+"""
+
+
+def test_top_level_script_without_main_guard(tmp_path, models):
+    script = tmp_path / "tp_script.py"
+    script.write_text(TOP_LEVEL_SCRIPT)
+    model, prompts = models["gqa-untied"], PROMPTS[:2]
+    expected = [list(o.outputs[0].token_ids) for o in LLM(model, **ENGINE).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+    t0 = time.monotonic()
+    # A worker that re-ran the script would fail, then rank 0 would wait out distributed_timeout (20 s) in the
+    # store; the bound here is the ~30 s a TP=2 start takes on a busy 2-core machine plus a margin.
+    proc = subprocess.run([sys.executable, str(script), model, json.dumps(ENGINE), json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bootstrapping" not in proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert json.loads(line.removeprefix("TOKENS ")) == expected
+    print(f"top-level TP=2 script: {time.monotonic() - t0:.1f} s")
+
+
+# A worker that cannot start: the runner class lives in the script's `__main__`, which a worker never imports.
+DEAD_WORKER_SCRIPT = """
+import sys, time
+from ironlm import EngineConfig, TensorParallelError
+from ironlm.distributed.executor import TPExecutor
+from ironlm.engine.model_runner import ModelRunner
+class Runner(ModelRunner):
+    pass
+t0 = time.monotonic()
+try:
+    TPExecutor.start(EngineConfig(model=sys.argv[1], device="cpu", tensor_parallel_size=2, distributed_timeout=120),
+                     Runner)
+except TensorParallelError as exc:
+    print(f"FAILED {time.monotonic() - t0:.1f} {exc}", flush=True)
+"""
+
+
+def test_worker_that_dies_before_joining_fails_at_once(tmp_path, models):
+    script = tmp_path / "dead_worker.py"
+    script.write_text(DEAD_WORKER_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), models["gqa-untied"]], capture_output=True, text=True,
+                          timeout=100, cwd=tmp_path, check=False)
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED ")]
+    elapsed, message = line.split(" ", 2)[1:]
+    assert "rank 1" in message and "before joining the group" in message, message
+    assert float(elapsed) < 60, line  # not the store's 120 s distributed_timeout
+    assert "Runner" in proc.stderr  # the worker's own error reached the user

@@ -6,9 +6,13 @@ forward reads. A worker ends on rank 0's stop message, or when a collective fail
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
+import os
+import pickle
 import sys
+import threading
 from typing import Protocol
 
 import torch
@@ -70,8 +74,30 @@ def run_worker(config: EngineConfig, rank: int, world: int, init_method: str | N
         group.close()
 
 
-def spawned_main(config: EngineConfig, rank: int, world: int, init_method: str, threads: int | None,
-                 runner_cls: type[WorkerRunner]) -> None:
-    """Entry point of a worker process ironlm spawned (executor backend `mp`); `runner_cls` pickles by name."""
+def main() -> int:
+    """`python -m ironlm.distributed.worker --ready-fd N`: a worker process ironlm started (executor backend `mp`).
+
+    A fresh interpreter, as torchrun's workers are: it never imports the user's `__main__`, so a script that
+    builds a tensor-parallel engine at its top level (no `if __name__ == "__main__":` guard) still works.
+    Rank 0 writes the pickled launch spec (config, rank, world, rendezvous, threads, runner class; the class
+    pickles by name) to stdin and keeps stdin open: its end-of-file means rank 0 is gone, and this process ends
+    too rather than outlive it. One byte on `--ready-fd` tells rank 0 this process imported and is joining;
+    an end-of-file there before it (this process died) lets rank 0 fail at once instead of in the store."""
+    parser = argparse.ArgumentParser(prog="python -m ironlm.distributed.worker")
+    parser.add_argument("--ready-fd", type=int, required=True)
+    args = parser.parse_args()
+    config, rank, world, init_method, threads, runner_cls = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    sys.exit(run_worker(config, rank, world, init_method, threads, rank, runner_cls))
+    threading.Thread(target=_exit_with_parent, args=(rank,), daemon=True, name="ironlm-parent-watch").start()
+    os.write(args.ready_fd, b"1")
+    return run_worker(config, rank, world, init_method, threads, rank, runner_cls)
+
+
+def _exit_with_parent(rank: int) -> None:
+    sys.stdin.buffer.read()  # returns at end-of-file only: rank 0 closed the pipe or died
+    logger.error("tensor-parallel rank %d stops: rank 0 is gone", rank)
+    os._exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
