@@ -5,6 +5,7 @@ continuous usage stats, the gRPC request id and the 413 a client must be able to
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
@@ -97,3 +98,72 @@ def test_a_client_gone_mid_request_does_not_count(serve, engine):
         faults.remove()
     assert httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30).status_code == 200
     assert health(server)["circuit_breaker"]["trips"] == 0
+
+
+# ---- 7: slow bodies and connection floods ---------------------------------------------------------------------
+def read_response(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    """Everything the server sends until it closes (the test fails on a hang: recv times out)."""
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def status_and_error(raw: bytes) -> tuple[int, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_a_body_dripped_byte_by_byte_gets_408_and_is_closed(serve):
+    server = serve(timeout_request_body=0.6, circuit_breaker_window=5, circuit_breaker_min_requests=1)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(raw_head() + b"{")
+        t0 = time.monotonic()
+        sock.settimeout(0.15)
+        got = b""
+        while not got and time.monotonic() - t0 < 5:  # keep dripping, as the probe did, until an answer comes
+            sock.sendall(b" ")
+            try:
+                got = sock.recv(65536)
+            except TimeoutError:
+                continue
+        raw = got + read_response(sock)
+    assert 0.5 < time.monotonic() - t0 < 3
+    status, err = status_and_error(raw)
+    assert status == 408 and "request body" in err["message"] and set(err) == {"message", "type", "param", "code"}
+    # The app saw a disconnect, not a failure: the breaker (min 1 request) stayed shut and the server serves.
+    assert httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30).status_code == 200
+    assert health(server)["circuit_breaker"]["trips"] == 0
+
+
+def test_a_complete_body_is_not_timed_out(serve):
+    server = serve(timeout_request_body=0.6)
+    body = json.dumps(COMPLETION).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(raw_head(length=len(body), extra="Connection: close\r\n") + body[:5])
+        time.sleep(0.3)  # slow, within the deadline
+        sock.sendall(body[5:])
+        status, _, _ = read_response(sock).partition(b"\r\n")
+    assert status.split()[1] == b"200"
+
+
+def test_open_connections_per_client_address_are_capped(serve):
+    server = serve(max_connections_per_client=4)
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as extra:
+            status, err = status_and_error(read_response(extra))
+        assert status == 429 and err["code"] == "too_many_connections" and "127.0.0.1" in err["message"]
+        idle.pop().close()  # one place frees: a normal request is served again
+        assert wait_for(lambda: _completes(server), 10)
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def _completes(server: LiveServer) -> bool:
+    try:
+        return httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30).status_code == 200
+    except httpx.TransportError:  # the 429 and close, while the server has not yet seen the freed connection
+        return False

@@ -336,6 +336,16 @@ class ServerConfig:
         "response (slow-headers clients are cut off)", metavar="S")
     max_request_header_bytes: int = _opt(64 * 1024, "largest request line + headers accepted (431 beyond it)",
                                          metavar="BYTES")
+    timeout_request_body: float = _opt(
+        60.0, "seconds a client has to send its whole request body once the head is complete (408 beyond it: "
+        "slow-body clients are cut off)", metavar="S")
+    max_connections_per_client: int = _opt(
+        1024, "open connections one client address may hold; more get 429 and are closed (0: no cap, e.g. behind "
+        "a proxy that all clients share)")
+    max_request_drain_bytes: int = _opt(
+        64 * 1024**2, "a refused request's body (413, 408, ...) is read and discarded up to this many bytes so the "
+        "client can read the answer instead of a connection reset; beyond it the connection closes at once",
+        metavar="BYTES")
     allowed_origins: tuple[str, ...] = _opt((), "CORS: origins browsers may call from ('*' for any; default: no "
                                             "CORS headers at all)", nargs="*")
     allowed_methods: tuple[str, ...] = _opt(("GET", "POST"), "CORS: allowed methods", nargs="*")
@@ -379,8 +389,10 @@ class ServerConfig:
         self._check_client_limits()
 
     def _check_client_limits(self) -> None:
-        _check_ints(self, ("max_request_bytes", "max_prompts_per_request", "max_request_header_bytes"), 1)
-        for name in ("timeout_keep_alive", "timeout_request_header"):
+        _check_ints(self, ("max_request_bytes", "max_prompts_per_request", "max_request_header_bytes",
+                           "max_request_drain_bytes"), 1)
+        _check_ints(self, ("max_connections_per_client",), 0)
+        for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
             if not getattr(self, name) > 0:
                 raise _invalid(name, f"must be > 0, got {getattr(self, name)!r}")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
