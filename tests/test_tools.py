@@ -26,6 +26,7 @@ from ironlm.structured.tools import (
     resolve_tool_choice,
 )
 from server_utils import LiveServer, shared_server
+from tiny_models import make_tiny_tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
                                             "unit": {"enum": ["c", "f"]},
@@ -283,3 +284,69 @@ def test_bad_tool_requests_are_400(server: LiveServer, extra: dict, param: str):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_special_markers_decide_skip_special_tokens():
+    """Only a marker the tokenizer flags special needs special tokens kept: the tiny tokenizer's `<tool_call>` is
+    plain text, and `<|im_end|>` is special but no marker."""
+    from tokenizers import AddedToken
+
+    tok = make_tiny_tokenizer()
+    assert not any(p().keeps_special_tokens(tok) for p in PARSERS.values())
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tok.add_tokens([AddedToken("<|python_tag|>", special=False)])
+    assert [n for n, p in PARSERS.items() if p().keeps_special_tokens(tok)] == ["mistral"]
+    ids = tok.encode('[TOOL_CALLS][{"name": "f", "arguments": {}}]', add_special_tokens=False)
+    assert "[TOOL_CALLS]" not in tok.decode(ids, skip_special_tokens=True)  # why: the default drops it
+
+
+# ---- a call marker that is a special token (Mistral's [TOOL_CALLS]) ------------------------------------------
+@pytest.fixture(scope="module")
+def mistral_server(tmp_path_factory) -> LiveServer:
+    """A tiny Mistral whose tokenizer holds `[TOOL_CALLS]` as a special token (id 5), as Mistral's own do: the
+    default skip_special_tokens=True would drop it from the text."""
+    from ironlm import EngineConfig, LLMEngine
+    from server_utils import TINY_ENGINE_KW, AsyncLLMEngine, build_app
+    from tiny_models import ENDOFTEXT_ID, make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("mistral-tools"), arch="mistral")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        f = path / name
+        f.write_text(f.read_text().replace("<|endoftext|>", "[TOOL_CALLS]"))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(path), device="cpu", **TINY_ENGINE_KW)))
+    assert engine.tokenizer.convert_tokens_to_ids("[TOOL_CALLS]") == ENDOFTEXT_ID
+    server = LiveServer(build_app(engine, served_model_name="tiny", config=ServerConfig(tool_call_parser="mistral")),
+                        engine)
+    yield server
+    server.stop()
+
+
+def test_mistral_special_marker_survives_skip_special_tokens(mistral_server: LiveServer):
+    """The grammar makes the random model emit the special token itself, then the call's JSON; the request keeps
+    the default skip_special_tokens=True, and the parser must still see the marker, streamed and not."""
+    from tiny_models import ENDOFTEXT_ID
+
+    call = '[{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}]'
+    grammar = f"start: <[{ENDOFTEXT_ID}]> CALL\nCALL: {json.dumps(call)}\n"
+    body = {"model": "tiny", "messages": HISTORY, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 120,
+            "structured_outputs": {"grammar": grammar}}
+    c = httpx.Client(base_url=mistral_server.base_url, timeout=120)
+    r = c.post("/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None
+    (tc,) = choice["message"]["tool_calls"]
+    assert (tc["function"]["name"], json.loads(tc["function"]["arguments"])) == ("get_weather", {"city": "Rome",
+                                                                                                   "days": 3})
+    with c.stream("POST", "/chat/completions", json={**body, "stream": True}) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    deltas = [ch["choices"][0] for ch in chunks if ch.get("choices")]
+    assert not "".join(d["delta"].get("content") or "" for d in deltas)  # the marker never leaks as content
+    streamed = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+    assert [t["function"]["name"] for t in streamed] == ["get_weather"]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    # Without tools the request's own skip_special_tokens holds: the special token stays out of the text.
+    plain = c.post("/chat/completions", json={"model": "tiny", "messages": HISTORY, "max_tokens": 120,
+                                              "structured_outputs": {"grammar": grammar}}).json()
+    assert plain["choices"][0]["message"]["content"] == call

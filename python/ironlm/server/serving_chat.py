@@ -90,6 +90,8 @@ class ChatHandler:
             constraint, source = forced, "tools"  # a tool's parameters schema that does not compile
         kwargs = {**req.sampling_kwargs(), "max_tokens": max_tokens,
                   "logprobs": (req.top_logprobs or 0) if req.logprobs else None, "structured_outputs": constraint}
+        if req.tool_choice_resolved().mode == "auto" and self.parser.keeps_special_tokens(self.engine.tokenizer):
+            kwargs["skip_special_tokens"] = False  # the call marker is a special token (Mistral's [TOOL_CALLS])
         params = sampling_params(kwargs)
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         try:

@@ -2,6 +2,11 @@
 
 A parser answers two questions: for the finished text, which part is content and which are tool calls; and while
 streaming, how much of the text so far is surely content (it cannot be the start of a call), so it can be sent.
+
+A call marker may be a special token of the model's tokenizer (Mistral's `[TOOL_CALLS]`, Llama's
+`<|python_tag|>`): decoding with skip_special_tokens=True, every request's default, drops it from the text, and
+the parser would never see the call. `keeps_special_tokens` tells the server to decode such requests with special
+tokens kept (what vLLM's parsers do too); tokens that end the sequence (EOS) never reach the text either way.
 """
 
 from __future__ import annotations
@@ -49,8 +54,29 @@ def _held_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def special_token_texts(tokenizer: Any) -> set[str]:
+    """The texts of the tokens `tokenizer` (transformers or a bare `tokenizers.Tokenizer`) flags special: the ones
+    skip_special_tokens drops when decoding."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if added is None and hasattr(tokenizer, "get_added_tokens_decoder"):
+        added = tokenizer.get_added_tokens_decoder()
+    return {t.content for t in (added or {}).values() if getattr(t, "special", False)}
+
+
 class ToolParser:
     name: ClassVar[str]
+    markers: ClassVar[tuple[str, ...]] = ()  # the texts that introduce a call
+
+    def __init__(self) -> None:
+        self._keeps: dict[int, bool] = {}
+
+    def keeps_special_tokens(self, tokenizer: Any) -> bool:
+        """Whether a request parsed for calls must be decoded with skip_special_tokens=False: one of this format's
+        markers is a special token of `tokenizer`."""
+        key = id(tokenizer)
+        if key not in self._keeps:
+            self._keeps[key] = bool(set(self.markers) & special_token_texts(tokenizer))
+        return self._keeps[key]
 
     def parse(self, text: str) -> ParsedOutput:
         raise NotImplementedError
@@ -66,6 +92,7 @@ class HermesToolParser(ToolParser):
 
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    markers = (START,)
 
     def parse(self, text: str) -> ParsedOutput:
         first = text.find(self.START)
@@ -100,6 +127,7 @@ class Llama3JsonToolParser(ToolParser):
 
     name = "llama3_json"
     TAG = "<|python_tag|>"
+    markers = (TAG,)
 
     def parse(self, text: str) -> ParsedOutput:
         rest = text.lstrip()
@@ -136,6 +164,7 @@ class MistralToolParser(ToolParser):
 
     name = "mistral"
     START = "[TOOL_CALLS]"
+    markers = (START,)
 
     def parse(self, text: str) -> ParsedOutput:
         at = text.find(self.START)
