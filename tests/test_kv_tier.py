@@ -342,3 +342,96 @@ def test_resized_tier_keeps_the_slots_that_still_exist(tmp_path, caplog):
         assert_blocks_equal(caches, [4, 6, 8], restored, [0, 1, 2])
     finally:
         tier.close()
+
+
+# ---- what sits at the tier's file names is never followed (issue 21 item 9) ---------------------------------
+def _assert_cold_and_working(tier: KVTier, tmp_path: os.PathLike[str]) -> None:
+    """A cold tier on an unnamed file: usable for this run, persists nothing, leaves no file behind."""
+    g = tier.geometry
+    try:
+        assert tier.kind == "disk" and not tier.persistent and tier.load_index() == []
+        src, dst = random_caches(g, seed=3), random_caches(g, seed=4)
+        tier.store(src, pairs([(0, 3)]))
+        tier.load(dst, pairs([(3, 5)]))
+        assert_blocks_equal(src, [0], dst, [5])
+        tier.save_index(entries_for(g))  # a no-op: nothing vouches for an unnamed file
+    finally:
+        tier.close()
+    assert not os.path.lexists(os.path.join(tmp_path, f"{FP}.idx"))
+
+
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_symlinked_data_file_is_never_followed(target_exists, tmp_path, caplog):
+    """`ln -s /some/file DIR/<fingerprint>.kv` used to resize the target to the tier's size and overwrite it; a
+    dangling link created the target (or failed the start)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "precious"
+    if target_exists:
+        target.write_bytes(b"keep me")
+    tier_dir = tmp_path / "tier"
+    tier_dir.mkdir()
+    (tier_dir / f"{FP}.kv").symlink_to(target)
+    with caplog.at_level(logging.WARNING):
+        tier = make_tier("disk", geometry(), tier_dir)
+    assert "starts cold" in caplog.text
+    _assert_cold_and_working(tier, tier_dir)
+    assert (tier_dir / f"{FP}.kv").is_symlink()  # left as it was
+    if target_exists:
+        assert target.read_bytes() == b"keep me"
+    else:
+        assert not target.exists()
+    assert sorted(p.name for p in tier_dir.iterdir()) == [f"{FP}.kv"]  # the unnamed file is gone with the tier
+
+
+@pytest.mark.parametrize("what", ["folder", "fifo", "hardlink"])
+def test_non_regular_data_file_starts_cold(what, tmp_path, caplog):
+    path = tmp_path / f"{FP}.kv"
+    other = tmp_path / "other"
+    if what == "folder":
+        path.mkdir()
+    elif what == "fifo":
+        os.mkfifo(path)
+    else:
+        other.write_bytes(b"another file's bytes")
+        os.link(other, path)
+    with caplog.at_level(logging.WARNING):
+        tier = make_tier("disk", geometry(), tmp_path)
+    assert "starts cold" in caplog.text
+    _assert_cold_and_working(tier, tmp_path)
+    if what == "hardlink":
+        assert other.read_bytes() == b"another file's bytes"
+
+
+def test_fifo_or_symlink_at_the_index_is_ignored_without_blocking(tmp_path, caplog):
+    """A FIFO at `.idx` hung the start for ever (open() waits for a writer): it is refused, not read."""
+    import threading
+
+    g, _, _ = saved_tier(tmp_path)
+    index = tmp_path / f"{FP}.idx"
+    index.unlink()
+    os.mkfifo(index)
+    tier = make_tier("disk", g, tmp_path)
+    try:
+        result: list[object] = []
+        with caplog.at_level(logging.WARNING):
+            reader = threading.Thread(target=lambda: result.append(tier.load_index()), daemon=True)
+            reader.start()
+            reader.join(10)
+        assert not reader.is_alive() and result == [[]]
+        assert "not a regular file" in caplog.text
+        tier.save_index(entries_for(g))  # the rename replaces the FIFO with a real index
+        assert index.is_file() and not index.is_symlink()
+    finally:
+        tier.close()
+    outside = tmp_path / "outside.idx"
+    outside.write_bytes(b"not ours")
+    index.unlink()
+    index.symlink_to(outside)
+    tier = make_tier("disk", g, tmp_path)
+    try:
+        assert tier.load_index() == []
+        tier.save_index(entries_for(g))
+    finally:
+        tier.close()
+    assert outside.read_bytes() == b"not ours" and index.is_file() and not index.is_symlink()

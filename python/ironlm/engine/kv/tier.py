@@ -16,7 +16,9 @@ import itertools
 import json
 import logging
 import os
+import stat
 import struct
+import tempfile
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -173,7 +175,8 @@ class KVTier:
         self.kind = kind
         self.geometry = geometry
         self.num_slots = num_slots
-        self.persistent = raw is not None
+        # A disk tier on an unnamed file (its name was taken, see `disk`) works for this run only.
+        self.persistent = raw is not None and directory is not None
         self._data = data
         self._raw = raw  # the disk tier's byte view: msync and per-slot checksums
         self._directory = directory
@@ -213,19 +216,37 @@ class KVTier:
     def disk(cls, geometry: TierGeometry, num_slots: int, directory: str, fingerprint: str) -> KVTier:
         """A file `<directory>/<fingerprint>.kv` of exactly num_slots slots, memory-mapped (the page cache is the
         working copy; the kernel writes it back). Locked for this process: two servers sharing one file would
-        overwrite each other's slots."""
+        overwrite each other's slots.
+
+        The name is never followed: a symlink, a folder, a FIFO or a file with other hard links there would make
+        the tier resize and overwrite something that is not its own. Then the tier starts cold, with a warning,
+        on an unnamed file in the same folder, which this run uses and nobody else sees (nothing persists)."""
         _check_slots(num_slots)
         if not fingerprint or not all(c in "0123456789abcdef" for c in fingerprint):
             raise InvalidArgumentError(f"fingerprint must be a hex digest, got {fingerprint!r}",
                                        param="fingerprint")
-        size = num_slots * geometry.bytes_per_block
         path = os.path.join(directory, f"{fingerprint}.kv")
         try:
             os.makedirs(directory, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = _open_regular(path, os.O_RDWR | os.O_CREAT)
+            if fd is None:
+                logger.warning("KV tier: %s is not a regular file of its own (a symlink, folder, FIFO or hard "
+                               "link); left as it is, this run starts cold on an unnamed file and saves nothing",
+                               path)
+                fd, unnamed = tempfile.mkstemp(prefix=f".{fingerprint}.", suffix=".kv", dir=directory)
+                os.unlink(unnamed)
+                return cls._map(geometry, num_slots, fd, directory, None)
         except OSError as e:
             raise InvalidArgumentError(f"kv_offload_dir {directory!r} is not a writable folder: {e}",
                                        param="kv_offload_dir") from e
+        return cls._map(geometry, num_slots, fd, directory, fingerprint)
+
+    @classmethod
+    def _map(cls, geometry: TierGeometry, num_slots: int, fd: int, directory: str,
+             fingerprint: str | None) -> KVTier:
+        """Lock, size and map the open data file `fd` (owned from here on); `fingerprint` None: an unnamed file."""
+        size = num_slots * geometry.bytes_per_block
+        path = os.path.join(directory, f"{fingerprint}.kv") if fingerprint else directory
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -246,15 +267,17 @@ class KVTier:
             if os.fstat(fd).st_size != size:
                 raise InvalidArgumentError(f"kv_offload_dir: {path} could not be sized to {size} bytes",
                                            param="kv_offload_dir")
-            raw = np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_slots, geometry.bytes_per_block))
+            # Mapped from the descriptor checked above, never by name again (the name could be swapped meanwhile).
+            with os.fdopen(os.dup(fd), "r+b") as f:
+                raw = np.memmap(f, dtype=np.uint8, mode="r+", shape=(num_slots, geometry.bytes_per_block))
         except BaseException:
             os.close(fd)
             raise
         # numpy has no bf16: map bytes, reinterpret in torch (the last dim is contiguous, so view(dtype) is free).
         data = torch.from_numpy(raw).view(geometry.dtype).view(
             num_slots, geometry.num_layers, 2, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
-        return cls("disk", geometry, num_slots, data, raw=raw, directory=directory, fingerprint=fingerprint,
-                   lock_fd=fd)
+        return cls("disk", geometry, num_slots, data, raw=raw, directory=directory if fingerprint else None,
+                   fingerprint=fingerprint, lock_fd=fd)
 
     # ---- copies -------------------------------------------------------------------------------------------------
 
@@ -391,11 +414,14 @@ class KVTier:
         assert path is not None and self._directory is not None
         tmp = f"{path}.tmp.{os.getpid()}"
         try:
-            with open(tmp, "wb") as f:
+            fd = _open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            if fd is None:
+                raise OSError(f"{tmp} is not a regular file")
+            with os.fdopen(fd, "wb") as f:
                 f.write(header + body)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, path)  # a symlink or FIFO at `path` is replaced, never written through
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -416,7 +442,11 @@ class KVTier:
         if not self.persistent or self._closed or path is None:
             return []
         try:
-            with open(path, "rb") as f:
+            fd = _open_regular(path, os.O_RDONLY)
+            if fd is None:  # a FIFO would block the start for ever; a symlink could point anywhere
+                logger.warning("KV tier index %s is not a regular file of its own, ignored, starting cold", path)
+                return []
+            with os.fdopen(fd, "rb") as f:
                 blob = f.read()
         except FileNotFoundError:
             return []
@@ -514,6 +544,25 @@ class KVTier:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             self._lock_fd = None
+
+
+def _open_regular(path: str, flags: int) -> int | None:
+    """`os.open(path)` for a regular file with no other name, or None for anything else there (a symlink, dangling
+    or not, a folder, a FIFO, a device, a hard link to another file), which is left untouched. Never blocks (a FIFO
+    opens non-blocking) and never follows a symlink. Other errors (permissions, a missing folder) raise."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        # ELOOP: a symlink; EISDIR: a folder; ENXIO: a FIFO opened for writing with no reader.
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            return None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _is_int(value: object) -> bool:
