@@ -6,10 +6,10 @@ use pyo3::types::{PyDict, PyList};
 
 use super::grammar::PyCompiledGrammar;
 use super::{as_i64_array, count_arg, time_arg, token_ids, value_error};
-use crate::fair::FairConfig;
-use crate::queue::Policy;
-use crate::scheduler::{Finished, Scheduler, SchedulerConfig, SchedulerOptions};
-use crate::sequence::{RequestParams, Slot};
+use crate::sched::fair::FairConfig;
+use crate::sched::queue::Policy;
+use crate::sched::scheduler::{Finished, Scheduler, SchedulerConfig, SchedulerOptions};
+use crate::sched::sequence::{RequestParams, Slot};
 
 /// Steps with at least this many running sequences run with the GIL released. Shorter ones
 /// keep it: giving the GIL away for a few microseconds can cost a whole switch interval to

@@ -9,22 +9,21 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::block::{BlockAllocator, BlockUsage};
 use crate::error::{CoreError, CoreResult};
-use crate::fair::{FairConfig, TenantStats, Vtc};
 use crate::grammar::{MaskJob, TokenBitmask};
-use crate::plan::Plan;
-use crate::queue::{monotonic, OrdF64, Policy, QueueParams, RequestQueue};
-use crate::radix::{InsertResult, NodeId, RadixCache, TierStats};
-pub use crate::sequence::Finished;
-use crate::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
+use crate::sched::block::{BlockAllocator, BlockUsage};
+use crate::sched::fair::{FairConfig, TenantStats, Vtc};
+use crate::sched::ord::OrdF64;
+use crate::sched::plan::Plan;
+use crate::sched::queue::{monotonic, Policy, QueueParams, RequestQueue};
+use crate::sched::radix::{InsertResult, NodeId, RadixCache, TierStats};
+pub use crate::sched::sequence::Finished;
+use crate::sched::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
 
 #[cfg(test)]
-#[path = "fair_sched_tests.rs"]
 mod fair_tests;
 mod step;
 #[cfg(test)]
-#[path = "scheduler_tests.rs"]
 mod tests;
 mod window;
 

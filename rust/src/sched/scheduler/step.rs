@@ -2,10 +2,11 @@
 
 use super::{Finished, Scheduler};
 use crate::error::{CoreError, CoreResult};
-use crate::plan::Plan;
-use crate::queue::{monotonic, OrdF64, Policy};
-use crate::radix::RadixCache;
-use crate::sequence::{FinishReason, Slot, Status};
+use crate::sched::ord::OrdF64;
+use crate::sched::plan::Plan;
+use crate::sched::queue::{monotonic, Policy};
+use crate::sched::radix::RadixCache;
+use crate::sched::sequence::{FinishReason, Slot, Status};
 
 impl Scheduler {
     /// Plan the next step. Waiting requests past their timeout are finished first (reported

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::*;
-use crate::sequence::FinishReason;
+use crate::sched::sequence::FinishReason;
 
 fn cfg(num_blocks: usize, block_size: usize) -> SchedulerConfig {
     SchedulerConfig {

@@ -5,10 +5,10 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::error::CoreError;
-use crate::plan::Plan;
-use crate::queue::Policy;
-use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerOptions};
-use crate::sequence::{RequestParams, Slot, Status};
+use crate::sched::plan::Plan;
+use crate::sched::queue::Policy;
+use crate::sched::scheduler::{Scheduler, SchedulerConfig, SchedulerOptions};
+use crate::sched::sequence::{RequestParams, Slot, Status};
 use crate::test_rng::Rng;
 
 fn windowed(c: SchedulerConfig, window: usize) -> Scheduler {
@@ -173,7 +173,7 @@ fn forks_share_then_release_their_own_refs() {
     assert_eq!(s.alloc.num_free(), 40);
 }
 
-use crate::scheduler::tests::kv_hash;
+use crate::sched::scheduler::tests::kv_hash;
 
 #[derive(Debug, Default)]
 struct Seen {

@@ -29,7 +29,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::block::{BlockAllocator, BlockId};
+use crate::sched::block::{BlockAllocator, BlockId};
 
 pub type NodeId = u32;
 /// A slot of the lower tier.
@@ -1473,9 +1473,7 @@ impl RadixCache {
 }
 
 #[cfg(test)]
-#[path = "radix_tests.rs"]
 mod tests;
 
 #[cfg(test)]
-#[path = "radix_tier_tests.rs"]
 mod tier_tests;
