@@ -85,7 +85,7 @@ impl Scheduler {
             self.alloc.decref(*b);
             *b = 0;
         }
-        self.window_freed_blocks += (dead - s.window_freed) as u64;
+        self.counts.window_freed_blocks += (dead - s.window_freed) as u64;
         s.window_freed = dead;
     }
 
