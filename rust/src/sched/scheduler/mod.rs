@@ -22,6 +22,8 @@ use crate::sched::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Sta
 mod config;
 #[cfg(test)]
 mod fair_tests;
+#[cfg(test)]
+mod harness;
 mod masks;
 mod step;
 #[cfg(test)]
