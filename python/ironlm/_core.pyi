@@ -4,7 +4,7 @@ Times are seconds as floats. Unless a ``now`` is passed, the core uses its own m
 clock (``ironlm._core.monotonic()``), so Python and Rust agree on time.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TypeAlias
 
 import numpy as np
