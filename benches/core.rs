@@ -6,8 +6,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use ironlm_core::block::{BlockAllocator, BlockId};
-use ironlm_core::radix::RadixCache;
+use ironlm_core::sched::block::{BlockAllocator, BlockId};
+use ironlm_core::sched::radix::RadixCache;
 
 const BLOCK_SIZE: usize = 16;
 const PROMPT: usize = 4096;
@@ -260,7 +260,7 @@ fn bench_scheduler(c: &mut Criterion) {
 /// heads over 3 KV heads, head_dim 64, pages shuffled across a 4096-block pool. Here, without
 /// torch loaded, it runs on scoped std threads, 1 and 2 of them.
 fn bench_attention(c: &mut Criterion) {
-    use ironlm_core::attention::{paged_decode, DecodeArgs, DecodeShape};
+    use ironlm_core::cpu::attention::{paged_decode, DecodeArgs, DecodeShape};
     let (n, hq, hkv, d, bs, num_blocks) = (64, 9, 3, 64, 16, 4096);
     let mut rng = Rng(11);
     let lens: Vec<i32> = (0..n).map(|_| 32 + (rng.next() % 737) as i32).collect();
@@ -316,7 +316,7 @@ fn bench_attention(c: &mut Criterion) {
 /// (a batch): throughput is weight bytes streamed per second.
 fn bench_quant(c: &mut Criterion) {
     use criterion::Throughput;
-    use ironlm_core::quant::{MatmulOpts, QMatrix};
+    use ironlm_core::cpu::quant::{MatmulOpts, QMatrix};
     const SHAPES: [(&str, usize, usize); 5] = [
         ("qkv", 576, 960),
         ("o", 576, 576),

@@ -4,12 +4,14 @@ Times are seconds as floats. Unless a ``now`` is passed, the core uses its own m
 clock (``ironlm._core.monotonic()``), so Python and Rust agree on time.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import Self, final
+
+from ironlm.config import SchedulerConfig
 
 __version__: str
 
@@ -381,36 +383,19 @@ class Scheduler:
     every step).
     """
 
-    def __new__(
-        cls,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        policy: str,
-        enable_prefix_caching: bool,
-        max_queue_len: int | None,
-        tenant_weights: Mapping[str, float] | None = None,
-        input_token_weight: float = 1.0,
-        output_token_weight: float = 1.0,
-        scheduler_delay_factor: float = 0.0,
-        tier_blocks: int = 0,
-        swap: bool = False,
-        sliding_window: int | None = None,
-    ) -> Self:
-        """Every argument up to ``max_queue_len`` is required: their defaults live in ``EngineConfig`` alone.
+    def __new__(cls, config: SchedulerConfig) -> Self:
+        """Built from one ``ironlm.config.SchedulerConfig`` (read by attribute; every field required), which
+        ``EngineConfig.scheduler_config`` fills: the defaults live in ``EngineConfig`` alone.
 
-        The rest default to neutral: policy ``fair`` charges each tenant's prefill tokens ×
-        ``input_token_weight`` plus sampled tokens × ``output_token_weight``, divided by its share in
-        ``tenant_weights`` (1 if absent), and admits from the least charged tenant within the best
-        priority. ``scheduler_delay_factor`` > 0 holds admissions, while sequences run, until that
-        × the last step's duration has passed since the last admission. ``tier_blocks`` > 0 adds a
-        lower KV tier of that many blocks (needs prefix caching): evicted cached blocks are demoted
-        there (``plan.kv_demote``) and hits on them promoted back (``plan.kv_promote``); with ``swap``
-        a preempted sequence's cached blocks are demoted at once. ``sliding_window``: every layer
-        attends only inside it, so blocks wholly before it are released."""
+        Policy ``fair`` charges each tenant's prefill tokens × ``input_token_weight`` plus sampled
+        tokens × ``output_token_weight``, divided by its share in ``tenant_weights`` (1 if absent), and
+        admits from the least charged tenant within the best priority. ``scheduler_delay_factor`` > 0
+        holds admissions, while sequences run, until that × the last step's duration has passed since
+        the last admission. ``tier_blocks`` > 0 adds a lower KV tier of that many blocks (needs prefix
+        caching): evicted cached blocks are demoted there (``plan.kv_demote``) and hits on them promoted
+        back (``plan.kv_promote``); with ``swap`` a preempted sequence's cached blocks are demoted at
+        once. ``sliding_window``: every layer attends only inside it, so blocks wholly before it are
+        released."""
     def add_request(
         self,
         request_id: str,

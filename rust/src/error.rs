@@ -48,8 +48,8 @@ impl fmt::Display for CoreError {
 
 impl std::error::Error for CoreError {}
 
-impl From<crate::block::OutOfBlocks> for CoreError {
-    fn from(_: crate::block::OutOfBlocks) -> Self {
+impl From<crate::sched::block::OutOfBlocks> for CoreError {
+    fn from(_: crate::sched::block::OutOfBlocks) -> Self {
         CoreError::OutOfBlocks
     }
 }

@@ -13,7 +13,7 @@ fn messages_name_the_argument() {
         .to_string()
         .contains("\"a\""));
     assert_eq!(
-        CoreError::from(crate::block::OutOfBlocks),
+        CoreError::from(crate::sched::block::OutOfBlocks),
         CoreError::OutOfBlocks
     );
 }

@@ -1,28 +1,20 @@
-//! ironlm core: the bookkeeping half of the engine.
+//! ironlm core: the scheduling half of the engine (`sched`), the CPU kernels (`cpu`), the
+//! grammar engine for structured outputs (`grammar`) and their Python bindings (`py`).
+//!
+//! Dependencies point one way: `py` -> {`sched`, `cpu`, `grammar`}; `sched` -> `grammar` (a
+//! sequence's token mask); every module -> `error`. `sched` never calls a kernel, and `cpu`
+//! knows nothing of requests.
 
-pub mod attention;
-pub mod block;
-pub mod ops;
-pub mod ops_cpu;
-pub mod ops_decode;
-pub mod ops_elem;
-pub mod quant;
-pub mod radix;
-
+pub mod cpu;
 pub mod error;
-pub mod fair;
 pub mod grammar;
-pub mod parallel;
-pub mod plan;
-pub mod queue;
-pub mod scheduler;
-pub mod sequence;
+pub mod sched;
 
 pub use error::{CoreError, CoreResult};
-pub use plan::Plan;
-pub use queue::{monotonic, Policy, QueueParams, RequestQueue};
-pub use scheduler::{Scheduler, SchedulerConfig, SchedulerOptions, SchedulerStats};
-pub use sequence::{FinishReason, RequestParams, Slot};
+pub use sched::plan::Plan;
+pub use sched::queue::{monotonic, Policy, QueueParams, RequestQueue};
+pub use sched::scheduler::{Scheduler, SchedulerConfig, SchedulerOptions, SchedulerStats};
+pub use sched::sequence::{FinishReason, RequestParams, Slot};
 
 #[cfg(feature = "python")]
 mod py;

@@ -248,9 +248,9 @@ fn grammar_mask_job_matches_serial_masks() {
 
 // ---- in the scheduler ---------------------------------------------------------------------
 
-use crate::queue::Policy;
-use crate::scheduler::{Scheduler, SchedulerConfig};
-use crate::sequence::{RequestParams, Slot};
+use crate::sched::queue::Policy;
+use crate::sched::scheduler::{Scheduler, SchedulerConfig};
+use crate::sched::sequence::{RequestParams, Slot};
 
 fn sched(num_blocks: usize) -> Scheduler {
     let mut s = Scheduler::new(SchedulerConfig {

@@ -1,4 +1,4 @@
-//! `paged_decode_attention`: the CPU decode kernel of `crate::attention` over numpy views of
+//! `paged_decode_attention`: the CPU decode kernel of `crate::cpu::attention` over numpy views of
 //! torch tensors (zero-copy: `tensor.numpy()`, half tensors as int16 views of their bits), run
 //! with the GIL released.
 
@@ -7,8 +7,8 @@ use pyo3::prelude::*;
 
 use super::ops::{dtype_arg, ro, rw, with_elem, Ro, Rw};
 use super::value_error;
-use crate::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
-use crate::ops_decode::{decode_from_qkv, QkvStep};
+use crate::cpu::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
+use crate::cpu::decode::{decode_from_qkv, QkvStep};
 
 /// `out[i, h] = softmax(q[i, h] · K_i^T * scale) V_i` over the first `seq_lens[i]` positions of
 /// sequence `i`'s pages. Shapes: q/out `[n, Hq, D]` (q's rows may be strided, as a view into a
@@ -252,5 +252,5 @@ impl<'a, T> Cache<'a, T> {
 /// Where the CPU kernels run their threads: `"openmp"` (torch's pool) or `"threads"`.
 #[pyfunction]
 pub(crate) fn parallel_runtime() -> &'static str {
-    crate::parallel::runtime_name()
+    crate::cpu::parallel::runtime_name()
 }

@@ -4,8 +4,8 @@
 use pyo3::prelude::*;
 
 use super::{count_arg, token_ids, value_error, CoreError};
-use crate::block::BlockAllocator;
-use crate::radix::RadixCache;
+use crate::sched::block::BlockAllocator;
+use crate::sched::radix::RadixCache;
 
 /// Block ids (any int sequence), each checked against `num_blocks`.
 fn block_ids(obj: &Bound<'_, PyAny>, name: &str, num_blocks: usize) -> PyResult<Vec<u32>> {

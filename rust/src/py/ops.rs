@@ -1,5 +1,5 @@
 //! `rms_norm`, `rope_inplace`, `silu_and_mul` and `cpu_features`: the fused CPU kernels of
-//! `crate::ops` over numpy views of torch tensors, run with the GIL released.
+//! `crate::cpu::ops` over numpy views of torch tensors, run with the GIL released.
 //!
 //! numpy has no bfloat16, so half tensors cross as int16 views of their bits
 //! (`t.view(torch.int16).numpy()`) and a `dtype` argument says how to read them.
@@ -11,8 +11,8 @@ use numpy::{
 use pyo3::prelude::*;
 
 use super::value_error;
-use crate::ops::{self, RopeShape};
-use crate::ops_elem::Elem;
+use crate::cpu::elem::Elem;
+use crate::cpu::ops::{self, RopeShape};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum DType {
@@ -42,11 +42,11 @@ macro_rules! with_elem {
                 $body
             }
             $crate::py::ops::DType::Bf16 => {
-                type $t = $crate::ops_elem::Bf16;
+                type $t = $crate::cpu::elem::Bf16;
                 $body
             }
             $crate::py::ops::DType::F16 => {
-                type $t = $crate::ops_elem::F16;
+                type $t = $crate::cpu::elem::F16;
                 $body
             }
         }
@@ -318,5 +318,5 @@ pub(crate) fn silu_and_mul(
 /// The SIMD features of this CPU that the OS enables, in `/proc/cpuinfo` spelling.
 #[pyfunction]
 pub(crate) fn cpu_features() -> Vec<&'static str> {
-    crate::ops_cpu::cpu_features()
+    crate::cpu::features::cpu_features()
 }

@@ -1,11 +1,11 @@
-//! `QuantMatrix`: a block-quantized weight matrix of `crate::quant` and its matmul over numpy
+//! `QuantMatrix`: a block-quantized weight matrix of `crate::cpu::quant` and its matmul over numpy
 //! views of torch tensors (zero-copy: `tensor.numpy()`), run with the GIL released.
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::value_error;
-use crate::quant::{DequantOut, Isa, MatmulOpts, QMatrix};
+use crate::cpu::quant::{DequantOut, Isa, MatmulOpts, QMatrix};
 
 #[pyclass(name = "QuantMatrix", module = "ironlm._core", frozen)]
 pub struct PyQuantMatrix {

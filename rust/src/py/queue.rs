@@ -3,7 +3,7 @@
 use pyo3::prelude::*;
 
 use super::{count_arg, time_arg};
-use crate::queue::{monotonic, Policy, QueueParams, RequestQueue};
+use crate::sched::queue::{monotonic, Policy, QueueParams, RequestQueue};
 
 #[pyclass(name = "RequestQueue", module = "ironlm._core")]
 pub struct PyRequestQueue {

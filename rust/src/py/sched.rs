@@ -6,10 +6,10 @@ use pyo3::types::{PyDict, PyList};
 
 use super::grammar::PyCompiledGrammar;
 use super::{as_i64_array, count_arg, time_arg, token_ids, value_error};
-use crate::fair::FairConfig;
-use crate::queue::Policy;
-use crate::scheduler::{Finished, Scheduler, SchedulerConfig, SchedulerOptions};
-use crate::sequence::{RequestParams, Slot};
+use crate::sched::fair::FairConfig;
+use crate::sched::queue::Policy;
+use crate::sched::scheduler::{Finished, Scheduler, SchedulerConfig, SchedulerOptions};
+use crate::sched::sequence::{RequestParams, Slot};
 
 /// Steps with at least this many running sequences run with the GIL released. Shorter ones
 /// keep it: giving the GIL away for a few microseconds can cost a whole switch interval to
@@ -195,72 +195,63 @@ pub struct PyScheduler {
     inner: Scheduler,
 }
 
+/// The attributes `Scheduler(config)` reads (`ironlm.config.SchedulerConfig`'s fields).
+#[derive(FromPyObject)]
+struct SchedulerArgs {
+    num_blocks: i64,
+    block_size: i64,
+    max_num_seqs: i64,
+    max_num_batched_tokens: i64,
+    max_model_len: i64,
+    policy: String,
+    enable_prefix_caching: bool,
+    max_queue_len: Option<i64>,
+    tenant_weights: std::collections::HashMap<String, f64>,
+    input_token_weight: f64,
+    output_token_weight: f64,
+    scheduler_delay_factor: f64,
+    tier_blocks: i64,
+    swap: bool,
+    sliding_window: Option<i64>,
+}
+
 #[pymethods]
 impl PyScheduler {
     #[new]
-    /// Every argument is required: the engine passes EngineConfig's values, the one home of
-    /// their defaults.
-    #[pyo3(signature = (
-        *,
-        num_blocks,
-        block_size,
-        max_num_seqs,
-        max_num_batched_tokens,
-        max_model_len,
-        policy,
-        enable_prefix_caching,
-        max_queue_len,
-        tenant_weights = None,
-        input_token_weight = 1.0,
-        output_token_weight = 1.0,
-        scheduler_delay_factor = 0.0,
-        tier_blocks = 0,
-        swap = false,
-        sliding_window = None,
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        num_blocks: i64,
-        block_size: i64,
-        max_num_seqs: i64,
-        max_num_batched_tokens: i64,
-        max_model_len: i64,
-        policy: &str,
-        enable_prefix_caching: bool,
-        max_queue_len: Option<i64>,
-        tenant_weights: Option<std::collections::HashMap<String, f64>>,
-        input_token_weight: f64,
-        output_token_weight: f64,
-        scheduler_delay_factor: f64,
-        tier_blocks: i64,
-        swap: bool,
-        sliding_window: Option<i64>,
-    ) -> PyResult<Self> {
+    /// Built from one `ironlm.config.SchedulerConfig` (any object with its attributes): every
+    /// field is required here, so `EngineConfig`, which builds it, is the one home of defaults.
+    fn new(config: SchedulerArgs) -> PyResult<Self> {
+        let a = config;
         let cfg = SchedulerConfig {
-            num_blocks: count_arg("num_blocks", num_blocks, 1)?,
-            block_size: count_arg("block_size", block_size, 1)?,
-            max_num_seqs: count_arg("max_num_seqs", max_num_seqs, 1)?,
-            max_num_batched_tokens: count_arg("max_num_batched_tokens", max_num_batched_tokens, 1)?,
-            max_model_len: count_arg("max_model_len", max_model_len, 2)?,
-            policy: policy.parse::<Policy>()?,
-            enable_prefix_caching,
-            max_queue_len: max_queue_len
+            num_blocks: count_arg("num_blocks", a.num_blocks, 1)?,
+            block_size: count_arg("block_size", a.block_size, 1)?,
+            max_num_seqs: count_arg("max_num_seqs", a.max_num_seqs, 1)?,
+            max_num_batched_tokens: count_arg(
+                "max_num_batched_tokens",
+                a.max_num_batched_tokens,
+                1,
+            )?,
+            max_model_len: count_arg("max_model_len", a.max_model_len, 2)?,
+            policy: a.policy.parse::<Policy>()?,
+            enable_prefix_caching: a.enable_prefix_caching,
+            max_queue_len: a
+                .max_queue_len
                 .map(|m| count_arg("max_queue_len", m, 0))
                 .transpose()?,
         };
-        let mut tenant_weights: Vec<(String, f64)> =
-            tenant_weights.unwrap_or_default().into_iter().collect();
+        let mut tenant_weights: Vec<(String, f64)> = a.tenant_weights.into_iter().collect();
         tenant_weights.sort_by(|a, b| a.0.cmp(&b.0));
         let opts = SchedulerOptions {
             fair: FairConfig {
                 tenant_weights,
-                input_token_weight,
-                output_token_weight,
+                input_token_weight: a.input_token_weight,
+                output_token_weight: a.output_token_weight,
             },
-            delay_factor: scheduler_delay_factor,
-            tier_blocks: count_arg("tier_blocks", tier_blocks, 0)?,
-            swap,
-            sliding_window: sliding_window
+            delay_factor: a.scheduler_delay_factor,
+            tier_blocks: count_arg("tier_blocks", a.tier_blocks, 0)?,
+            swap: a.swap,
+            sliding_window: a
+                .sliding_window
                 .map(|w| count_arg("sliding_window", w, 1))
                 .transpose()?,
         };

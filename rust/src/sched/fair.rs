@@ -14,7 +14,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::error::CoreError;
-use crate::queue::OrdF64;
+use crate::sched::ord::OrdF64;
 
 pub type TenantId = u32;
 

@@ -14,11 +14,11 @@
 //! (which pins the whole path from the root, released blocks included).
 
 use super::Scheduler;
-use crate::radix::RadixCache;
-use crate::sequence::{Slot, Status};
+use crate::sched::radix::RadixCache;
+use crate::sched::sequence::{Slot, Status};
 
 #[cfg(test)]
-#[path = "../window_tests.rs"]
+#[path = "window_tests.rs"]
 mod tests;
 
 impl Scheduler {
@@ -85,7 +85,7 @@ impl Scheduler {
             self.alloc.decref(*b);
             *b = 0;
         }
-        self.window_freed_blocks += (dead - s.window_freed) as u64;
+        self.counts.window_freed_blocks += (dead - s.window_freed) as u64;
         s.window_freed = dead;
     }
 

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use super::*;
-use crate::fair::FairConfig;
-use crate::queue::OrdF64;
+use crate::sched::fair::FairConfig;
+use crate::sched::ord::OrdF64;
 
 impl Scheduler {
     /// Test hook (every `try_admit`): under `fair`, the request admitted is a waiting one with

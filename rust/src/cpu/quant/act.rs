@@ -53,7 +53,7 @@ pub(crate) fn quantize(x: &[f32], m: usize, k: usize, threads: usize) -> QActs {
         }));
         (q, sc, su, qs) = (q1, s1, u1, t1);
     }
-    crate::parallel::run_parts(parts, &|p| {
+    crate::cpu::parallel::run_parts(parts, &|p| {
         let mut run = runs[p].lock().unwrap_or_else(|e| e.into_inner());
         quantize_rows(&mut run);
     });

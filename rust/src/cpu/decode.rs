@@ -4,10 +4,10 @@
 //! runs with cold caches right after a weight-streaming matmul), so the lean decode step makes
 //! exactly one call here per layer.
 
-use crate::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
+use crate::cpu::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
+use crate::cpu::elem::Elem;
+use crate::cpu::ops::{rope, RopeShape};
 use crate::error::{CoreError, CoreResult};
-use crate::ops::{rope, RopeShape};
-use crate::ops_elem::Elem;
 
 /// The step's inputs besides the caches: `qkv` `[n, (Hq + 2 Hkv) * D]` (q heads, k heads, v
 /// heads), each row's position, the rotary cos|sin table `[P, D]` and each row's cache slot.

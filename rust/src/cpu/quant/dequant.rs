@@ -122,7 +122,7 @@ fn run<T: Elem>(m: &QMatrix, out: &mut [T], threads: usize) {
         rest = tail;
     }
     // Each run is locked by exactly one thread: the mutex only proves the slices disjoint.
-    crate::parallel::run_parts(parts, &|p| {
+    crate::cpu::parallel::run_parts(parts, &|p| {
         let mut run = runs[p].lock().unwrap_or_else(|e| e.into_inner());
         let (first, ref mut out) = *run;
         groups_into(m, first, out);

@@ -9,113 +9,32 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::block::{BlockAllocator, BlockUsage};
 use crate::error::{CoreError, CoreResult};
-use crate::fair::{FairConfig, TenantStats, Vtc};
-use crate::grammar::{MaskJob, TokenBitmask};
-use crate::plan::Plan;
-use crate::queue::{monotonic, OrdF64, Policy, QueueParams, RequestQueue};
-use crate::radix::{InsertResult, NodeId, RadixCache, TierStats};
-pub use crate::sequence::Finished;
-use crate::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
+use crate::sched::block::{BlockAllocator, BlockUsage};
+use crate::sched::fair::{TenantStats, Vtc};
+use crate::sched::ord::OrdF64;
+use crate::sched::plan::Plan;
+use crate::sched::queue::{monotonic, Policy, QueueParams, RequestQueue};
+use crate::sched::radix::{InsertResult, NodeId, RadixCache, TierStats};
+pub use crate::sched::sequence::Finished;
+use crate::sched::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
 
+mod config;
 #[cfg(test)]
-#[path = "fair_sched_tests.rs"]
 mod fair_tests;
+#[cfg(test)]
+mod harness;
+mod masks;
 mod step;
 #[cfg(test)]
-#[path = "scheduler_tests.rs"]
 mod tests;
+mod tier;
 mod window;
 
-/// Every field is the caller's to choose: the defaults live in the Python `EngineConfig` alone.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SchedulerConfig {
-    pub num_blocks: usize,
-    pub block_size: usize,
-    pub max_num_seqs: usize,
-    pub max_num_batched_tokens: usize,
-    pub max_model_len: usize,
-    pub policy: Policy,
-    pub enable_prefix_caching: bool,
-    pub max_queue_len: Option<usize>,
-}
-
-impl SchedulerConfig {
-    pub fn validate(&self) -> CoreResult<()> {
-        let positive = [
-            ("num_blocks", self.num_blocks),
-            ("block_size", self.block_size),
-            ("max_num_seqs", self.max_num_seqs),
-            ("max_num_batched_tokens", self.max_num_batched_tokens),
-        ];
-        for (name, v) in positive {
-            if v == 0 {
-                return Err(CoreError::invalid(name, "must be >= 1"));
-            }
-        }
-        if self.num_blocks >= u32::MAX as usize / 2 {
-            return Err(CoreError::invalid("num_blocks", "too large"));
-        }
-        if self.max_model_len < 2 {
-            return Err(CoreError::invalid("max_model_len", "must be >= 2"));
-        }
-        if self.max_num_batched_tokens < self.max_num_seqs {
-            return Err(CoreError::invalid(
-                "max_num_batched_tokens",
-                format!(
-                    "must be >= max_num_seqs ({}) so every running sequence gets a token each step, got {}",
-                    self.max_num_seqs, self.max_num_batched_tokens
-                ),
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// Settings beyond `SchedulerConfig` whose defaults are neutral: equal tenant shares, tokens
-/// charged as they are, no prefill delay.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct SchedulerOptions {
-    pub fair: FairConfig,
-    /// vLLM's `scheduler_delay_factor`: while sequences run, admit new requests only once this
-    /// × the last step's duration has passed since the last admission, so prefills that
-    /// arrive close together share a step instead of each slowing a decode step. 0: off.
-    pub delay_factor: f64,
-    /// Capacity in blocks of the tier under the device pool (host memory or a disk file):
-    /// evicted cached blocks are demoted there instead of dropped. 0: no tier.
-    pub tier_blocks: usize,
-    /// Swap: a preempted sequence's cached blocks go to the tier at once (swap-out) and come
-    /// back on resume when copying beats recomputing (swap-in). Needs a tier.
-    pub swap: bool,
-    /// Every layer attends only inside this window: blocks wholly before it are released.
-    pub sliding_window: Option<usize>,
-}
-
-impl SchedulerOptions {
-    pub fn validate(&self) -> CoreResult<()> {
-        self.fair.validate()?;
-        if !(self.delay_factor.is_finite() && self.delay_factor >= 0.0) {
-            return Err(CoreError::invalid(
-                "scheduler_delay_factor",
-                format!("must be >= 0, got {}", self.delay_factor),
-            ));
-        }
-        if self.swap && self.tier_blocks == 0 {
-            return Err(CoreError::invalid(
-                "swap",
-                "needs a tier to swap to (tier_blocks > 0)",
-            ));
-        }
-        if self.tier_blocks >= u32::MAX as usize / 2 {
-            return Err(CoreError::invalid("tier_blocks", "too large"));
-        }
-        if self.sliding_window == Some(0) {
-            return Err(CoreError::invalid("sliding_window", "must be >= 1"));
-        }
-        Ok(())
-    }
-}
+pub use config::{SchedulerConfig, SchedulerOptions};
+pub use masks::MaskStats;
+use masks::Masks;
+use tier::TierState;
 
 /// Counters readable without a scan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -170,54 +89,34 @@ pub struct Scheduler {
     pending_step: u64,
     step: u64,
     next_add_seq: u64,
-    num_preemptions: u64,
-    num_timeouts: u64,
-    num_aborted: u64,
-    num_finished: u64,
+    counts: Counters,
     scratch_slots: Vec<Slot>,
     scratch_gens: Vec<u32>,
-    /// The last plan's token masks, being computed since `schedule` (see `take_bitmask`).
-    masks: Option<MaskJob>,
-    mask_threads: usize,
-    mask_stats: MaskStats,
+    masks: Masks,
+    pacing: Pacing,
+    sliding_window: Option<usize>,
+    tier: TierState,
+}
+
+/// Event counters (the rest of `SchedulerStats` is read from the parts that own it).
+#[derive(Debug, Default)]
+struct Counters {
+    preemptions: u64,
+    timeouts: u64,
+    aborted: u64,
+    finished: u64,
+    window_freed_blocks: u64,
+}
+
+/// Admission pacing (`SchedulerOptions::delay_factor`).
+#[derive(Debug)]
+struct Pacing {
     delay_factor: f64,
     /// `now` of the last `schedule`, and the time between the last two while sequences ran.
     last_schedule: Option<f64>,
     last_step_s: f64,
     /// `now` of the last `schedule` that admitted a waiting request.
     last_admit: f64,
-    swap: bool,
-    /// Promote tier blocks on a hit (the cost model says copying beats recomputing).
-    promote: bool,
-    sliding_window: Option<usize>,
-    /// What the pending plan wrote or copied into cached blocks: dropped from the cache if
-    /// the plan never runs.
-    inflight: Inflight,
-    swap_out: u64,
-    swap_in: u64,
-    window_freed_blocks: u64,
-}
-
-/// Cached blocks whose KV data only the pending plan's forward (or copies) will write.
-#[derive(Debug, Default)]
-struct Inflight {
-    /// Device blocks registered in the cache this step, or promoted into.
-    blocks: Vec<u32>,
-    /// Tier slots demoted into.
-    slots: Vec<u32>,
-}
-
-/// Where the mask computation's time went, summed over steps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct MaskStats {
-    /// Steps with at least one constrained sample row.
-    pub steps: u64,
-    /// Mask rows computed.
-    pub rows: u64,
-    /// Wall-clock time the worker spent computing masks.
-    pub compute_ns: u64,
-    /// Time `take_bitmask` callers waited for them: what did not overlap the forward.
-    pub wait_ns: u64,
 }
 
 impl Scheduler {
@@ -252,26 +151,18 @@ impl Scheduler {
             pending_step: 0,
             step: 0,
             next_add_seq: 0,
-            num_preemptions: 0,
-            num_timeouts: 0,
-            num_aborted: 0,
-            num_finished: 0,
+            counts: Counters::default(),
             scratch_slots: Vec::new(),
             scratch_gens: Vec::new(),
-            masks: None,
-            mask_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            mask_stats: MaskStats::default(),
-            delay_factor: opts.delay_factor,
-            last_schedule: None,
-            last_step_s: 0.0,
-            last_admit: f64::NEG_INFINITY,
-            swap: opts.swap,
-            promote: true,
+            masks: Masks::default(),
+            pacing: Pacing {
+                delay_factor: opts.delay_factor,
+                last_schedule: None,
+                last_step_s: 0.0,
+                last_admit: f64::NEG_INFINITY,
+            },
             sliding_window: opts.sliding_window,
-            inflight: Inflight::default(),
-            swap_out: 0,
-            swap_in: 0,
-            window_freed_blocks: 0,
+            tier: TierState::new(opts.swap),
             cfg,
         })
     }
@@ -300,6 +191,45 @@ impl Scheduler {
         prompt: &[u32],
         params: RequestParams,
     ) -> CoreResult<Vec<Slot>> {
+        let qp = self.check_request(request_id, prompt, &params)?;
+        let idx = match self.req_free.pop() {
+            Some(i) => i,
+            None => {
+                self.reqs.push(None);
+                (self.reqs.len() - 1) as ReqIdx
+            }
+        };
+        let slots = self.new_seqs(idx, prompt, &params, qp.arrival);
+        let id: Arc<str> = request_id.into();
+        let tenant = self.queue.tenant_id(params.tenant.as_deref().unwrap_or(""));
+        let qp = QueueParams { tenant, ..qp };
+        self.queue.push(slots[0], qp)?;
+        self.queue.tenant_join(tenant);
+        self.reqs[idx as usize] = Some(Request {
+            id: id.clone(),
+            queue: qp,
+            namespace: params.namespace.map(Into::into),
+            slots: slots.clone().into(),
+            live: params.n as u32,
+            fork_parent: slots[0],
+            pending: slots[1..].to_vec(),
+            admitted: false,
+            counted: false,
+            preempted_step: 0,
+            charged_prompt: 0,
+        });
+        self.req_ids.insert(id, idx);
+        Ok(slots)
+    }
+
+    /// Everything `add_request` refuses, before anything changes: bad values, a duplicate id, a
+    /// request that could never fit, a full queue. Returns its queue parameters (tenant 0).
+    fn check_request(
+        &self,
+        request_id: &str,
+        prompt: &[u32],
+        params: &RequestParams,
+    ) -> CoreResult<QueueParams> {
         let c = &self.cfg;
         if prompt.is_empty() {
             return Err(CoreError::invalid("prompt_token_ids", "must not be empty"));
@@ -361,14 +291,18 @@ impl Scheduler {
                 max_len: self.queue.max_len().unwrap_or(0),
             });
         }
+        Ok(qp)
+    }
 
-        let idx = match self.req_free.pop() {
-            Some(i) => i,
-            None => {
-                self.reqs.push(None);
-                (self.reqs.len() - 1) as ReqIdx
-            }
-        };
+    /// The `n` sequences of request `idx`: the first waits, the others wait for its fork.
+    fn new_seqs(
+        &mut self,
+        idx: ReqIdx,
+        prompt: &[u32],
+        params: &RequestParams,
+        arrival: f64,
+    ) -> Vec<Slot> {
+        let c = &self.cfg;
         let add_seq = self.next_add_seq;
         self.next_add_seq += 1;
         let prio_key = if c.policy == Policy::Priority {
@@ -376,7 +310,7 @@ impl Scheduler {
         } else {
             0
         };
-        let stop = Arc::new(StopTokens::new(&params));
+        let stop = Arc::new(StopTokens::new(params));
         let max_len = (prompt.len() + params.max_tokens).min(c.max_model_len);
         let mut slots = Vec::with_capacity(params.n);
         for k in 0..params.n {
@@ -413,70 +347,7 @@ impl Scheduler {
             s.grammar = params.grammar.as_ref().map(|g| g.new_matcher());
             slots.push(slot);
         }
-        let id: Arc<str> = request_id.into();
-        let tenant = self.queue.tenant_id(params.tenant.as_deref().unwrap_or(""));
-        let qp = QueueParams { tenant, ..qp };
-        self.queue.push(slots[0], qp)?;
-        self.queue.tenant_join(tenant);
-        self.reqs[idx as usize] = Some(Request {
-            id: id.clone(),
-            queue: qp,
-            namespace: params.namespace.map(Into::into),
-            slots: slots.clone().into(),
-            live: params.n as u32,
-            fork_parent: slots[0],
-            pending: slots[1..].to_vec(),
-            admitted: false,
-            counted: false,
-            preempted_step: 0,
-            charged_prompt: 0,
-        });
-        self.req_ids.insert(id, idx);
-        Ok(slots)
-    }
-
-    /// The token masks of the last plan's constrained sample rows (`plan.mask_rows`), waiting
-    /// for their computation to end if needed. None if the plan has none or they were taken.
-    pub fn take_bitmask(&mut self) -> Option<TokenBitmask> {
-        let job = self.masks.take()?;
-        let t0 = std::time::Instant::now();
-        let m = job.join();
-        self.mask_stats.wait_ns += t0.elapsed().as_nanos() as u64;
-        self.mask_stats.compute_ns += m.compute_ns;
-        Some(m)
-    }
-
-    /// Threads the mask computation of one step may use (default: the machine's CPUs).
-    pub fn set_mask_threads(&mut self, n: usize) {
-        self.mask_threads = n.max(1);
-    }
-
-    pub fn mask_threads(&self) -> usize {
-        self.mask_threads
-    }
-
-    pub fn mask_stats(&self) -> MaskStats {
-        self.mask_stats
-    }
-
-    /// Start computing the new plan's masks on a worker thread.
-    fn start_masks(&mut self) {
-        let p = &mut self.plan;
-        if p.mask_rows.is_empty() {
-            return;
-        }
-        let words = p.mask_matchers[0].mask_words();
-        let (rows, matchers) = (p.mask_rows.clone(), std::mem::take(&mut p.mask_matchers));
-        self.mask_stats.steps += 1;
-        self.mask_stats.rows += rows.len() as u64;
-        self.masks = Some(MaskJob::start(rows, matchers, words, self.mask_threads));
-    }
-
-    /// Drop the masks of a plan that is over, after their worker ends (it holds the matchers).
-    fn discard_masks(&mut self) {
-        if let Some(job) = self.masks.take() {
-            self.mask_stats.compute_ns += job.join().compute_ns;
-        }
+        slots
     }
 
     /// Finish one live sequence now (e.g. a stop string matched); frees its blocks (its
@@ -486,7 +357,7 @@ impl Scheduler {
             return false;
         }
         self.finish_seq(slot);
-        self.num_finished += 1;
+        self.counts.finished += 1;
         true
     }
 
@@ -496,7 +367,7 @@ impl Scheduler {
             return false;
         };
         self.drop_request(idx);
-        self.num_aborted += 1;
+        self.counts.aborted += 1;
         true
     }
 
@@ -557,70 +428,6 @@ impl Scheduler {
         self.radix.reset(&mut self.alloc)
     }
 
-    /// The cost model: promote tier blocks on a hit only if copying one back costs less than
-    /// recomputing its `block_size` tokens.
-    pub fn set_promote_cost(
-        &mut self,
-        copy_s_per_block: f64,
-        prefill_s_per_token: f64,
-    ) -> CoreResult<()> {
-        for (name, v) in [
-            ("copy_s_per_block", copy_s_per_block),
-            ("prefill_s_per_token", prefill_s_per_token),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(CoreError::invalid(name, format!("must be >= 0, got {v}")));
-            }
-        }
-        self.promote = copy_s_per_block < prefill_s_per_token * self.cfg.block_size as f64;
-        Ok(())
-    }
-
-    pub fn promotes(&self) -> bool {
-        self.promote
-    }
-
-    /// Lock the device-cached full blocks of `tokens` for good; returns the tokens pinned.
-    pub fn pin_prefix(&mut self, tokens: &[u32], ns: Option<&str>) -> usize {
-        if !self.cfg.enable_prefix_caching {
-            return 0;
-        }
-        self.radix.pin(tokens, ns)
-    }
-
-    /// Demote every unpinned, unused device-cached block the tier can take (shutdown of a
-    /// persistent tier); returns the copies still to run, (device block, tier slot) pairs.
-    /// Ends the step first: a plan never `update`d is rolled back (what it would have written
-    /// is uncached), and blocks promoted by the last plan, whose copies have run, may go.
-    pub fn tier_flush(&mut self) -> Vec<i64> {
-        self.rollback_pending();
-        if !self.radix.has_copies() {
-            self.radix.begin_step();
-        }
-        let c = self.radix.flush(&mut self.alloc);
-        debug_assert!(c.promote.is_empty(), "promotions are never deferred");
-        c.demote
-    }
-
-    /// See `RadixCache::tier_entries`.
-    pub fn tier_entries(&self) -> Vec<(u32, i64, Option<String>, Vec<u32>)> {
-        self.radix.tier_entries()
-    }
-
-    /// See `RadixCache::restore`. Only into an idle scheduler with an empty cache.
-    pub fn tier_restore(
-        &mut self,
-        entries: &[(u32, i64, Option<String>, Vec<u32>)],
-    ) -> CoreResult<usize> {
-        if self.has_unfinished() || self.radix.num_nodes() > 1 {
-            return Err(CoreError::invalid(
-                "entries",
-                "tier_restore needs an idle scheduler with an empty prefix cache",
-            ));
-        }
-        Ok(self.radix.restore(entries))
-    }
-
     /// Served tokens and virtual counter per tenant seen so far (every policy counts; `fair`
     /// orders by the counters).
     pub fn tenant_stats(&self) -> Vec<TenantStats> {
@@ -628,15 +435,15 @@ impl Scheduler {
     }
 
     pub fn delay_factor(&self) -> f64 {
-        self.delay_factor
+        self.pacing.delay_factor
     }
 
     pub fn options(&self) -> SchedulerOptions {
         SchedulerOptions {
             fair: self.queue.vtc().config().clone(),
-            delay_factor: self.delay_factor,
+            delay_factor: self.pacing.delay_factor,
             tier_blocks: self.radix.tier_capacity(),
-            swap: self.swap,
+            swap: self.tier.swap,
             sliding_window: self.sliding_window,
         }
     }
@@ -655,23 +462,23 @@ impl Scheduler {
         SchedulerStats {
             num_waiting: self.queue.len(),
             num_running: self.num_running,
-            num_preemptions: self.num_preemptions,
-            num_timeouts: self.num_timeouts,
+            num_preemptions: self.counts.preemptions,
+            num_timeouts: self.counts.timeouts,
             prefix_queries: self.radix.queries(),
             prefix_hits: self.radix.hits(),
             blocks: self.alloc.usage(),
-            num_aborted: self.num_aborted,
-            num_finished: self.num_finished,
+            num_aborted: self.counts.aborted,
+            num_finished: self.counts.finished,
             num_steps: self.step,
             num_requests: self.req_ids.len(),
             tier: TierStats {
-                swap_out: self.swap_out,
-                swap_in: self.swap_in,
+                swap_out: self.tier.swap_out,
+                swap_in: self.tier.swap_in,
                 ..self.radix.tier_stats()
             },
             kv_slots_allocated: allocated,
             kv_slots_used: used,
-            window_freed_blocks: self.window_freed_blocks,
+            window_freed_blocks: self.counts.window_freed_blocks,
         }
     }
 

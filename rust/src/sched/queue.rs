@@ -20,7 +20,6 @@
 //! re-enters at its (priority, arrival) rank, so it never jumps a more important request.
 
 use std::borrow::Borrow;
-use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::Hash;
 use std::str::FromStr;
@@ -28,7 +27,8 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use crate::error::CoreError;
-use crate::fair::{TenantId, Vtc};
+use crate::sched::fair::{TenantId, Vtc};
+use crate::sched::ord::OrdF64;
 
 /// The core's monotonic clock in seconds (shared with Python as `ironlm._core.monotonic()`).
 pub fn monotonic() -> f64 {
@@ -69,22 +69,6 @@ impl FromStr for Policy {
                 format!("expected 'fcfs', 'priority', 'deadline' or 'fair', got {s:?}"),
             )),
         }
-    }
-}
-
-/// A float with a total order (times are validated finite before they get here).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct OrdF64(pub f64);
-
-impl Eq for OrdF64 {}
-impl PartialOrd for OrdF64 {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for OrdF64 {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.0.total_cmp(&other.0)
     }
 }
 

@@ -204,7 +204,7 @@ fn rejects_what_it_cannot_follow() {
 
 #[test]
 fn half_caches_and_strided_queries_match_the_f32_kernel() {
-    use crate::ops_elem::{Bf16, F16};
+    use crate::cpu::elem::{Bf16, F16};
     fn run<T: Elem>(case: &Case, pad: usize) -> Vec<f32> {
         let s = case.shape;
         let width = s.num_q_heads * s.head_dim;

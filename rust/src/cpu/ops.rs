@@ -10,8 +10,8 @@
 
 use std::sync::Mutex;
 
+use crate::cpu::elem::Elem;
 use crate::error::{CoreError, CoreResult};
-use crate::ops_elem::Elem;
 
 /// Below this many elements a kernel runs on the calling thread: a fork-join on the OpenMP
 /// pool costs a few microseconds, more than a decode row's whole norm or activation.
@@ -76,7 +76,7 @@ fn par_rows<T: Send>(
         .map(|(i, c)| Mutex::new((i * per, c)))
         .collect();
     // Each chunk is locked by exactly one part: the mutex only proves the slices disjoint.
-    crate::parallel::run_parts(chunks.len(), &|p| {
+    crate::cpu::parallel::run_parts(chunks.len(), &|p| {
         let mut chunk = chunks[p].lock().unwrap_or_else(|e| e.into_inner());
         let (first, ref mut rows) = *chunk;
         f(first, rows);

@@ -261,7 +261,7 @@ pub(crate) fn as_i64_array<'py>(
 #[pyfunction]
 /// The core's clock, in seconds.
 fn monotonic() -> f64 {
-    crate::queue::monotonic()
+    crate::sched::queue::monotonic()
 }
 
 #[pymodule]

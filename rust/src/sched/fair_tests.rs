@@ -1,7 +1,7 @@
 //! Tests of the virtual token counters and of the `fair` queue order against a model.
 
 use super::*;
-use crate::queue::{Policy, QueueParams, RequestQueue};
+use crate::sched::queue::{Policy, QueueParams, RequestQueue};
 use crate::test_rng::Rng;
 
 fn weights(w: &[(&str, f64)]) -> FairConfig {
@@ -117,8 +117,14 @@ fn randomized_fair_queue_against_model() {
             3 => {
                 let vtc = q.vtc();
                 let key = |(_, p, s): &(u32, QueueParams, u64)| {
-                    let c = crate::queue::OrdF64(vtc.counter(p.tenant));
-                    (p.priority, c, p.tenant, crate::queue::OrdF64(p.arrival), *s)
+                    let c = crate::sched::ord::OrdF64(vtc.counter(p.tenant));
+                    (
+                        p.priority,
+                        c,
+                        p.tenant,
+                        crate::sched::ord::OrdF64(p.arrival),
+                        *s,
+                    )
                 };
                 let want = model
                     .iter()

@@ -1,6 +1,7 @@
 //! Tests of the radix prefix cache, with a randomized run against a reference model.
 
 use super::*;
+use crate::sched::block::BlockAllocator;
 use crate::test_rng::Rng;
 
 const BS: usize = 4;

@@ -169,7 +169,7 @@ impl QMatrix {
             .collect();
         let dst = OutPtr(out.as_mut_ptr());
         let dst = &dst;
-        crate::parallel::run_parts(parts, &|p| {
+        crate::cpu::parallel::run_parts(parts, &|p| {
             let mut res: Tile = [[0.0; ROWS]; 8];
             for owner in (0..parts).map(|i| (p + i) % parts) {
                 let end = groups * (owner + 1) / parts;

@@ -2,10 +2,11 @@
 
 use super::{Finished, Scheduler};
 use crate::error::{CoreError, CoreResult};
-use crate::plan::Plan;
-use crate::queue::{monotonic, OrdF64, Policy};
-use crate::radix::RadixCache;
-use crate::sequence::{FinishReason, Slot, Status};
+use crate::sched::ord::OrdF64;
+use crate::sched::plan::Plan;
+use crate::sched::queue::{monotonic, Policy};
+use crate::sched::radix::RadixCache;
+use crate::sched::sequence::{FinishReason, Slot, Status};
 
 impl Scheduler {
     /// Plan the next step. Waiting requests past their timeout are finished first (reported
@@ -15,10 +16,10 @@ impl Scheduler {
         let now = now.unwrap_or_else(monotonic);
         // Sequences left running means the engine stepped again at once: the gap is one step.
         // Without them it may have idled, and an idle gap is no step duration.
-        if let Some(prev) = self.last_schedule.filter(|_| self.num_running > 0) {
-            self.last_step_s = (now - prev).max(0.0);
+        if let Some(prev) = self.pacing.last_schedule.filter(|_| self.num_running > 0) {
+            self.pacing.last_step_s = (now - prev).max(0.0);
         }
-        self.last_schedule = Some(now);
+        self.pacing.last_schedule = Some(now);
         self.step += 1;
         self.rollback_pending();
         // Copies queued by a plan that had nothing to run are still waiting to be handed out:
@@ -87,9 +88,9 @@ impl Scheduler {
 
         // Then waiting requests in policy order, unless this step had to preempt for blocks
         // or the delay factor holds them for a bigger prefill batch.
-        let held = self.delay_factor > 0.0
+        let held = self.pacing.delay_factor > 0.0
             && self.num_running > 0
-            && now - self.last_admit < self.delay_factor * self.last_step_s;
+            && now - self.pacing.last_admit < self.pacing.delay_factor * self.pacing.last_step_s;
         let admitted_before = self.num_running;
         if (!preempted || make_room_for_waiting) && !held {
             while budget > 0 {
@@ -106,12 +107,13 @@ impl Scheduler {
             }
         }
         if self.num_running > admitted_before {
-            self.last_admit = now;
+            self.pacing.last_admit = now;
         }
         if !self.plan.is_empty() {
             self.pending_step = self.step;
             let c = self.radix.take_copies();
-            self.inflight
+            self.tier
+                .inflight
                 .slots
                 .extend(c.demote.chunks_exact(2).map(|p| p[1] as u32));
             self.plan.kv_demote = c.demote;
@@ -159,8 +161,8 @@ impl Scheduler {
         }
         // The plan ran: its tokens are in the KV cache now.
         self.pending_step = 0;
-        self.inflight.blocks.clear();
-        self.inflight.slots.clear();
+        self.tier.inflight.blocks.clear();
+        self.tier.inflight.slots.clear();
         // Its masks are stale once the matchers advance (the sampler took them, or never will).
         self.discard_masks();
         for (r, &token) in sampled.iter().enumerate() {
@@ -190,7 +192,7 @@ impl Scheduler {
             if let Some(reason) = stop {
                 let id = self.req(slot).id.clone();
                 self.finish_seq(slot);
-                self.num_finished += 1;
+                self.counts.finished += 1;
                 out.push((id, slot, reason));
             }
         }
@@ -248,8 +250,8 @@ impl Scheduler {
         }
         // What that plan would have written (forward) or copied (tier) is not there.
         let (blocks, slots_) = (
-            std::mem::take(&mut self.inflight.blocks),
-            std::mem::take(&mut self.inflight.slots),
+            std::mem::take(&mut self.tier.inflight.blocks),
+            std::mem::take(&mut self.tier.inflight.slots),
         );
         if !blocks.is_empty() || !slots_.is_empty() {
             self.radix.invalidate(&mut self.alloc, &blocks, &slots_);
@@ -314,7 +316,7 @@ impl Scheduler {
                 }
             }
             self.drop_request(idx);
-            self.num_timeouts += 1;
+            self.counts.timeouts += 1;
         }
         self.scratch_slots = expired;
     }
@@ -471,7 +473,7 @@ impl Scheduler {
                 &s.blocks[..full],
                 ns,
                 prio,
-                Some(&mut self.inflight.blocks),
+                Some(&mut self.tier.inflight.blocks),
             );
             if node != s.node {
                 if node != RadixCache::ROOT {
@@ -542,7 +544,7 @@ impl Scheduler {
         self.check_fair_head(slot);
         let bs = self.cfg.block_size;
         let idx = self.seqs[slot as usize].req as usize;
-        let tiered = self.promote && self.radix.tier_capacity() > 0;
+        let tiered = self.tier.promote && self.radix.tier_capacity() > 0;
         let (mut blocks, node, host, resumed) = if self.cfg.enable_prefix_caching {
             let r = self.reqs[idx].as_mut().expect("live request");
             let count = !r.counted;
@@ -588,9 +590,12 @@ impl Scheduler {
             for &b in &blocks[on_device..] {
                 self.alloc.incref(b);
             }
-            self.inflight.blocks.extend_from_slice(&blocks[on_device..]);
+            self.tier
+                .inflight
+                .blocks
+                .extend_from_slice(&blocks[on_device..]);
             if resumed {
-                self.swap_in += host as u64;
+                self.tier.swap_in += host as u64;
             }
         }
         self.queue.pop();
@@ -628,7 +633,7 @@ impl Scheduler {
     /// cache, its blocks are freed, and it goes back to the front of the queue keeping its
     /// generated tokens. The caller removes it from `running` (or marks it dirty).
     fn preempt(&mut self, slot: Slot) {
-        self.preempt_with(slot, self.swap);
+        self.preempt_with(slot, self.tier.swap);
     }
 
     /// `preempt`; with `swap`, its cached blocks go to the tier at once (swap-out).
@@ -636,11 +641,11 @@ impl Scheduler {
         self.num_reserved -= 1 + self.pending_of(slot);
         let node = self.release_blocks(slot);
         if swap && node != RadixCache::ROOT {
-            self.swap_out += self.radix.demote_path(&mut self.alloc, node) as u64;
+            self.tier.swap_out += self.radix.demote_path(&mut self.alloc, node) as u64;
         }
         self.seqs[slot as usize].status = Status::Waiting;
         self.num_running -= 1;
-        self.num_preemptions += 1;
+        self.counts.preemptions += 1;
         let step = self.step;
         let r = self.req_mut(slot);
         let qp = r.queue;

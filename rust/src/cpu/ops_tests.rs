@@ -1,6 +1,6 @@
 use super::*;
 
-use crate::ops_elem::{Bf16, F16};
+use crate::cpu::elem::{Bf16, F16};
 use crate::test_rng::Rng;
 
 fn cast<T: Elem>(xs: &[f32]) -> Vec<T> {

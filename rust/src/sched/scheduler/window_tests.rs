@@ -2,13 +2,13 @@
 //! their sequence runs, shared ones lose one ref, cached ones stay cached, and a randomized run
 //! against a simulated KV cache proves no released block was still needed.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use crate::error::CoreError;
-use crate::plan::Plan;
-use crate::queue::Policy;
-use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerOptions};
-use crate::sequence::{RequestParams, Slot, Status};
+use crate::sched::plan::Plan;
+use crate::sched::queue::Policy;
+use crate::sched::scheduler::{Scheduler, SchedulerConfig, SchedulerOptions};
+use crate::sched::sequence::{RequestParams, Slot, Status};
 use crate::test_rng::Rng;
 
 fn windowed(c: SchedulerConfig, window: usize) -> Scheduler {
@@ -173,7 +173,7 @@ fn forks_share_then_release_their_own_refs() {
     assert_eq!(s.alloc.num_free(), 40);
 }
 
-use crate::scheduler::tests::kv_hash;
+use crate::sched::scheduler::harness::SimKv;
 
 #[derive(Debug, Default)]
 struct Seen {
@@ -212,7 +212,7 @@ fn random_run(seed: u64, caching: bool, ops: usize, seen: &mut Seen) {
         ..c
     };
     let mut s = windowed(c.clone(), window);
-    let mut kv = vec![u64::MAX; c.num_blocks * bs];
+    let mut kv = SimKv::new(c.num_blocks, bs);
     let prefixes: Vec<Vec<u32>> = (0..3)
         .map(|_| (0..60).map(|_| rng.below(50) as u32).collect())
         .collect();
@@ -269,51 +269,15 @@ fn random_run(seed: u64, caching: bool, ops: usize, seen: &mut Seen) {
             _ => {
                 let plan = s.schedule(Some(0.0)).clone();
                 let bt = s.block_tables();
-                let w = plan.block_table_width;
                 assert!(
                     !s.has_unfinished() || !plan.is_empty(),
                     "empty plan with work"
                 );
-                for pair in plan.cow_pairs.chunks(2) {
-                    let (src, dst) = (pair[0] as usize * bs, pair[1] as usize * bs);
-                    kv.copy_within(src..src + bs, dst);
-                }
-                let mut written = HashSet::new();
+                let ns = |id: &str| ns_of[id];
+                kv.write(&s, &plan, &bt, &ns);
+                kv.check_reads(&s, &plan, &bt, &ns, Some(window));
                 for b in 0..plan.num_seqs() {
                     let slot = plan.seq_slots[b] as Slot;
-                    let tokens = s.token_ids(slot).unwrap().to_vec();
-                    let mut h = ns_of[s.request_id(slot).unwrap().as_ref()];
-                    let (q0, ctx, len) = (
-                        plan.query_start_loc[b] as usize,
-                        plan.context_lens[b] as usize,
-                        plan.seq_lens[b] as usize,
-                    );
-                    for (pos, &t) in tokens[..len].iter().enumerate() {
-                        h = kv_hash(h, t);
-                        if pos >= ctx {
-                            let kslot = bt[b * w + pos / bs] as usize * bs + pos % bs;
-                            assert_eq!(plan.slot_mapping[q0 + pos - ctx], kslot as i64);
-                            assert!(written.insert(kslot), "slot {kslot} written twice");
-                            kv[kslot] = h;
-                        }
-                    }
-                }
-                for b in 0..plan.num_seqs() {
-                    let slot = plan.seq_slots[b] as Slot;
-                    let tokens = s.token_ids(slot).unwrap();
-                    let mut h = ns_of[s.request_id(slot).unwrap().as_ref()];
-                    let (ctx, len) = (plan.context_lens[b] as usize, plan.seq_lens[b] as usize);
-                    // The chunk's first query (at ctx) sees positions past ctx - window.
-                    let first = (ctx + 1).saturating_sub(window);
-                    for (pos, &t) in tokens[..len].iter().enumerate() {
-                        h = kv_hash(h, t);
-                        let blk = bt[b * w + pos / bs] as usize;
-                        if pos >= first {
-                            assert_eq!(kv[blk * bs + pos % bs], h, "slot {slot} pos {pos}");
-                        } else {
-                            assert!(blk < c.num_blocks);
-                        }
-                    }
                     assert!(
                         held(&s, slot) <= cap,
                         "slot {slot} holds {}",

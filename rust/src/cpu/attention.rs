@@ -14,9 +14,9 @@
 
 use std::sync::Mutex;
 
+use crate::cpu::elem::Elem;
+use crate::cpu::ops::exp;
 use crate::error::{CoreError, CoreResult};
-use crate::ops::exp;
-use crate::ops_elem::Elem;
 
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeShape {
@@ -202,7 +202,7 @@ pub fn paged_decode<T: Elem>(
         (start, rest) = (end, tail);
     }
     // Each run is locked by exactly one thread: the mutex only proves the slices disjoint.
-    crate::parallel::run_parts(parts, &|p| {
+    crate::cpu::parallel::run_parts(parts, &|p| {
         let mut run = runs[p].lock().unwrap_or_else(|e| e.into_inner());
         let (first, ref mut out) = *run;
         run_seqs(args, first, out);

@@ -6,10 +6,11 @@
 
 use std::sync::Arc;
 
-use crate::block::BlockId;
 use crate::grammar::{CompiledGrammar, SeqMatcher};
-use crate::queue::{OrdF64, QueueParams};
-use crate::radix::{NodeId, RadixCache};
+use crate::sched::block::BlockId;
+use crate::sched::ord::OrdF64;
+use crate::sched::queue::QueueParams;
+use crate::sched::radix::{NodeId, RadixCache};
 
 pub type Slot = u32;
 pub type ReqIdx = u32;

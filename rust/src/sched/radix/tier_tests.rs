@@ -3,6 +3,7 @@
 //! every cached block, on either tier, must hold the KV of exactly the prefix the tree says.
 
 use super::*;
+use crate::sched::block::BlockAllocator;
 use crate::test_rng::Rng;
 
 const BS: usize = 4;

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::grammar::SeqMatcher;
-use crate::sequence::Finished;
+use crate::sched::sequence::Finished;
 
 #[derive(Debug, Default, Clone)]
 pub struct Plan {
