@@ -166,6 +166,10 @@ class ForwardFaults:
         self.calls = self.failures = 0
         self._forward = self.model.forward
         self.model.forward = self._forward_with_faults
+        # A CUDA-graph replay runs the recorded kernels without calling forward: every step must come through here.
+        runner = getattr(engine, "runner", None)
+        if runner is not None and hasattr(runner, "disable_cuda_graphs"):
+            runner.disable_cuda_graphs()
 
     def _forward_with_faults(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1

@@ -155,6 +155,10 @@ class EngineConfig:
         "fails with a 400", metavar="S")
     grammar_cache_size: int = _opt(256, "compiled structured-output grammars kept for reuse (LRU)")
     warmup: bool = _opt(True, "run one forward at startup so the first request is not the slow one")
+    enforce_eager: bool = _opt(
+        False, "never replay CUDA graphs: by default a GPU engine captures its decode step for batch sizes 1, 2, 4, "
+        "8, 16, ... up to max_num_seqs (at most 256) at startup and replays them, padding a batch to the next size "
+        "(vLLM's flag; CPU engines always run eager)")
     tensor_parallel_size: int = _opt(1, "ranks the model is sharded over (Megatron-style; gloo on CPU, nccl on GPU)")
     distributed_executor_backend: str = _opt(
         "mp", "how tensor-parallel ranks start: mp = ironlm spawns them on this node, torchrun = launched by "
@@ -267,6 +271,21 @@ class EngineConfig:
         """`tenant_weights` parsed: {tenant: share}."""
         return parse_tenant_weights(self.tenant_weights)
 
+    def scheduler_config(self, *, num_blocks: int, max_num_batched_tokens: int, max_model_len: int,
+                         tier_blocks: int, sliding_window: int | None) -> SchedulerConfig:
+        """The core scheduler's settings, given what only a loaded engine knows: its KV pool, token budget and
+        context length, its tier's slots and the widest sliding window when every layer slides (else None)."""
+        return SchedulerConfig(
+            num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            policy=self.scheduling_policy, enable_prefix_caching=self.enable_prefix_caching,
+            # The capacity is max_num_seqs running + max_queue_len waiting (checked in add_request): requests that
+            # arrive together all wait until the next step schedules them, so the core's waiting bound is the sum.
+            max_queue_len=None if self.max_queue_len is None else self.max_queue_len + self.max_num_seqs,
+            tenant_weights=self.tenant_weight_map() or {}, input_token_weight=self.fair_input_token_weight,
+            output_token_weight=self.fair_output_token_weight, scheduler_delay_factor=self.scheduler_delay_factor,
+            tier_blocks=tier_blocks, swap=self.swap_space > 0, sliding_window=sliding_window)
+
     # ---- defaults that depend on where the engine runs --------------------------------------------------
     def resolve_max_num_batched_tokens(self, device_type: str) -> int:
         """The per-step token budget: the configured one, else a device default of at least max_num_seqs."""
@@ -287,6 +306,29 @@ class EngineConfig:
         if size is None and device_type == "cpu":
             return _CPU_KV_CACHE_BYTES
         return size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the core's `Scheduler` is built from (`_core.Scheduler(config)` reads these attributes). No field has a
+    default: `EngineConfig.scheduler_config` fills it from the engine's settings and the sizes known once the model
+    is loaded, so the defaults live in EngineConfig alone."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str
+    enable_prefix_caching: bool
+    max_queue_len: int | None
+    tenant_weights: dict[str, float]
+    input_token_weight: float
+    output_token_weight: float
+    scheduler_delay_factor: float
+    tier_blocks: int
+    swap: bool
+    sliding_window: int | None
 
 
 @dataclass

@@ -6,6 +6,9 @@ numpy arrays to the device, runs the KV tier copies (demote, promote), the copy-
 forward. It owns this rank's KV tier (engine/kv/tier.py), if the config asks for one: under tensor parallelism
 every rank keeps its own shard's blocks in its own tier, at the same slots.
 
+On a GPU (one rank, Triton attention) the decode step is captured as CUDA graphs at startup, one per batch size,
+unless `enforce_eager` (engine/cuda_graphs.py); every other step, and every step on CPU, runs eager.
+
 With `tensor_parallel_size > 1` rank 0's runner starts the other ranks (ironlm.distributed.executor), each of
 which builds a runner over its own shard and KV pool; every step rank 0 broadcasts the plan's arrays, all ranks
 run the forward, and only rank 0 gets the logits.
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from ironlm import _core
     from ironlm.distributed.executor import TPExecutor
     from ironlm.distributed.group import TPGroup
+    from ironlm.engine.cuda_graphs import DecodeGraphs
     from ironlm.engine.kv.tier import KVTier
     from ironlm.engine.timing import StepTimer
     from ironlm.model.config import ModelConfig
@@ -101,7 +105,32 @@ class ModelRunner:
             t0 = time.perf_counter()
             self.profile(min(self.token_budget, 64))
             self.startup_timings["warmup"] = time.perf_counter() - t0
+        self.graphs: DecodeGraphs | None = None
+        if self.cuda_graphs_apply():
+            t0 = time.perf_counter()
+            self.graphs = self._capture_graphs()
+            self.startup_timings["cuda_graphs"] = time.perf_counter() - t0
         self._ready = True
+
+    def cuda_graphs_apply(self) -> bool:
+        """Whether this runner captures its decode step: CUDA, one rank, the Triton backend, not enforce_eager."""
+        backend = getattr(self.model, "attn_backend", None)
+        return (not self.config.enforce_eager and self.device.type == "cuda" and self.tp is None
+                and getattr(backend, "name", None) == "triton")
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        from ironlm.engine.cuda_graphs import DecodeGraphs, capture_sizes
+
+        assert self.kv_caches is not None
+        graphs = DecodeGraphs(self.model, self.kv_caches, sizes=capture_sizes(self.config.max_num_seqs),
+                              max_model_len=self.max_model_len, block_size=self.config.block_size,
+                              device=self.device)
+        graphs.capture_all()
+        return graphs
+
+    def disable_cuda_graphs(self) -> None:
+        """Run every step eager from now on (for wrappers of the model's forward, which a replay bypasses)."""
+        self.graphs = None
 
     def _build_tier(self) -> KVTier:
         """This rank's tier: as many slots as the configured bytes hold (the fewest any rank holds, as the core
@@ -183,6 +212,16 @@ class ModelRunner:
                 timer.lap("kv_copy", sync=device)
         if len(plan.cow_pairs):
             copy_blocks(self.kv_caches, plan.cow_pairs)
+        size = None if self.graphs is None else self.graphs.size_for(plan)
+        if size is not None:
+            assert self.graphs is not None
+            self.graphs.stage(plan, size)
+            if timer is not None:
+                timer.lap("prepare")
+            logits = self.graphs.replay(size, len(plan.seq_lens))
+            if timer is not None:
+                timer.lap("forward", sync=device)
+            return logits
         input_ids = torch.from_numpy(plan.input_ids).to(device, non_blocking=True)
         positions = torch.from_numpy(plan.positions).to(device, non_blocking=True)
         logits_indices = torch.from_numpy(plan.logits_indices).to(device, non_blocking=True)
