@@ -284,7 +284,7 @@ def test_fingerprint_changes_with_every_input(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"hidden_size": 64}')
-    big = bytearray(os.urandom(2 << 20))  # larger than 8 sampled chunks: only samples are read
+    big = bytearray(os.urandom(2 << 20))
     (model / "model.safetensors").write_bytes(big)
     (model / ".cache").mkdir()
     (model / ".cache" / "meta").write_text("download metadata")
@@ -313,7 +313,12 @@ def test_fingerprint_changes_with_every_input(tmp_path):
         fp(geometry=TierGeometry(3, 8, 2, 8, torch.float32)), fp(quantization="int8"),
         fp(quantization="int8", quantization_group_size=64), fp(tp_rank=1, tp_size=2), fp(salt="tenant"),
     ]
-    big[0] ^= 1  # the safetensors header lives in the first sampled chunk
+    big[0] ^= 1  # the safetensors header
+    (model / "model.safetensors").write_bytes(big)
+    variants.append(fp())
+    # One byte inside a tensor, between what 8 evenly spaced 64 KiB samples read (a fine-tune's changed layer):
+    # the sampled fingerprint missed it and served the old model's KV.
+    big[100 << 10] ^= 1
     (model / "model.safetensors").write_bytes(big)
     variants.append(fp())
     big.append(0)
