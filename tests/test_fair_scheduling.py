@@ -12,6 +12,7 @@ import asyncio
 import httpx
 import pytest
 
+from core_utils import make_scheduler
 from fake_engine import FakeEngine
 from ironlm import EngineConfig, LLMEngine, _core
 from ironlm.cli_args import add_engine_args
@@ -24,8 +25,8 @@ from server_utils import TINY_ENGINE_KW, LiveServer, tiny_model_path, wait_for
 
 
 def scheduler(policy: str = "fair", max_num_seqs: int = 8, **kw) -> _core.Scheduler:
-    return _core.Scheduler(num_blocks=4096, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
-                           max_model_len=256, policy=policy, enable_prefix_caching=False, max_queue_len=None, **kw)
+    return make_scheduler(4096, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                          max_model_len=256, policy=policy, enable_prefix_caching=False, **kw)
 
 
 def run_step(s: _core.Scheduler, now: float) -> list[str]:

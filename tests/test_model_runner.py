@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ironlm import _core
+from core_utils import make_scheduler
 from ironlm.config import EngineConfig
 from ironlm.engine.kv_cache import bytes_per_block, copy_blocks
 from ironlm.engine.model_runner import ModelRunner
@@ -63,9 +63,8 @@ def test_copy_blocks_copies_each_pair_in_every_layer() -> None:
 
 def test_execute_turns_a_scheduler_plan_into_the_reference_logits(tiny: Path) -> None:
     r = runner(tiny, num_kv_blocks=32)
-    sched = _core.Scheduler(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                            max_model_len=r.max_model_len, policy="fcfs", enable_prefix_caching=True,
-                            max_queue_len=None)
+    sched = make_scheduler(32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                           max_model_len=r.max_model_len)
     prompts = [[5, 9, 13, 2, 7, 11], [3, 8, 1]]
     slots = [sched.add_request(f"r{i}", ids, 4)[0] for i, ids in enumerate(prompts)]
     ref = load_hf_reference(tiny)

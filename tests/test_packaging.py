@@ -57,9 +57,10 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path):
     subprocess.run([str(uv), "pip", "install", "--offline", "--python", str(py), "--no-deps", str(wheel), "numpy"],
                    check=True, capture_output=True, timeout=300)
     site = next((venv / "lib").glob("python3*/site-packages"))
-    code = ("import ironlm, ironlm._core as c; s = c.Scheduler(num_blocks=8, block_size=4, max_num_seqs=2, "
-            "max_num_batched_tokens=8, max_model_len=32, policy='fcfs', enable_prefix_caching=True, "
-            "max_queue_len=None); s.add_request('r', [1, 2, 3], 4); "
+    code = ("import ironlm, ironlm._core as c; from ironlm.config import EngineConfig; "
+            "s = c.Scheduler(EngineConfig(block_size=4, max_num_seqs=2).scheduler_config(num_blocks=8, "
+            "max_num_batched_tokens=8, max_model_len=32, tier_blocks=0, sliding_window=None)); "
+            "s.add_request('r', [1, 2, 3], 4); "
             "import importlib.util as u; kernel = u.find_spec('ironlm.kernels.decode_attention').origin; "
             "print(ironlm.__version__, s.schedule().num_tokens, ironlm.__file__, kernel)")
     out = subprocess.run([str(py), "-c", code], check=False, cwd=tmp_path, capture_output=True,

@@ -20,6 +20,8 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from ironlm.config import EngineConfig, SchedulerConfig
+
 BLOCK_SIZE = 16
 
 
@@ -336,13 +338,18 @@ def _time_steps(schedule, update, steps: int) -> dict[str, float]:
             "schedule_us": t_sched / steps / 1e3, "update_us": t_upd / steps / 1e3}
 
 
+def _config(num_blocks: int, num_seqs: int, budget: int, max_model_len: int, caching: bool) -> SchedulerConfig:
+    engine = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=num_seqs, max_num_batched_tokens=budget,
+                          scheduling_policy="fcfs", enable_prefix_caching=caching)
+    return engine.scheduler_config(num_blocks=num_blocks, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                                   tier_blocks=0, sliding_window=None)
+
+
 def bench_rust(num_seqs: int, prompt_len: int, steps: int, seed: int = 0) -> dict[str, float]:
     from ironlm import _core
 
     num_blocks, budget, max_tokens = _sizes(num_seqs, prompt_len, 2 * steps)
-    s = _core.Scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=num_seqs,
-                        max_num_batched_tokens=budget, max_model_len=prompt_len + max_tokens, policy="fcfs",
-                        enable_prefix_caching=True, max_queue_len=None)
+    s = _core.Scheduler(_config(num_blocks, num_seqs, budget, prompt_len + max_tokens, caching=True))
     for i, p in enumerate(_prompts(num_seqs, prompt_len, seed)):
         s.add_request(f"req-{i}", p, max_tokens, ignore_eos=True)
     rng = np.random.default_rng(seed + 1)
@@ -387,9 +394,7 @@ def check_same_plan(num_seqs: int = 8, prompt_len: int = 40, steps: int = 20) ->
     from ironlm import _core
 
     num_blocks, budget, max_tokens = _sizes(num_seqs, prompt_len, steps)
-    rs = _core.Scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=num_seqs,
-                         max_num_batched_tokens=budget, max_model_len=prompt_len + max_tokens, policy="fcfs",
-                         enable_prefix_caching=False, max_queue_len=None)
+    rs = _core.Scheduler(_config(num_blocks, num_seqs, budget, prompt_len + max_tokens, caching=False))
     ps = PyScheduler(num_blocks, max_num_seqs=num_seqs, max_num_batched_tokens=budget)
     for i, p in enumerate(_prompts(num_seqs, prompt_len, 7)):
         rs.add_request(f"req-{i}", p, max_tokens, ignore_eos=True)

@@ -66,6 +66,9 @@ class LLMEngine:
         # Held by each step and by shutdown: the at-exit shutdown waits for a step another thread is running.
         self._lock = threading.Lock()
         self.kv = TierLifecycle(config, runner)
+        # What failed the last step's forward (its requests failed with it); None when the last step did not
+        # fail. AsyncLLMEngine counts such steps toward its restart policy like steps that raise.
+        self.last_step_error: Exception | None = None
         self.timer = StepTimer()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -99,20 +102,12 @@ class LLMEngine:
         """A fresh scheduler (empty queue, every KV block free, empty prefix cache, every tier slot free), sampler
         and sequence table."""
         config, runner = self.config, self.runner
-        self.scheduler = _core.Scheduler(
-            num_blocks=runner.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=runner.token_budget, max_model_len=runner.max_model_len,
-            policy=config.scheduling_policy, enable_prefix_caching=config.enable_prefix_caching,
-            # The capacity is max_num_seqs running + max_queue_len waiting (checked in add_request): requests that
-            # arrive together all wait until the next step schedules them, so the core's waiting bound is the sum.
-            max_queue_len=None if config.max_queue_len is None else config.max_queue_len + config.max_num_seqs,
-            tenant_weights=config.tenant_weight_map(), input_token_weight=config.fair_input_token_weight,
-            output_token_weight=config.fair_output_token_weight, scheduler_delay_factor=config.scheduler_delay_factor,
-            tier_blocks=0 if runner.tier is None else runner.tier.num_slots, swap=config.swap_space > 0,
-            # A block is released only once it is outside every layer's window: all must slide, the widest decides.
-            sliding_window=None if None in (lw := runner.model_config.layer_windows) else max(
-                w for w in lw if w is not None),
-        )
+        # A block is released only once it is outside every layer's window: all must slide, the widest decides.
+        windows = runner.model_config.layer_windows
+        self.scheduler = _core.Scheduler(config.scheduler_config(
+            num_blocks=runner.num_blocks, max_num_batched_tokens=runner.token_budget,
+            max_model_len=runner.max_model_len, tier_blocks=0 if runner.tier is None else runner.tier.num_slots,
+            sliding_window=None if None in windows else max(w for w in windows if w is not None)))
         self.kv.attach(self.scheduler)
         self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
                                seed=config.seed)
@@ -232,6 +227,7 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        self.last_step_error = None
         timer = self.timer
         timer.start()
         plan = self.scheduler.schedule()
@@ -336,6 +332,7 @@ class LLMEngine:
 
     def _fail_step(self, plan: _core.SchedulerPlan, exc: Exception,
                    touched: dict[str, EngineRequest]) -> list[RequestOutput]:
+        self.last_step_error = exc
         for request in self.table.requests_in(plan.seq_slots.tolist()):
             self._fail_request(request, exc, touched)
         return self._collect(touched)
