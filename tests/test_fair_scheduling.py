@@ -1,6 +1,6 @@
 """Fair-share scheduling (`--scheduling-policy fair`, tenant weights) and `--scheduler-delay-factor`.
 
-The core's own invariants are tested in Rust (rust/src/fair_tests.rs, fair_sched_tests.rs); here: the settings
+The core's own invariants are tested in Rust (rust/src/sched/fair_tests.rs, sched/scheduler/fair_tests.rs); here: the settings
 and their errors, the Python binding driven step by step without a model, the tenant's way from HTTP (X-Tenant
 header or the OpenAI `user` field) to the engine, and the real tiny engine charging each tenant.
 """
@@ -107,7 +107,7 @@ def light_first_token_steps(policy: str) -> list[int]:
 
 
 def test_heavy_tenant_cannot_delay_light_tenant_beyond_bound():
-    # Bound (derived in rust/src/fair_sched_tests.rs): the light tenant is lifted to the heavy one's counter, so
+    # Bound (derived in rust/src/sched/scheduler/fair_tests.rs): the light tenant is lifted to the heavy one's counter, so
     # it waits only for seats (<= 32 steps, the longest heavy request) plus the time its prompt lead (<= 4 x 16
     # tokens) takes the heavy tenant to make up (>= 2 tokens/step): 65 steps. fcfs makes it wait for all 48.
     fair, fcfs = light_first_token_steps("fair"), light_first_token_steps("fcfs")

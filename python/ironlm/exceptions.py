@@ -1,6 +1,6 @@
 """Every exception ironlm raises on purpose, in one place (also exported from `ironlm`).
 
-The core's exceptions are defined in Rust (rust/src/py.rs) so that it can raise them; they are re-exported here
+The core's exceptions are defined in Rust (rust/src/py/mod.rs) so that it can raise them; they are re-exported here
 unchanged, so `except ironlm.QueueFullError` catches what the core raises.
 
 Bad argument values raise `InvalidArgumentError`, a `ValueError` whose `param` names the offending argument
