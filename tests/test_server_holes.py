@@ -167,3 +167,67 @@ def _completes(server: LiveServer) -> bool:
         return httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30).status_code == 200
     except httpx.TransportError:  # the 429 and close, while the server has not yet seen the freed connection
         return False
+
+
+# ---- 10: a refused body is drained up to a bound, so the client reads its 413 --------------------------------
+BIG = 20 * 1024**2  # the probe's 20 MB, against a 1 MiB cap
+
+
+def send_then_read(server: LiveServer, request: bytes, then: bytes = b"") -> tuple[bytes, bytes]:
+    """As most clients do: write the whole request, only then read; `then` goes on the same connection after the
+    first response (which must have a Content-Length)."""
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request)
+        sock.settimeout(10)
+        first = b""
+        while b"\r\n\r\n" not in first:
+            first += sock.recv(65536) or b"!"  # b"!": closed before a response head, fail below, not spin
+            assert not first.endswith(b"!"), first
+        head, _, body = first.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        while len(body) < length:
+            body += sock.recv(65536)
+        second = b""
+        if then:
+            sock.sendall(then)
+            second = read_response(sock)
+    return head + b"\r\n\r\n" + body, second
+
+
+def test_a_body_over_the_cap_by_content_length_reads_413_not_a_reset(serve):
+    server = serve(max_request_bytes=1 << 20)
+    good = json.dumps(COMPLETION).encode()
+    first, second = send_then_read(server, raw_head(length=BIG) + b" " * BIG,
+                                   then=raw_head(length=len(good), extra="Connection: close\r\n") + good)
+    status, err = status_and_error(first)
+    assert status == 413 and err["code"] == "request_too_large" and b"connection: close" not in first.lower()
+    assert second.split()[1] == b"200"  # the drained connection stays usable
+
+
+def test_a_chunked_body_over_the_cap_reads_413_not_a_reset(serve):
+    server = serve(max_request_bytes=1 << 20)
+    chunk = b"10000\r\n" + b" " * 65536 + b"\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    first, _ = send_then_read(server, head + chunk * (BIG // 65536) + b"0\r\n\r\n")
+    status, err = status_and_error(first)
+    assert status == 413 and err["code"] == "request_too_large"
+
+
+def test_a_wrong_content_type_reads_415_not_a_reset(serve):
+    server = serve()
+    body = b" " * (4 << 20)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: text/plain\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    status, err = status_and_error(send_then_read(server, head.encode() + body)[0])
+    assert status == 415 and err["code"] == "unsupported_media_type"
+
+
+def test_a_body_over_the_drain_bound_is_cut_off_at_once(serve):
+    server = serve(max_request_bytes=1 << 20, max_request_drain_bytes=2 << 20)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(raw_head(length=1 << 30))  # a gigabyte is not read: the 413 comes before any body byte
+        status, err = status_and_error(read_response(sock))
+    assert status == 413 and err["code"] == "request_too_large"
+
