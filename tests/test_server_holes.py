@@ -231,3 +231,33 @@ def test_a_body_over_the_drain_bound_is_cut_off_at_once(serve):
         status, err = status_and_error(read_response(sock))
     assert status == 413 and err["code"] == "request_too_large"
 
+
+# ---- 10: logprob amplification is bounded per request ---------------------------------------------------------
+def test_the_probes_amplifying_request_is_400_naming_logprobs(serve):
+    server = serve()  # the default limit
+    resp = httpx.post(f"{server.base_url}/completions", timeout=30,
+                      json={**COMPLETION, "n": 128, "logprobs": 20, "max_tokens": 200, "stream": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "logprobs"
+    assert "512000" in resp.json()["error"]["message"]
+
+
+def test_logprob_budget_counts_prompts_choices_tokens_and_top(serve):
+    server = serve(max_request_logprobs=1000)
+
+    def post(route: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server.base_url}/{route}", json=body, timeout=30)
+
+    assert post("completions", {**COMPLETION, "n": 2, "logprobs": 20, "max_tokens": 10}).status_code == 200
+    over = post("completions", {**COMPLETION, "n": 3, "logprobs": 20, "max_tokens": 20})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
+    prompts = post("completions", {**COMPLETION, "prompt": ["a", "b", "c"], "logprobs": 20, "max_tokens": 20})
+    assert prompts.status_code == 400 and "3 prompts" in prompts.json()["error"]["message"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "max_tokens": 10}
+    assert post("chat/completions", {**chat, "n": 2, "top_logprobs": 20}).status_code == 200
+    top = post("chat/completions", {**chat, "n": 8, "top_logprobs": 20})
+    assert top.status_code == 400 and top.json()["error"]["param"] == "top_logprobs"
+    # No max_tokens: the room left in max_model_len (256 here) is what may be generated.
+    unbounded = post("chat/completions", {**{k: v for k, v in chat.items() if k != "max_tokens"}, "top_logprobs": 5})
+    assert unbounded.status_code == 400 and unbounded.json()["error"]["param"] == "top_logprobs"
+    plain = post("completions", {**COMPLETION, "n": 8, "max_tokens": 200})
+    assert plain.status_code == 200, plain.text  # no logprobs asked for: no logprob budget

@@ -372,6 +372,9 @@ class ServerConfig:
     max_request_bytes: int = _opt(16 * 1024**2, "largest request body accepted (413 beyond it, counted while reading)",
                                   metavar="BYTES")
     max_prompts_per_request: int = _opt(64, "most prompts one /v1/completions request may carry in its list")
+    max_request_logprobs: int = _opt(
+        200_000, "most logprob entries one request may ask for: prompts x n x max_tokens x top logprobs (a 400 "
+        "beyond it; n=128 with 20 logprobs each would stream megabytes from a 150-byte request)")
     timeout_keep_alive: float = _opt(5.0, "seconds an idle keep-alive connection stays open", metavar="S")
     timeout_request_header: float = _opt(
         10.0, "seconds a client has to send a complete request head, from connecting or from its previous "
@@ -432,7 +435,7 @@ class ServerConfig:
 
     def _check_client_limits(self) -> None:
         _check_ints(self, ("max_request_bytes", "max_prompts_per_request", "max_request_header_bytes",
-                           "max_request_drain_bytes"), 1)
+                           "max_request_drain_bytes", "max_request_logprobs"), 1)
         _check_ints(self, ("max_connections_per_client",), 0)
         for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
             if not getattr(self, name) > 0:

@@ -74,8 +74,9 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
         app.add_middleware(APIKeyMiddleware, api_keys=api_key)
     install_cors(app, config)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
-    completions = CompletionHandler(engine, model, shedder)
-    chat = ChatHandler(engine, model, shedder, tool_call_parser=config.tool_call_parser)
+    completions = CompletionHandler(engine, model, shedder, max_logprobs=config.max_request_logprobs)
+    chat = ChatHandler(engine, model, shedder, tool_call_parser=config.tool_call_parser,
+                       max_logprobs=config.max_request_logprobs)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names:

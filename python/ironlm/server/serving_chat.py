@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import RequestOutput
 from ironlm.server.errors import APIError
@@ -29,6 +30,7 @@ from ironlm.server.protocol import (
 from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
+    check_logprobs_budget,
     constraint_error,
     final_outputs,
     sampling_params,
@@ -45,9 +47,10 @@ from ironlm.structured.tools import forced_call_constraint, template_tools
 
 class ChatHandler:
     def __init__(self, engine: EngineClient, model_name: str, shedder: Shedder | None = None,
-                 tool_call_parser: str = "auto") -> None:
+                 tool_call_parser: str = "auto", max_logprobs: int = ServerConfig.max_request_logprobs) -> None:
+        """`tool_call_parser`, `max_logprobs`: ServerConfig's (max_request_logprobs: see check_logprobs_budget)."""
         self.engine, self.model_name, self.shedder = engine, model_name, shedder
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser, self.max_logprobs = tool_call_parser, max_logprobs
         self._parser: ToolParser | None = None
 
     @property
@@ -93,6 +96,10 @@ class ChatHandler:
         if req.tool_choice_resolved().mode == "auto" and self.parser.keeps_special_tokens(self.engine.tokenizer):
             kwargs["skip_special_tokens"] = False  # the call marker is a special token (Mistral's [TOOL_CALLS])
         params = sampling_params(kwargs)
+        check_logprobs_budget(self.max_logprobs, prompts=1, n=req.n,
+                              max_tokens=max_tokens or self.engine.max_model_len - len(prompt),
+                              top=(req.top_logprobs or 0) if req.logprobs else None,
+                              param="top_logprobs" if req.top_logprobs else "logprobs")
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages",

@@ -57,6 +57,21 @@ def sampling_params(kwargs: dict[str, Any]) -> Any:
         raise APIError(400, str(exc), param=param) from None
 
 
+def check_logprobs_budget(limit: int, *, prompts: int, n: int, max_tokens: int, top: int | None,
+                          param: str) -> None:
+    """A request's logprob entries (prompts × n × max_tokens × top, `top` counted as 1 when only the sampled
+    token's logprob is asked for) must stay within `limit`: each is tens of bytes streamed out, so `n=128,
+    logprobs=20` turns a 150-byte request into megabytes. `top` None: no logprobs asked for."""
+    if top is None:
+        return
+    entries = prompts * n * max_tokens * max(1, top)
+    if entries > limit:
+        many = f"{prompts} prompts × " if prompts > 1 else ""
+        raise APIError(400, f"{param}: {many}n ({n}) × max_tokens ({max_tokens}) × {param} ({top}) asks for "
+                       f"{entries} logprob entries, over this server's limit of {limit} (--max-request-logprobs); "
+                       "ask for fewer choices, tokens or logprobs", param=param)
+
+
 def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
     """Map what AsyncLLMEngine.add_request raises to an HTTP error, by type and `param`, never by message.
 

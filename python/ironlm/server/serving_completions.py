@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import RequestOutput
 from ironlm.server.errors import APIError
@@ -19,6 +20,7 @@ from ironlm.server.protocol import CompletionChoice, CompletionRequest, Completi
 from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
+    check_logprobs_budget,
     constraint_error,
     decode,
     final_outputs,
@@ -33,14 +35,19 @@ from ironlm.server.shedding import Shedder
 
 
 class CompletionHandler:
-    def __init__(self, engine: EngineClient, model_name: str, shedder: Shedder | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, shedder: Shedder | None = None,
+                 max_logprobs: int = ServerConfig.max_request_logprobs) -> None:
+        """`max_logprobs`: ServerConfig.max_request_logprobs (see check_logprobs_budget)."""
         self.engine, self.model_name, self.shedder = engine, model_name, shedder
+        self.max_logprobs = max_logprobs
 
     async def __call__(self, req: CompletionRequest, request: Request) -> Response:
-        params = sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens or 16,
-                                  "logprobs": req.logprobs})
+        max_tokens = req.max_tokens or 16
+        params = sampling_params({**req.sampling_kwargs(), "max_tokens": max_tokens, "logprobs": req.logprobs})
         source = req.structured()[1]
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        check_logprobs_budget(self.max_logprobs, prompts=len(req.prompts()), n=req.n, max_tokens=max_tokens,
+                              top=req.logprobs, param="logprobs")
         prompts = await completion_prompts(self.engine, req, request)
         try:
             streams = await start_streams(self.engine, rid, prompts, params, req, shedder=self.shedder,
