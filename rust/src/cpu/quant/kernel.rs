@@ -6,11 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use super::act::{self, QActs};
-use super::{Format, QMatrix, BLOCK, ROWS};
+use super::{Format, QMatrix, Tile, BLOCK, ROWS};
 use crate::error::{CoreError, CoreResult};
-
-/// One tile's result: up to 8 activation rows × the 16 rows of a group.
-pub(crate) type Tile = [[f32; ROWS]; 8];
 
 /// A SIMD path of the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

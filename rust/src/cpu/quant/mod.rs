@@ -61,6 +61,9 @@ pub const ROWS: usize = 16;
 /// Weights per block.
 pub const BLOCK: usize = 32;
 
+/// One tile's result: up to 8 activation rows × the 16 rows of a group (the kernel's SIMD paths fill it).
+pub(crate) type Tile = [[f32; ROWS]; 8];
+
 /// One cache line, so the packed data is 64-byte aligned.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]

@@ -16,9 +16,8 @@
 use std::arch::x86_64::*;
 
 use super::act::QActs;
-use super::kernel::Tile;
 use super::Isa;
-use super::{Format, QKind, BLOCK};
+use super::{Format, QKind, Tile, BLOCK};
 
 /// The four activation bytes `x[i][b*32 + c .. + 4]` in every i32 lane.
 #[inline(always)]
