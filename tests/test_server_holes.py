@@ -261,3 +261,35 @@ def test_logprob_budget_counts_prompts_choices_tokens_and_top(serve):
     assert unbounded.status_code == 400 and unbounded.json()["error"]["param"] == "top_logprobs"
     plain = post("completions", {**COMPLETION, "n": 8, "max_tokens": 200})
     assert plain.status_code == 200, plain.text  # no logprobs asked for: no logprob budget
+
+
+# ---- 10: stream_options.continuous_usage_stats is honoured, as in vLLM ------------------------------------------
+def sse_events(server: LiveServer, route: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.base_url}/{route}", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_continuous_usage_stats_put_usage_in_every_chunk(serve, route):
+    server = serve()
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
+                            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body.update({"prompt": "hello"} if route == "completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    events = sse_events(server, route, body)
+    *chunks, final = events
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 12  # 2 choices x 6 tokens
+    prompt = final["usage"]["prompt_tokens"]
+    seen: dict[int, int] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        u = chunk["usage"]
+        assert u["prompt_tokens"] == prompt and u["total_tokens"] == prompt + u["completion_tokens"]
+        assert u["completion_tokens"] >= seen.get(choice["index"], 0)  # its own choice's tokens so far
+        seen[choice["index"]] = u["completion_tokens"]
+    assert seen == {0: 6, 1: 6}
+    # Without it (include_usage alone) the chunks carry usage: null, as in OpenAI.
+    body["stream_options"] = {"include_usage": True}
+    assert all(e["usage"] is None for e in sse_events(server, route, body)[:-1])

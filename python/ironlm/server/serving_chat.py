@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: the model's chat template, then one engine request with n sequences.
 
 Streaming follows OpenAI exactly: a role chunk per choice, content deltas, a finish chunk with an empty
-delta, an optional usage chunk with no choices (stream_options.include_usage), then `data: [DONE]`.
+delta, an optional usage chunk with no choices (stream_options.include_usage), then `data: [DONE]`. With
+stream_options.continuous_usage_stats too, every chunk carries its choice's usage so far, as vLLM does.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from ironlm.server.serving_common import (
     EngineStreamingResponse,
     check_logprobs_budget,
     constraint_error,
+    continuous_usage,
     final_outputs,
+    running_usage,
     sampling_params,
     sse,
     sse_error,
@@ -107,7 +110,7 @@ class ChatHandler:
         except APIError as err:
             raise constraint_error(err, source) from None
         if req.stream:
-            return EngineStreamingResponse(self._stream(req, rid, streams[0]), streams)
+            return EngineStreamingResponse(self._stream(req, rid, streams[0], len(prompt)), streams)
         (out,) = await final_outputs(streams, request)
         tools = self.tool_outputs(req)
         choices = []
@@ -130,8 +133,11 @@ class ChatHandler:
             return None
         return chat_logprobs(c, start, self.engine.tokenizer, req.top_logprobs or 0)
 
-    async def _stream(self, req: ChatCompletionRequest, rid: str, stream: RequestStream) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, rid: str, stream: RequestStream,
+                      prompt_tokens: int) -> AsyncIterator[str]:
         created = int(time.time())
+        continuous = continuous_usage(req)
+        generated = [0] * req.n  # tokens of each choice so far, for continuous usage stats
 
         def chunk(index: int, delta: dict, lp: Any = None, finish: str | None = None, stop: Any = None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -140,7 +146,7 @@ class ChatHandler:
             obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                    "model": self.model_name, "choices": [choice]}
             if req.include_usage:
-                obj["usage"] = None
+                obj["usage"] = running_usage(prompt_tokens, generated[index]) if continuous else None
             return sse(obj)
 
         sent_text = [0] * req.n
@@ -160,6 +166,7 @@ class ChatHandler:
                     i = c.index
                     if done[i]:
                         continue
+                    generated[i] = len(c.token_ids)
                     if tools is not None:
                         deltas, finish = tools[i].deltas(c.text, c.finish_reason)
                         for d in deltas:

@@ -235,6 +235,17 @@ def usage(outputs: Sequence[RequestOutput | None]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def continuous_usage(req: Any) -> bool:
+    """stream_options.continuous_usage_stats, which (as in vLLM) only counts with include_usage."""
+    return bool(req.include_usage and req.stream_options.continuous_usage_stats)
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The usage a streamed chunk carries under continuous usage stats: its choice's tokens so far."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def decode(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
     """The text of one token id list (`decode` is typed for batches too, which return a list)."""
     text = tokenizer.decode(list(token_ids))

@@ -22,9 +22,11 @@ from ironlm.server.serving_common import (
     EngineStreamingResponse,
     check_logprobs_budget,
     constraint_error,
+    continuous_usage,
     decode,
     final_outputs,
     merge_streams,
+    running_usage,
     sampling_params,
     sse,
     sse_error,
@@ -75,6 +77,8 @@ class CompletionHandler:
 
     async def _stream(self, req: CompletionRequest, rid: str, streams: list[RequestStream]) -> AsyncIterator[str]:
         created = int(time.time())
+        continuous = continuous_usage(req)
+        prompt_tokens: dict[int, int] = {}  # per choice index, for continuous usage stats
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}
@@ -87,7 +91,7 @@ class CompletionHandler:
                                        {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish,
                                         "stop_reason": stop}]}
             if req.include_usage:
-                obj["usage"] = None
+                obj["usage"] = running_usage(prompt_tokens[idx], sent_tokens[idx]) if continuous else None
             return sse(obj)
 
         try:
@@ -103,13 +107,14 @@ class CompletionHandler:
                     prefix = self._prompt_text(out) if first and req.echo else ""
                     start_tok, start_txt = sent_tokens.get(idx, 0), sent_text.get(idx, 0)
                     delta = prefix + c.text[start_txt:]
+                    prompt_tokens[idx] = len(out.prompt_token_ids)
+                    sent_tokens[idx], sent_text[idx] = len(c.token_ids), len(c.text)
                     if delta or len(c.token_ids) > start_tok:
                         lp = None
                         if req.logprobs is not None:
                             lp, offsets[idx] = completion_logprobs(c, start_tok, self.engine.tokenizer,
                                                                    offsets.get(idx, len(prefix)))
                         yield chunk(idx, delta, lp)
-                    sent_tokens[idx], sent_text[idx] = len(c.token_ids), len(c.text)
                     if c.finish_reason is not None:
                         done.add(idx)
                         yield chunk(idx, "", None, c.finish_reason, c.stop_reason)
