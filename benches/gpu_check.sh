@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
-# GPU check for a lent H200 (or any CUDA machine): kernel correctness + timing (benches/gpu_kernels.py), then
-# end-to-end throughput of workload W on the default model, ironlm vs transformers. One call, <= 8 minutes;
-# a short table is printed last, the full JSON and logs land in $OUT (default bench_out/gpu_check).
+# The GPU gate (benches/gpu_check.py: parity with transformers, CUDA graphs, whole-model quantization, the KV
+# tier's pinned copies, grammar masks, a real `ironlm serve` over HTTP, the kernels' correctness and timings):
+# one table, exit status 1 on any mismatch. Fits one device call of <= 8 minutes on an H200, setup included.
 #
-#   benches/gpu_check.sh [--dry-run] [--model PATH.gguf|HF_DIR] [--skip-kernels] [--skip-e2e] [--budget-s N]
+#   benches/gpu_check.sh [--dry-run] [--model PATH.gguf|HF_DIR] [--only a,b] [--skip a,b] [--budget-s N]
 #
-# --dry-run exercises every step on CPU with tiny sizes and prints no timings worth reading.
+# --dry-run runs every check on CPU (Triton's interpreter, small sizes): run it before spending device time.
 #
-# It uses the machine's own python3/torch/triton/transformers and installs nothing from a registry. What it
-# needs from here travels with the device tool (see BENCHMARKS.md, "GPU check"):
-#   - the Rust extension: carry python/ironlm/_core.abi3.so (abi3, x86-64; git-ignored, so name it in `carry`),
-#     or wheels in .whl/ (ironlm-*.whl and e.g. gguf-*.whl), installed here with pip --no-index --target;
-#     if neither imports and cargo + maturin are present, it builds the extension in place (not on --dry-run).
-#   - the default model: the 98 MB GGUF is over one call's 64 MiB, so it travels as *.gguf.part-* pieces
-#     over two calls (benches/gpu_prepare.sh makes them), or give any path with --model / $IRONLM_MODEL.
+# The device machine reaches no registry and starts bare. benches/gpu_prepare.sh makes, here, what travels (the
+# wheels of what the GPU image lacks, the default model in two pieces) and prints the two device calls; this
+# script installs the wheels (pip --no-index --target, seconds), puts the model back together, copies the Triton
+# kernels next to the carried extension (python/ironlm/kernels/*.py are build outputs, git-ignored), and runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,20 +19,35 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 OUT="${OUT:-bench_out/gpu_check}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Nothing is reachable from the device machine: never let a library wait on a network timeout.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 
-# 1. carried wheels (no index, no dependencies: the machine has torch & co)
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/ironlm-site .whl/*.whl || echo "gpu_check: installing .whl/ failed" >&2
+# 1. carried wheels (.whl/ in this call, or copied to /tmp/ironlm-wheels by an earlier one); no index, no deps
+mapfile -t wheels < <(ls .whl/*.whl /tmp/ironlm-wheels/*.whl 2>/dev/null)
+if ((${#wheels[@]})); then
+  if [[ ! -f /tmp/ironlm-site/.installed ]]; then
+    t0=$SECONDS
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/ironlm-site "${wheels[@]}" && touch /tmp/ironlm-site/.installed ||
+      echo "gpu_check: installing the carried wheels failed" >&2
+    echo "gpu_check: ${#wheels[@]} wheels installed in $((SECONDS - t0)) s" >&2
+  fi
   export PYTHONPATH="/tmp/ironlm-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# The kernels ship inside the wheel as ironlm.kernels; in a source tree `make develop` copies them there.
+for k in kernels/*.py; do
+  [[ -f "python/ironlm/kernels/$(basename "$k")" ]] || cp "$k" python/ironlm/kernels/
+done
 # 2. ironlm as installed (a wheel, an editable install), else from the source tree with the extension next to it
 if ! "$PYTHON" -c "import ironlm._core as c; c.Scheduler" 2>/dev/null; then
   export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
-dry_run=0
-for a in "$@"; do [[ "$a" == --dry-run ]] && dry_run=1; done
+dry_run=0 model_arg=0
+for a in "$@"; do
+  [[ "$a" == --dry-run ]] && dry_run=1
+  [[ "$a" == --model || "$a" == --model=* ]] && model_arg=1
+done
 if ! "$PYTHON" -c "import ironlm._core as c; c.Scheduler" 2>/dev/null; then
   # Never on a dry run: there the extension is the developer's own build, left as it is.
   if ((!dry_run)) && command -v cargo >/dev/null && "$PYTHON" -m maturin --version >/dev/null 2>&1; then
@@ -51,7 +63,7 @@ if ! "$PYTHON" -c "import ironlm._core as c; c.Scheduler" 2>/dev/null; then
 fi
 # 3. the model: pieces carried in .gpu_model*/ (or copied to /tmp/ironlm-model-parts by an earlier call)
 #    are put back together in /tmp
-if [[ -z "${IRONLM_MODEL:-}" ]]; then
+if [[ -z "${IRONLM_MODEL:-}" ]] && ((!model_arg)); then
   mapfile -t parts < <(for f in .gpu_model*/*.part-* /tmp/ironlm-model-parts/*.part-*; do
     [[ -f "$f" ]] && echo "$(basename "$f") $f"; done | sort -u -k1,1 | cut -d' ' -f2)
   if ((${#parts[@]})); then
