@@ -209,6 +209,7 @@ print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in out]), flush=T
 """
 
 
+@pytest.mark.devices(2)  # device "auto": on one GPU the second rank would ask for cuda:1
 def test_top_level_script_without_main_guard(tmp_path, models):
     script = tmp_path / "tp_script.py"
     script.write_text(TOP_LEVEL_SCRIPT)
