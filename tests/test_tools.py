@@ -235,14 +235,25 @@ def test_round_trip_streamed_and_not(client: openai.OpenAI):
             {"id": call.id, "type": "function",
              "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
             {"role": "tool", "tool_call_id": call.id, "content": '{"time": "12:00"}'}]
-        answer = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
-                                                max_tokens=8, stream=stream, seed=1)
+        # The answer continues exactly the prompt the template renders from this history (the tool's result in
+        # it): its prompt length, and its greedy text equals a plain completion of that prompt.
+        rendered = [HISTORY[0], {"role": "assistant", "content": ""}, {"role": "tool", "content": '{"time": "12:00"}'}]
+        prompt = make_tiny_tokenizer().apply_chat_template(rendered, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
+        gen = {"model": "tiny", "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        expected = client.completions.create(prompt=prompt, **gen).choices[0].text
+        answer = client.chat.completions.create(messages=history, tools=TOOLS, tool_choice="none", stream=stream,
+                                                stream_options={"include_usage": True} if stream else None, **gen)
         if stream:
-            text = "".join(c.choices[0].delta.content or "" for c in answer if c.choices)
+            chunks = list(answer)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            used = chunks[-1].usage
         else:
             text = answer.choices[0].message.content or ""
-            assert answer.choices[0].finish_reason in ("stop", "length")
-        assert isinstance(text, str)
+            assert answer.choices[0].finish_reason == "length" and not answer.choices[0].message.tool_calls
+            used = answer.usage
+        assert used is not None and (used.prompt_tokens, used.completion_tokens) == (len(prompt), 8)
+        assert text and text == expected
 
 
 def test_auto_parses_a_call_end_to_end(server: LiveServer):
