@@ -12,12 +12,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
 from ironlm.config import ServerConfig
+from ironlm.grpc import ironlm_pb2 as pb
 from ironlm.server.api import build_app
-from server_utils import ForwardFaults, LiveServer, tiny_engine, wait_for
+from server_utils import ForwardFaults, GrpcServer, LiveServer, tiny_engine, wait_for
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
 
@@ -293,3 +295,28 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(serve, route):
     # Without it (include_usage alone) the chunks carry usage: null, as in OpenAI.
     body["stream_options"] = {"include_usage": True}
     assert all(e["usage"] is None for e in sse_events(server, route, body)[:-1])
+
+
+# ---- 10: the gRPC request id is bounded like HTTP's; gRPC has the same logprob budget ------------------------
+@pytest.fixture
+def rpc(engine) -> Iterator[Any]:
+    server = GrpcServer(engine)
+    yield server
+    server.stop()
+
+
+def test_grpc_request_id_is_bounded(rpc):
+    sampling = pb.SamplingParameters(max_tokens=2, temperature=0)
+    for rid in ("x" * 257, "x" * (1 << 20)):  # the probe sent 1 MB
+        with pytest.raises(grpc.RpcError) as refused:
+            rpc.stub.Generate(pb.GenerateRequest(text="hello", request_id=rid, sampling=sampling), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in refused.value.details()
+    ok = rpc.stub.Generate(pb.GenerateRequest(text="hello", request_id="r" * 256, sampling=sampling), timeout=30)
+    assert ok.request_id == "r" * 256 and ok.finished
+
+
+def test_grpc_logprob_budget(rpc):
+    sampling = pb.SamplingParameters(n=128, logprobs=20, max_tokens=200)
+    with pytest.raises(grpc.RpcError) as refused:
+        rpc.stub.Generate(pb.GenerateRequest(text="hello", sampling=sampling), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in refused.value.details()

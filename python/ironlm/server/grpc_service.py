@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 from pydantic import ValidationError
 
+from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient
 from ironlm.engine.outputs import CompletionOutput, RequestOutput
 from ironlm.grpc import ironlm_pb2 as pb
@@ -24,6 +25,7 @@ from ironlm.server.prompt_limits import encoded_prompts
 from ironlm.server.protocol import CompletionRequest
 from ironlm.server.serving_common import (
     check_failed,
+    check_logprobs_budget,
     clamp_logprob,
     constraint_error,
     decode,
@@ -59,6 +61,8 @@ def to_completion_request(msg: pb.GenerateRequest) -> CompletionRequest:
             body[name] = getattr(msg, name)
     if msg.cache_salt:
         body["cache_salt"] = msg.cache_salt
+    if msg.request_id:  # bounded like HTTP's: the engine keeps ids while requests run (a 1 MB one was taken)
+        body["request_id"] = msg.request_id
     if msg.HasField("structured_outputs"):
         body["structured_outputs"] = _structured_outputs(msg.structured_outputs)
     try:
@@ -83,11 +87,13 @@ def _structured_outputs(so: pb.StructuredOutputs) -> dict[str, Any]:
 
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, engine: EngineClient, model_names: list[str], api_key: str | None = None,
-                 shedder: Shedder | None = None, breaker: CircuitBreaker | None = None) -> None:
-        """`shedder`, `breaker`: the HTTP app's (app.state), so both front ends share one view of the engine."""
+                 shedder: Shedder | None = None, breaker: CircuitBreaker | None = None,
+                 max_logprobs: int = ServerConfig.max_request_logprobs) -> None:
+        """`shedder`, `breaker`: the HTTP app's (app.state), so both front ends share one view of the engine;
+        `max_logprobs`: ServerConfig.max_request_logprobs (see check_logprobs_budget)."""
         self.engine, self.model_names = engine, model_names
         self.checker = KeyChecker(api_key) if api_key else None
-        self.shedder, self.breaker = shedder, breaker
+        self.shedder, self.breaker, self.max_logprobs = shedder, breaker, max_logprobs
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         permit, failed = None, None
@@ -168,6 +174,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         req = to_completion_request(request)
         params = sampling_params({**req.sampling_kwargs(), "max_tokens": req.max_tokens or 16,
                                   "logprobs": req.logprobs})
+        check_logprobs_budget(self.max_logprobs, prompts=1, n=req.n, max_tokens=req.max_tokens or 16,
+                              top=req.logprobs, param="logprobs")
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
             tenant = dict(context.invocation_metadata() or ()).get("x-tenant")
@@ -212,10 +220,11 @@ def _usage(out: RequestOutput) -> pb.Usage:
 
 async def start_grpc_server(engine: EngineClient, host: str, port: int, model_names: list[str],
                             api_key: str | None = None, shedder: Shedder | None = None,
-                            breaker: CircuitBreaker | None = None) -> tuple[grpc.aio.Server, int]:
+                            breaker: CircuitBreaker | None = None,
+                            max_logprobs: int = ServerConfig.max_request_logprobs) -> tuple[grpc.aio.Server, int]:
     """Start the service on the running event loop; returns the server and the bound port."""
     server = grpc.aio.server()
-    service = GenerationService(engine, model_names, api_key, shedder, breaker)
+    service = GenerationService(engine, model_names, api_key, shedder, breaker, max_logprobs)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

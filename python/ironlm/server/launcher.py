@@ -52,7 +52,8 @@ async def serve_app(engine: EngineClient, app: FastAPI, *, host: str, port: int,
                     log_level: str, grpc_port: int | None = None, model_names: list[str] | None = None,
                     api_key: str | None = None, on_ready: Callable[[], None] | None = None) -> None:
     """`host`, `port`, `drain_timeout`, `log_level`: no defaults here, `ironlm serve`'s flags hold them."""
-    limits = uvicorn_options(getattr(app.state, "config", None) or ServerConfig())
+    server_config = getattr(app.state, "config", None) or ServerConfig()
+    limits = uvicorn_options(server_config)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=max(1, int(drain_timeout)), access_log=False, **limits)
     server = _Server(config, on_signal=engine.begin_drain)
@@ -64,7 +65,8 @@ async def serve_app(engine: EngineClient, app: FastAPI, *, host: str, port: int,
         grpc_server, bound = await start_grpc_server(engine, host, grpc_port,
                                                      model_names or [engine.model_name], api_key,
                                                      shedder=getattr(app.state, "shedder", None),
-                                                     breaker=getattr(app.state, "breaker", None))
+                                                     breaker=getattr(app.state, "breaker", None),
+                                                     max_logprobs=server_config.max_request_logprobs)
         logger.info("gRPC listening on %s:%d (%.2fs)", host, bound, time.perf_counter() - t0)
     ready = asyncio.ensure_future(_announce_ready(server, host, port, on_ready))
     try:
