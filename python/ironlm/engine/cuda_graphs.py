@@ -50,7 +50,7 @@ class _Graph:
     size: int
     meta: AttentionMetadata
     graph: Any = None  # torch.cuda.CUDAGraph once captured
-    logits: torch.Tensor | None = None  # the captured forward's output, rewritten by every replay
+    logits: torch.Tensor | None = None  # rows of the shared output buffer the graph writes
 
 
 class DecodeGraphs:
@@ -87,6 +87,9 @@ class DecodeGraphs:
         # Set after the copies of a step: its host buffers are not rewritten before the copies have read them.
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: dict[int, _Graph] = {}
+        # Every graph copies its logits into the first rows of this one buffer, so that the forward's own output
+        # is scratch memory of the shared pool (as its other intermediates are) and is not kept once per size.
+        self.logits_out: torch.Tensor | None = None
         self.replays = 0
         # The graphs read the rotary table at its capture-time address: keep that memory alive even if an eager
         # step ever grew the model's table (none longer than max_model_len does).
@@ -124,11 +127,15 @@ class DecodeGraphs:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._forward(g)  # compiles the kernels and fills g.meta.plan_cache outside the graph
+                warm = self._forward(g)  # compiles the kernels and fills g.meta.plan_cache outside the graph
             torch.cuda.current_stream(self.device).wait_stream(side)
+            if self.logits_out is None:  # the largest size comes first
+                self.logits_out = torch.empty(size, warm.shape[1], dtype=warm.dtype, device=self.device)
+            del warm
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                g.logits = self._forward(g)
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                self.logits_out[:size].copy_(self._forward(g))
+            g.logits = self.logits_out[:size]
             g.graph = graph
             self.graphs[size] = g
         rotary = getattr(self.model, "rotary", None)
