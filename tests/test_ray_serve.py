@@ -2,7 +2,8 @@
 
 One module-scoped deployment serves every test, in order: the replica-death test kills a replica and waits for
 Ray Serve to replace it, the last one scales down to one replica while streams are in flight. Pure helpers
-(the affinity key, the metrics merge, RayConfig) are tested without Ray.
+(the affinity key, the metrics merge, RayConfig) are tested without a Ray cluster. Ray is imported plainly: it is
+a test dependency, and a broken install must fail the suite rather than skip it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+import ray  # a test dependency (ironlm[test] pulls ironlm[ray]): a broken install fails here, never skips
+from ray import serve
 
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.ray.config import RayConfig
@@ -38,10 +41,6 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    pytest.importorskip("ray.serve")
-    import ray
-    from ray import serve
-
     from ironlm import EngineConfig
     from ironlm.config import ServerConfig
     from ironlm.ray.app import APP_NAME, build_application
@@ -181,15 +180,11 @@ async def _stream(client: httpx.AsyncClient, body: dict[str, Any],
 
 
 def _engine_replica_actors() -> list[str]:
-    import ray
-
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if "SERVE_REPLICA" in a["name"] and "IronlmEngine" in a["name"]]
 
 
 async def _kill_mid_run(url: str) -> list[tuple[str, int, int]]:
-    import ray
-
     async with httpx.AsyncClient(base_url=url, timeout=180) as client:
         started = asyncio.Event()
         # 32 streams, so that past the affinity margin both replicas hold requests still queued (max_num_seqs 2)
@@ -204,8 +199,6 @@ async def _kill_mid_run(url: str) -> list[tuple[str, int, int]]:
 
 def test_killed_replica_loses_no_unstarted_request_and_recovers(deployment: Deployment) -> None:
     url = deployment.url
-    from ray import serve
-
     assert len(_engine_replica_actors()) == 2
     outcomes = asyncio.run(_kill_mid_run(url))
     # A request fails only if its replica died after it had streamed tokens; everything else was retried.
@@ -242,8 +235,6 @@ async def _streams_across_downscale(deployment: Deployment) -> tuple[int, list[t
 
 
 def test_downscale_drains_in_flight_streams(deployment: Deployment) -> None:
-    from ray import serve
-
     running, outcomes = asyncio.run(_streams_across_downscale(deployment))
     assert running == 8
     assert [o for o, _, _ in outcomes] == ["done"] * 8, outcomes
@@ -274,7 +265,6 @@ def test_prefix_key_hashes_the_first_block_only() -> None:
 
 
 def test_router_keeps_a_prefix_on_its_replica_within_the_margin() -> None:
-    pytest.importorskip("ray.serve")
     from types import SimpleNamespace
 
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
