@@ -44,9 +44,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ironlm.async_engine")
 
 # The loop's fault policy, defaults from ServerConfig (their one home; `ironlm serve` flags of the same names):
-# - max_step_failures (engine_restart_after_failures): a step that raises (the engine already turns forward
-#   errors into per-request errors, so this means its own bookkeeping failed) fails the requests in flight; this
-#   many in a row and the loop restarts the engine (`StepEngine.reset`, when it has one; else it is dead);
+# - max_step_failures (engine_restart_after_failures): failed steps in a row before the loop restarts the engine
+#   (`StepEngine.reset`, when it has one; else it is dead). A step fails when it raises (its bookkeeping failed:
+#   the loop fails the requests in flight) or when the engine failed its forward (`last_step_error`: the engine
+#   failed that step's requests itself). A forward that always fails must not look like a working engine;
 # - max_restarts (engine_max_restarts): restarts in a row with no successful step in between before the engine
 #   is declared dead: restarting did not help, so /health turns 503 and the orchestrator restarts the process;
 # - stall_timeout_s (health_stall_timeout): a step running longer (a hung kernel, a deadlock) makes /health
@@ -78,6 +79,7 @@ class AsyncLLMEngine:
                 raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}", param=name)
         self.max_step_failures, self.max_restarts = max_step_failures, max_restarts
         self.num_restarts = 0
+        self.step_failures = 0  # failed steps in a row (engine thread)
         self._faults = faults.from_env()  # None unless a test sets IRONLM_FAULT
         self.engine = engine
         # What the servers read of the model (see protocol.EngineClient): the step engine's, fixed at load; an
@@ -145,7 +147,8 @@ class AsyncLLMEngine:
         """The engine's stats as of the end of the last step (a snapshot: LLMEngine is single-threaded), and
         `num_engine_restarts`, the loop's restarts so far."""
         dedupe = self._dedupe.stats() if self._dedupe is not None else {}
-        return {**self._stats, **dedupe, "num_engine_restarts": self.num_restarts}
+        return {**self._stats, **dedupe, "num_engine_restarts": self.num_restarts,
+                "engine_step_failures_in_a_row": self.step_failures}
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -192,9 +195,14 @@ class AsyncLLMEngine:
         kwargs.setdefault("arrival_time", _core.monotonic())  # the engine's clock: TTFT covers the hand-off
         compile_grammar = getattr(self.engine, "compile_grammar", None)
         if params is not None and params.structured_outputs is not None and compile_grammar is not None:
-            # Compiled here, in a worker thread of the caller's loop, before queueing: a slow grammar delays and
-            # fails only its own request, never the engine loop. GrammarError propagates (a 400).
-            kwargs["grammar"] = await asyncio.to_thread(compile_grammar, params.structured_outputs)
+            # Compiled here, before queueing, on the grammar cache's own bounded pool (not the loop's default
+            # threads, which tokenize for everyone): a slow grammar delays and fails only its own request.
+            # GrammarError propagates (a 400), GrammarBusyError too (a 429: the tenant's compiles are capped).
+            compile_async = getattr(getattr(self.engine, "grammars", None), "compile_async", None)
+            if compile_async is not None:
+                kwargs["grammar"] = await compile_async(params.structured_outputs, kwargs.get("tenant"))
+            else:
+                kwargs["grammar"] = await asyncio.to_thread(compile_grammar, params.structured_outputs)
         stream = RequestStream(request_id, prompt, params, kwargs, asyncio.get_running_loop(),
                                timeout=kwargs.get("timeout"), on_close=self._on_stream_closed)
         self._inflight[request_id] = stream
@@ -254,7 +262,7 @@ class AsyncLLMEngine:
 
     def _run_loop(self) -> None:
         engine = self.engine
-        failures = restarts = 0  # failed steps in a row; restarts since the last good step
+        restarts = 0  # since the last good step
         outbox = Outbox()
         while True:
             with self._cv:
@@ -276,22 +284,21 @@ class AsyncLLMEngine:
                     if self._faults is not None:
                         self._faults.check("step")
                     outputs = engine.step()
-                    failures = restarts = 0
                 except EngineDeadError:
                     raise  # e.g. a tensor-parallel rank died: restarting the loop cannot bring it back
                 except Exception as exc:
-                    failures += 1
-                    logger.exception("engine step raised (%d in a row)", failures)
-                    if failures >= self.max_step_failures or not self._fail_step(exc, outbox):
-                        if restarts >= self.max_restarts or not callable(getattr(engine, "reset", None)):
-                            raise  # restarting did not help (or cannot be done): the engine is dead
-                        self._restart(exc, failures, outbox)
-                        failures, restarts = 0, restarts + 1
+                    logger.exception("engine step raised (%d in a row)", self.step_failures + 1)
+                    restarts = self._step_failed(exc, restarts, outbox, raised=True)
                 else:
                     self.last_step_time = now = time.monotonic()
                     routed = self._route(outputs, outbox)
                     if self.observer is not None:
                         self._observe(self.observer.on_outputs, routed, now)
+                    failed = getattr(engine, "last_step_error", None)
+                    if failed is None:
+                        self.step_failures = restarts = 0
+                    else:  # the forward failed: the engine failed the step's requests (routed above) itself
+                        restarts = self._step_failed(failed, restarts, outbox, raised=False)
                 finally:
                     self.step_started_at = None
             self._stats = engine.stats()
@@ -370,6 +377,20 @@ class AsyncLLMEngine:
                 self.engine.abort_request(engine_ids)
             if self.observer is not None:
                 self._observe(self.observer.on_aborted, live)
+
+    def _step_failed(self, exc: Exception, restarts: int, outbox: Outbox, *, raised: bool) -> int:
+        """Count a failed step; returns the restarts since the last good step. A step that `raised` fails the
+        requests in flight here (when that raises too, the engine restarts at once). `max_step_failures` in a row
+        restart the engine; once `max_restarts` restarts did not help, `exc` is raised: the loop dies and /health turns 503."""
+        self.step_failures += 1
+        if self.step_failures < self.max_step_failures and (not raised or self._fail_step(exc, outbox)):
+            return restarts
+        if restarts >= self.max_restarts or not callable(getattr(self.engine, "reset", None)):
+            outbox.flush()  # what the step already answered (its failed requests' errors) goes out first
+            raise exc  # restarting did not help (or cannot be done): the engine is dead
+        self._restart(exc, self.step_failures, outbox)
+        self.step_failures = 0
+        return restarts + 1
 
     def _fail_step(self, exc: Exception, outbox: Outbox) -> bool:
         """Fail the requests in flight after a step raised; False if aborting them raised too (restart then)."""

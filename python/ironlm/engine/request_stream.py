@@ -96,8 +96,9 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self._next_item()
-        # Coalesce: outputs are cumulative, so a slow consumer only needs the newest one.
-        while not self._queue.empty() and not isinstance(item, BaseException):
+        # Coalesce: outputs are cumulative, so a slow consumer only needs the newest one. A final output is the
+        # answer: an error queued after it (the engine dying just after the request ended) must not replace it.
+        while not self._queue.empty() and not isinstance(item, BaseException) and not item.finished:
             item = self._queue.get_nowait()
         if isinstance(item, BaseException):
             self.finished = True

@@ -59,6 +59,7 @@ def health_report(engine: EngineClient, model_name: str, started_at: float,
         # here would make the orchestrator restart (or stop routing to) a pod that only needs the cool-down.
         body["circuit_breaker"] = breaker.snapshot()
     body["engine_restarts"] = stats.get("num_engine_restarts", 0)
+    body["engine_step_failures_in_a_row"] = stats.get("engine_step_failures_in_a_row", 0)
     if engine.dead_error is not None:
         body["error"] = repr(engine.dead_error)
     if status == "engine_stalled":
