@@ -32,8 +32,9 @@ from tiny_models import make_tiny_gguf, make_tiny_model
 # Small pool + budget: 6 prompts of 28-59 tokens plus 24 new tokens need ~90 blocks of 4; the pool has 24, so
 # sequences get preempted and recomputed; prompts longer than 32 tokens are prefilled in chunks.
 # float32: in bf16 the ranks' partial sums round differently from one GEMM, enough to flip near-tied argmaxes.
+# device cpu: these are the gloo tests, on any machine (device auto on a one-GPU machine would ask rank 1 for cuda:1).
 ENGINE = {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96, "max_num_batched_tokens": 32,
-          "max_num_seqs": 8, "enable_prefix_caching": True, "dtype": "float32"}
+          "max_num_seqs": 8, "enable_prefix_caching": True, "dtype": "float32", "device": "cpu"}
 SHARED = "one two three four five six "  # 24 tokens: 6 full blocks every prompt shares
 PROMPTS = [SHARED + tail for tail in ("alpha beta", "gamma delta epsilon", "zeta", "eta theta iota kappa",
                                       "lambda mu nu xi omicron pi rho sigma tau", "phi chi psi omega")]
