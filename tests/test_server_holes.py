@@ -164,6 +164,16 @@ def test_open_connections_per_client_address_are_capped(serve):
             sock.close()
 
 
+def test_a_refused_connection_lingers_boundedly_and_frees_its_place(serve):
+    server = serve(max_connections_per_client=1, timeout_request_header=0.3, timeout_keep_alive=0.5)
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n")  # a head that never completes
+        slow.settimeout(5)
+        assert slow.recv(65536).startswith(b"HTTP/1.1 408")
+        # This client neither reads on nor closes: the server's linger ends on its own, and the place frees.
+        assert wait_for(lambda: _completes(server), 5)
+
+
 def _completes(server: LiveServer) -> bool:
     try:
         return httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30).status_code == 200

@@ -10,6 +10,7 @@ closes. Once a head is complete a second deadline covers its body (`body_timeout
 one byte at a time does not reset it): a body still incomplete then, with no response started, gets 408 and the
 connection closes (the app, waiting in its body read, sees a disconnect). The app owns the request from then
 until its response ends. A client address over `max_per_client` open connections gets 429 on the extra ones.
+A refusal of a counted connection (408, 431) half-closes and lingers briefly so the client can read it (`_linger`).
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class _HeadLimits:
         host = peer[0] if isinstance(peer, tuple) and peer else None  # None: a Unix socket, not capped
         if self.max_per_client and host is not None:
             if self.open_per_client.get(host, 0) >= self.max_per_client:
+                # Closed at once, not lingering: a lingering refusal would hold the very descriptor the cap
+                # protects (the connections that linger are those the cap counts).
                 self._refuse(429, f"too many open connections from {host}: at most {self.max_per_client}",
-                             "too_many_connections")
+                             "too_many_connections", linger=False)
                 return
             self.open_per_client[host] = self.open_per_client.get(host, 0) + 1
             self._client = host
@@ -136,7 +139,7 @@ class _HeadLimits:
         elif not self.transport.is_closing():
             self.transport.close()
 
-    def _refuse(self, status: int, message: str, code: str | None = None) -> None:
+    def _refuse(self, status: int, message: str, code: str | None = None, linger: bool = True) -> None:
         self._disarm()
         self._disarm_body()
         if self.transport.is_closing():
@@ -149,13 +152,16 @@ class _HeadLimits:
             cycle.disconnected = True  # the app, waiting in a body read, sees a disconnect and writes nothing
             cycle.message_event.set()
         self.transport.write(head + body)
-        self._linger()
+        if linger:
+            self._linger()
+        else:
+            self.transport.close()
 
     def _linger(self) -> None:
         """Close after the client read the answer: a client still sending when the connection closes gets a
         reset, which on most systems discards the answer before it is read. So send our end's FIN and discard
-        what still comes (at most `max_drain_bytes`, for at most `linger_timeout` s) until the client closes (uvicorn's
-        `eof_received` closes the transport on the client's FIN)."""
+        what still comes (at most `max_drain_bytes`, for at most `linger_timeout` s) until the client closes
+        (uvicorn's `eof_received` closes the transport on the client's FIN)."""
         if not self.transport.can_write_eof():  # TLS: no half-close
             self.transport.close()
             return
