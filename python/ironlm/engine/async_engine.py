@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ironlm import _core
@@ -60,7 +60,9 @@ _ENGINE_KWARGS = {"priority": "priority", "deadline": "deadline", "timeout": "qu
                   "arrival_time": "arrival_time", "cache_salt": "cache_salt", "grammar": "grammar",
                   "tenant": "tenant"}
 
-Command = tuple[Literal["add"], RequestStream] | tuple[Literal["abort"], list[str]] | tuple[Literal["stop"], None]
+# "add" carries one request's streams, or several a caller asked to be admitted all or none (`add_requests`).
+Command = (tuple[Literal["add"], list[RequestStream]] | tuple[Literal["abort"], list[str]]
+           | tuple[Literal["stop"], None])
 
 
 class AsyncLLMEngine:
@@ -185,13 +187,26 @@ class AsyncLLMEngine:
         EngineOverloadedError while draining. `kwargs`: priority, deadline, timeout, cache_salt,
         arrival_time, tenant. `timeout` bounds the whole request; the engine gets it as its `queue_timeout`.
         """
+        (stream,) = await self.add_requests([request_id], [prompt], params, **kwargs)
+        return stream
+
+    async def add_requests(self, request_ids: Sequence[str | None], prompts: Sequence[PromptType],
+                           params: SamplingParams | None = None, **kwargs: Any) -> list[RequestStream]:
+        """Queue one request per prompt (the same `params` and `kwargs`), all or none: the engine admits them
+        together, in order, between two other commands, or admits none (each raises the first one's error and
+        those already added are taken back before anything else is admitted). So lists arriving together never
+        each take part of the queue and then all fail (a multi-prompt completion). Raises as `add_request`."""
+        if len(request_ids) != len(prompts) or not prompts:
+            raise InvalidArgumentError(f"{len(request_ids)} request ids for {len(prompts)} prompts",
+                                       param="request_ids")
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead!r}")
         if self._draining:
             raise EngineOverloadedError("the server is shutting down")
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._inflight:
-            raise InvalidArgumentError(f"request_id: {request_id!r} is already in flight", param="request_id")
+        ids = [request_id or uuid.uuid4().hex for request_id in request_ids]
+        for i, request_id in enumerate(ids):
+            if request_id in self._inflight or request_id in ids[:i]:
+                raise InvalidArgumentError(f"request_id: {request_id!r} is already in flight", param="request_id")
         kwargs.setdefault("arrival_time", _core.monotonic())  # the engine's clock: TTFT covers the hand-off
         compile_grammar = getattr(self.engine, "compile_grammar", None)
         if params is not None and params.structured_outputs is not None and compile_grammar is not None:
@@ -203,19 +218,23 @@ class AsyncLLMEngine:
                 kwargs["grammar"] = await compile_async(params.structured_outputs, kwargs.get("tenant"))
             else:
                 kwargs["grammar"] = await asyncio.to_thread(compile_grammar, params.structured_outputs)
-        stream = RequestStream(request_id, prompt, params, kwargs, asyncio.get_running_loop(),
-                               timeout=kwargs.get("timeout"), on_close=self._on_stream_closed)
-        self._inflight[request_id] = stream
-        self._submit(("add", stream))
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(request_id, prompt, params, dict(kwargs), loop, timeout=kwargs.get("timeout"),
+                                 on_close=self._on_stream_closed) for request_id, prompt in zip(ids, prompts)]
+        for stream in streams:
+            self._inflight[stream.request_id] = stream
+        self._submit(("add", streams))
         try:
-            await stream.accepted()
+            for stream in streams:  # all accepted, or all failed with the same error
+                await stream.accepted()
         except asyncio.CancelledError:
-            self.abort(request_id)
+            self.abort(ids)
             raise
         except BaseException:
-            self._inflight.pop(request_id, None)
+            for request_id in ids:
+                self._inflight.pop(request_id, None)
             raise
-        return stream
+        return streams
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
@@ -239,7 +258,8 @@ class AsyncLLMEngine:
     def _submit(self, command: Command) -> None:
         with self._cv:
             if self._dead is not None and command[0] == "add":
-                command[1].fail_threadsafe(EngineDeadError(f"the engine is dead: {self._dead!r}"))
+                for stream in command[1]:
+                    stream.fail_threadsafe(EngineDeadError(f"the engine is dead: {self._dead!r}"))
                 return
             self._commands.append(command)
             self._cv.notify()
@@ -312,26 +332,41 @@ class AsyncLLMEngine:
             if command[0] == "abort":
                 self._abort(command[1])
                 continue
-            stream = command[1]
-            if stream.closed:  # the client left before the request even reached the engine
-                continue
-            key: RequestKey | None = None
-            if self._dedupe is not None:
-                key = request_key(self.engine.model_name, stream.prompt, stream.params, stream.engine_kwargs)
-                if self._dedupe_add(stream, key, outbox, answered):
-                    continue
-            kwargs = {_ENGINE_KWARGS[k]: v for k, v in stream.engine_kwargs.items()
-                      if k in _ENGINE_KWARGS and v is not None}
-            try:
-                self.engine.add_request(stream.request_id, stream.prompt, stream.params, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - ValueError, QueueFullError, ...: that request's problem only
-                outbox.add(stream, "error", exc)
-                continue
-            self._streams[stream.request_id] = stream
-            if self._dedupe is not None:
-                self._dedupe.lead(key, stream.request_id, stream.engine_kwargs["arrival_time"])
-            outbox.add(stream, "accept", None)
+            # A stream closed already: the client left before the request even reached the engine.
+            self._add_all([stream for stream in command[1] if not stream.closed], outbox, answered)
         return False
+
+    def _add_all(self, streams: list[RequestStream], outbox: Outbox, answered: list[RequestOutput]) -> None:
+        """Admit `streams` in order, or none: on the first error, those added are taken back (no other command
+        runs in between) and every stream gets that error."""
+        staged, staged_answers = Outbox(), list[RequestOutput]()
+        added: list[str] = []
+        for stream in streams:
+            try:
+                self._add_one(stream, staged, staged_answers)
+            except Exception as exc:  # noqa: BLE001 - ValueError, QueueFullError, ...: that request's problem only
+                self._abort(added)
+                for failed in streams:
+                    outbox.add(failed, "error", exc)
+                return
+            added.append(stream.request_id)
+        outbox.extend(staged)
+        answered.extend(staged_answers)
+
+    def _add_one(self, stream: RequestStream, outbox: Outbox, answered: list[RequestOutput]) -> None:
+        """Raises what the engine's add_request raises."""
+        key: RequestKey | None = None
+        if self._dedupe is not None:
+            key = request_key(self.engine.model_name, stream.prompt, stream.params, stream.engine_kwargs)
+            if self._dedupe_add(stream, key, outbox, answered):
+                return
+        kwargs = {_ENGINE_KWARGS[k]: v for k, v in stream.engine_kwargs.items()
+                  if k in _ENGINE_KWARGS and v is not None}
+        self.engine.add_request(stream.request_id, stream.prompt, stream.params, **kwargs)
+        self._streams[stream.request_id] = stream
+        if self._dedupe is not None:
+            self._dedupe.lead(key, stream.request_id, stream.engine_kwargs["arrival_time"])
+        outbox.add(stream, "accept", None)
 
     def _dedupe_add(self, stream: RequestStream, key: RequestKey | None, outbox: Outbox,
                     answered: list[RequestOutput]) -> bool:
@@ -442,7 +477,8 @@ class AsyncLLMEngine:
         error = EngineDeadError(f"the engine is dead: {exc!r}")
         for command in pending:
             if command[0] == "add":
-                command[1].fail_threadsafe(error)
+                for stream in command[1]:
+                    stream.fail_threadsafe(error)
         for stream in list(self._streams.values()) + list(self._inflight.values()):
             stream.fail_threadsafe(error)
         self._streams.clear()

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -105,6 +105,11 @@ class EngineClient(Protocol):
                           **kwargs: Any) -> RequestStream:
         """Returns once the engine accepted the request; raises what StepEngine.add_request raises,
         EngineDeadError, or EngineOverloadedError while draining."""
+        ...
+
+    async def add_requests(self, request_ids: Sequence[str | None], prompts: Sequence[PromptType],
+                           params: SamplingParams | None = None, **kwargs: Any) -> list[RequestStream]:
+        """One request per prompt, admitted all or none, in order; raises as `add_request`."""
         ...
 
     def abort(self, request_id: str | Iterable[str]) -> None: ...

@@ -38,6 +38,12 @@ class Outbox:
     def add(self, stream: RequestStream, kind: DeliveryKind, payload: Any) -> None:
         self.by_loop.setdefault(stream.loop, []).append((stream, kind, payload))
 
+    def extend(self, other: Outbox) -> None:
+        """Take over `other`'s deliveries, after this one's."""
+        for loop, items in other.by_loop.items():
+            self.by_loop.setdefault(loop, []).extend(items)
+        other.by_loop = {}
+
     def flush(self) -> list[str]:
         """Send everything; returns ids of requests whose loop is closed (to abort)."""
         orphans: list[str] = []

@@ -20,6 +20,7 @@ from ironlm.exceptions import (
     DuplicateRequestError,
     EngineDeadError,
     EngineOverloadedError,
+    GrammarBusyError,
     InvalidArgumentError,
     QueueFullError,
     RequestTooLargeError,
@@ -78,6 +79,8 @@ def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
     `prompt_param` is the body field holding the prompt (`prompt`, or `messages` for chat): errors about the
     prompt, and bad values that name no parameter, point there.
     """
+    if isinstance(exc, GrammarBusyError):  # this client's compiles are capped: its doing, not the server's
+        return APIError(429, str(exc), code="grammar_compiles_busy", headers={"Retry-After": "1"})
     if isinstance(exc, QueueFullError):
         return APIError(503, f"the server is overloaded: {exc}", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, (EngineDeadError, EngineOverloadedError)):
@@ -116,27 +119,26 @@ def request_tenant(header: str | None, req: Any) -> str | None:
 async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[PromptType], params: Any,
                         req: Any, prompt_param: str = "prompt", shedder: Shedder | None = None,
                         tenant_header: str | None = None) -> list[RequestStream]:
-    """Add one engine request per prompt; on any failure abort those already added. `shedder` may refuse the
+    """Add one engine request per prompt, all or none (on a failure no prompt holds a place). `shedder` may refuse the
     whole request first (503 + Retry-After) and learns each admitted prompt's priority. `tenant_header`: the
     request's X-Tenant header (see `request_tenant`)."""
     tenant = request_tenant(tenant_header, req)
     if shedder is not None:
         shedder.check(len(prompts), req.priority, req.timeout, getattr(params, "max_tokens", None))
-    streams: list[RequestStream] = []
-    rid = base_id
+    rids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+    if shedder is not None:
+        for rid in rids:
+            shedder.tracker.admitted(rid, req.priority)
     try:
-        for i, prompt in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            if shedder is not None:
-                shedder.tracker.admitted(rid, req.priority)
-            streams.append(await engine.add_request(
-                rid, prompt, params, priority=req.priority, timeout=req.timeout, deadline=req.deadline,
-                cache_salt=req.cache_salt, tenant=tenant))
+        # All the prompts or none (engine.add_requests): lists arriving together must not each take part of the
+        # queue and then all fail on it.
+        streams = await engine.add_requests(
+            rids, prompts, params, priority=req.priority, timeout=req.timeout, deadline=req.deadline,
+            cache_salt=req.cache_salt, tenant=tenant)
     except BaseException as exc:
         if shedder is not None:
-            shedder.tracker.forget(rid)
-        for s in streams:
-            s.close()
+            for rid in rids:
+                shedder.tracker.forget(rid)
         if isinstance(exc, Exception):
             err = engine_error(exc, prompt_param)
             rate = shedder.tracker.completion_rate() if shedder is not None else None
