@@ -102,6 +102,34 @@ def test_a_client_gone_mid_request_does_not_count(serve, engine):
     assert health(server)["circuit_breaker"]["trips"] == 0
 
 
+def test_a_500_before_the_engine_is_logged_but_not_counted(serve, engine, caplog):
+    """A request-handling bug (here: chat templating raising) is the server's, but a cool-down cannot cure it and
+    whoever finds one must not be able to refuse service to everyone; engine failures still count."""
+    server = serve(circuit_breaker_window=5, circuit_breaker_min_requests=5)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected templating bug")
+
+    engine.apply_chat_template = broken
+    try:
+        for _ in range(6):
+            assert httpx.post(f"{server.base_url}/chat/completions", json=chat, timeout=30).status_code == 500
+    finally:
+        del engine.apply_chat_template
+    assert any("internal error" in r.getMessage() for r in caplog.records)  # still logged as the bug it is
+    assert health(server)["circuit_breaker"]["window_requests"] == 0
+    faults = ForwardFaults(engine.engine)
+    faults.fail_next = 5
+    try:  # the engine failing: counted, and the breaker opens
+        codes = [httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30).status_code
+                 for _ in range(6)]
+    finally:
+        faults.fail_next = 0
+        faults.remove()
+    assert codes[:5] == [500] * 5 and codes[5] == 503 and health(server)["circuit_breaker"]["trips"] == 1
+
+
 # ---- 7: slow bodies and connection floods ---------------------------------------------------------------------
 def read_response(sock: socket.socket, timeout: float = 10.0) -> bytes:
     """Everything the server sends until it closes (the test fails on a hang: recv times out)."""

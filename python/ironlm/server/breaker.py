@@ -5,10 +5,13 @@ States: `closed` (normal; every finished request's outcome enters a rolling wind
 until `cooldown_s` has passed), `half_open` (up to `probes` requests are let through; one failure re-opens, all
 of them succeeding closes the breaker with an empty window).
 
-Failures are server-side ones only: a 5xx response other than 503, or an error event inside a 200 stream. Client
-faults (4xx, a client gone before its response started, timeouts the client asked for: 503 `timeout`) and the
-server's own refusals (503: queue full, shed, draining) say nothing about the engine's health and are not counted:
-counting its own 503s would let shedding trip the breaker, counting disconnects would let anyone open it.
+Failures are the engine's only: a 5xx response other than 503 to a request that reached the engine, or an error
+event inside a 200 stream. Client faults (4xx, a client gone before its response started, timeouts the client
+asked for: 503 `timeout`) and the server's own refusals (503: queue full, shed, draining) say nothing about the
+engine's health and are not counted: counting its own 503s would let shedding trip the breaker, counting
+disconnects would let anyone open it. Neither is a 500 raised before the engine was asked (parsing, templating,
+tokenizing): a cool-down cannot cure such a bug, and counting it would hand whoever finds one the power to refuse
+service to everyone.
 """
 
 from __future__ import annotations
@@ -137,10 +140,11 @@ class CircuitBreaker:
 
 # ---- what a response says about the engine -------------------------------------------------------------------
 class _Outcome:
-    __slots__ = ("stream_error",)
+    __slots__ = ("reached_engine", "stream_error")
 
     def __init__(self) -> None:
         self.stream_error: int | None = None
+        self.reached_engine = False
 
 
 _current: ContextVar[_Outcome | None] = ContextVar("ironlm_breaker_outcome", default=None)
@@ -155,6 +159,13 @@ def note_stream_error(status: int) -> None:
         outcome.stream_error = status
 
 
+def note_engine_reached() -> None:
+    """The request is being handed to the engine (serving_common.start_streams): from here a 5xx is the engine's."""
+    outcome = _current.get()
+    if outcome is not None:
+        outcome.reached_engine = True
+
+
 def is_failure(status: int) -> bool | None:
     if 200 <= status < 400:
         return False
@@ -163,12 +174,14 @@ def is_failure(status: int) -> bool | None:
     return None
 
 
-def verdict(status: int, stream_error: int | None, gone: bool) -> bool | None:
+def verdict(status: int, stream_error: int | None, gone: bool, reached_engine: bool) -> bool | None:
     """What one HTTP request says about the engine: an error event in its stream counts as that status; a
-    client that left before its response started says nothing, whatever the app then answered nobody."""
+    client that left before its response started says nothing, whatever the app then answered nobody; nor
+    does a failure before the engine was asked."""
     if stream_error is not None:
         return is_failure(stream_error)
-    return None if gone else is_failure(status)
+    failed = None if gone else is_failure(status)
+    return None if failed and not reached_engine else failed
 
 
 class BreakerMiddleware:
@@ -206,9 +219,9 @@ class BreakerMiddleware:
         failed: bool | None = None
         try:
             await self.app(scope, watch_receive, send_status)
-            failed = verdict(status, outcome.stream_error, gone)
+            failed = verdict(status, outcome.stream_error, gone, outcome.reached_engine)
         except Exception as exc:  # an unhandled error: the app's 500 (ServerErrorMiddleware sits outside us)
-            failed = None if gone or isinstance(exc, ClientDisconnect) else True
+            failed = None if gone or isinstance(exc, ClientDisconnect) or not outcome.reached_engine else True
             raise
         finally:  # a cancelled request (client gone) records nothing
             _current.reset(token)

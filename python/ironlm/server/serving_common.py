@@ -25,7 +25,7 @@ from ironlm.exceptions import (
     QueueFullError,
     RequestTooLargeError,
 )
-from ironlm.server.breaker import note_stream_error
+from ironlm.server.breaker import note_engine_reached, note_stream_error
 from ironlm.server.errors import APIError, error_body, validation_error
 
 if TYPE_CHECKING:
@@ -123,6 +123,7 @@ async def start_streams(engine: EngineClient, base_id: str, prompts: Sequence[Pr
     whole request first (503 + Retry-After) and learns each admitted prompt's priority. `tenant_header`: the
     request's X-Tenant header (see `request_tenant`)."""
     tenant = request_tenant(tenant_header, req)
+    note_engine_reached()
     if shedder is not None:
         shedder.check(len(prompts), req.priority, req.timeout, getattr(params, "max_tokens", None))
     rids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
