@@ -358,3 +358,25 @@ def test_grpc_logprob_budget(rpc):
     with pytest.raises(grpc.RpcError) as refused:
         rpc.stub.Generate(pb.GenerateRequest(text="hello", sampling=sampling), timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in refused.value.details()
+
+
+# ---- the new limits are validated like the others ----------------------------------------------------------
+@pytest.mark.parametrize(("name", "value"), [("timeout_request_body", 0), ("timeout_request_body", -1.0),
+                                             ("max_connections_per_client", -1), ("max_request_drain_bytes", 0),
+                                             ("max_request_logprobs", 0), ("max_connections_per_client", True)])
+def test_new_limits_reject_bad_values(name, value):
+    from ironlm.exceptions import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as bad:
+        ServerConfig(**{name: value})
+    assert bad.value.param == name
+
+
+def test_the_connection_cap_can_be_turned_off(serve):
+    server = serve(max_connections_per_client=0)  # 0 means no cap, not a cap of none
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
+    try:
+        assert httpx.post(f"{server.base_url}/completions", json=COMPLETION, timeout=30).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
