@@ -66,6 +66,7 @@ class Ctx:
     engine_kw: dict[str, Any] = field(default_factory=dict)
     prompts: list[list[int]] = field(default_factory=list)
     ref: Any = None
+    deadline: float = float("inf")  # perf_counter() by which the run should be over (budget + a margin)
 
     def llm(self, **kw: Any) -> Any:
         from ironlm import LLM
@@ -378,7 +379,8 @@ def check_kernels(ctx: Ctx) -> Iterator[Row]:
     json_path = ctx.out / "gpu_kernels.json"
     cmd = [sys.executable, str(HERE / "gpu_kernels.py"), "--json", str(json_path), *(["--dry-run"] if ctx.dry else [])]
     with open(ctx.out / "gpu_kernels.log", "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=300, check=False,
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
+                              timeout=max(60.0, min(300.0, ctx.deadline - time.perf_counter())),
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if not json_path.exists():
         yield Row("kernels", "gpu_kernels.py", f"rc {proc.returncode}, no JSON (see gpu_kernels.log)", "", "ERROR")
@@ -420,10 +422,12 @@ CHECKS: dict[str, Callable[[Ctx], Iterator[Row]]] = {
 }
 
 
-def run_checks(ctx: Ctx, names: list[str], budget_s: float, t_start: float) -> list[Row]:
+def run_checks(ctx: Ctx, names: list[str], budget_s: float, t_start: float,
+               save: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+    """Each check's rows in order; `save` after every check, so a run cut short still leaves its rows."""
     rows: list[Row] = []
     for name in names:
-        if name == "e2e" and time.perf_counter() - t_start > budget_s - 150:
+        if name == "e2e" and time.perf_counter() - t_start > budget_s - 180:
             rows.append(skipped("e2e", "W throughput", f"budget: {budget_s:.0f} s"))
             continue
         print(f"== {name}", flush=True)
@@ -439,6 +443,7 @@ def run_checks(ctx: Ctx, names: list[str], budget_s: float, t_start: float) -> l
 
             traceback.print_exc()
             rows.append(error(name, exc))
+        save(rows)
     return rows
 
 
@@ -450,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-model", default=None, help="what transformers loads (default: --model)")
     ap.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
     ap.add_argument("--skip", default="", help="comma-separated checks to leave out")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="e2e is skipped past budget - 150 s")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="e2e is skipped past budget - 180 s")
     ap.add_argument("--max-new", type=int, default=None, help="greedy tokens per prompt (32; 8 on a dry run)")
     args = ap.parse_args(argv)
     names = [n for n in args.only.split(",") if n and n not in args.skip.split(",")]
@@ -481,12 +486,18 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = (AutoTokenizer.from_pretrained(tok_path.parent, gguf_file=tok_path.name) if tok_path.suffix == ".gguf"
                  else AutoTokenizer.from_pretrained(tok_path))
     ctx.prompts = [tokenizer.encode(p) for p in (PROMPTS[:4] if args.dry_run else PROMPTS[:8])]
-    rows = run_checks(ctx, names, args.budget_s, t_start)
-    wall = time.perf_counter() - t_start
+    ctx.deadline = t_start + args.budget_s + 60
     m = machine_info()
-    report = {"bench": "gpu_check", "dry_run": args.dry_run, "machine": m, "model": args.model or "default",
-              "wall_s": wall, "rows": as_json(rows), "exit": verdict(rows)}
-    write_json(out / "gpu_check.json", report)
+
+    def save(rows: list[Row]) -> None:
+        write_json(out / "gpu_check.json", {
+            "bench": "gpu_check", "dry_run": args.dry_run, "machine": m, "model": args.model or "default",
+            "wall_s": time.perf_counter() - t_start, "rows": as_json(rows), "exit": verdict(rows),
+            "table": table(rows)})
+
+    rows = run_checks(ctx, names, args.budget_s, t_start, save)
+    wall = time.perf_counter() - t_start
+    save(rows)
     failed = [r for r in rows if not r.passed]
     print(f"\n===== gpu_check {'(DRY RUN on CPU) ' if args.dry_run else ''}on {m.get('gpu', m['device'])}, "
           f"torch {m['torch']}, {wall:.0f} s: {'PASS' if not failed else f'{len(failed)} FAILED'} =====")

@@ -23,15 +23,24 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Nothing is reachable from the device machine: never let a library wait on a network timeout.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 
-# 1. carried wheels (.whl/ in this call, or copied to /tmp/ironlm-wheels by an earlier one); no index, no deps
+dry_run=0 model_arg=0
+for a in "$@"; do
+  [[ "$a" == --dry-run ]] && dry_run=1
+  [[ "$a" == --model || "$a" == --model=* ]] && model_arg=1
+done
+# 1. carried wheels (.whl/ in this call, or copied to /tmp/ironlm-wheels by an earlier one); no index, no deps.
+#    Not on a dry run: they are built for the device's CPython 3.12, and the developer's environment has it all.
 mapfile -t wheels < <(ls .whl/*.whl /tmp/ironlm-wheels/*.whl 2>/dev/null)
-if ((${#wheels[@]})); then
+if ((${#wheels[@]} && !dry_run)); then
   if [[ ! -f /tmp/ironlm-site/.installed ]]; then
     t0=$SECONDS
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/ironlm-site "${wheels[@]}" && touch /tmp/ironlm-site/.installed ||
-      echo "gpu_check: installing the carried wheels failed" >&2
-    echo "gpu_check: ${#wheels[@]} wheels installed in $((SECONDS - t0)) s" >&2
+    if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/ironlm-site "${wheels[@]}"; then
+      touch /tmp/ironlm-site/.installed
+      echo "gpu_check: ${#wheels[@]} wheels installed in $((SECONDS - t0)) s" >&2
+    else
+      echo "gpu_check: installing the carried wheels failed (the checks that need them will fail)" >&2
+    fi
   fi
   export PYTHONPATH="/tmp/ironlm-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -43,11 +52,6 @@ done
 if ! "$PYTHON" -c "import ironlm._core as c; c.Scheduler" 2>/dev/null; then
   export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
-dry_run=0 model_arg=0
-for a in "$@"; do
-  [[ "$a" == --dry-run ]] && dry_run=1
-  [[ "$a" == --model || "$a" == --model=* ]] && model_arg=1
-done
 if ! "$PYTHON" -c "import ironlm._core as c; c.Scheduler" 2>/dev/null; then
   # Never on a dry run: there the extension is the developer's own build, left as it is.
   if ((!dry_run)) && command -v cargo >/dev/null && "$PYTHON" -m maturin --version >/dev/null 2>&1; then

@@ -15,7 +15,9 @@
 #   1. carry [".gpu_model_a", ".whl"]
 #      command: mkdir -p /tmp/ironlm-model-parts /tmp/ironlm-wheels && cp .gpu_model_a/* /tmp/ironlm-model-parts/ && cp .whl/* /tmp/ironlm-wheels/
 #   2. carry [".gpu_model_b", "python/ironlm/_core.abi3.so"], timeout_s 540
-#      command: cp .gpu_model_b/* /tmp/ironlm-model-parts/ && set -o pipefail && benches/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log; cp bench_out/gpu_check/*.json $OUT/
+#      command: cp .gpu_model_b/* /tmp/ironlm-model-parts/ && set -o pipefail && benches/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log
+#   gpu_check.sh writes gpu_check.json (updated after every check), gpu_kernels.json/.log, e2e_throughput.json
+#   into $OUT, which the device tool sets and brings back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
