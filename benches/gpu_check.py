@@ -315,6 +315,9 @@ def check_grammar(ctx: Ctx) -> Iterator[Row]:
     from ironlm.structured.params import StructuredOutputsParams
 
     llm = ctx.llm(dtype="bfloat16" if ctx.device == "cuda" else "float32")
+    # The token masks are applied by the engine's sampler, on the logits' device.
+    yield equal("grammar", "sampler (masks, draws) on the device", llm.engine.sampler.device.type, ctx.device,
+                ctx.device)
     texts = PROMPTS[:6]
     cases: list[tuple[str, StructuredOutputsParams, Callable[[str], bool]]] = [
         ("regex [0-9]{3}-[a-z]{4}", StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{4}"),
