@@ -16,6 +16,7 @@ run the forward, and only rank 0 gets the logits.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
     from ironlm.engine.kv.tier import KVTier
     from ironlm.engine.timing import StepTimer
     from ironlm.model.config import ModelConfig
+
+
+logger = logging.getLogger("ironlm.engine")
 
 
 class CausalLM(Protocol):
@@ -108,8 +112,14 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.cuda_graphs_apply():
             t0 = time.perf_counter()
-            self.graphs = self._capture_graphs()
-            self.startup_timings["cuda_graphs"] = time.perf_counter() - t0
+            try:
+                self.graphs = self._capture_graphs()
+            except Exception:  # a capture that fails leaves a working eager engine, said loudly
+                logger.exception("capturing the decode CUDA graphs failed: running eager (--enforce-eager "
+                                 "silences this)")
+                torch.cuda.synchronize(self.device)
+            else:
+                self.startup_timings["cuda_graphs"] = time.perf_counter() - t0
         self._ready = True
 
     def cuda_graphs_apply(self) -> bool:
