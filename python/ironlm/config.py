@@ -156,9 +156,9 @@ class EngineConfig:
     grammar_cache_size: int = _opt(256, "compiled structured-output grammars kept for reuse (LRU)")
     warmup: bool = _opt(True, "run one forward at startup so the first request is not the slow one")
     enforce_eager: bool = _opt(
-        False, "never replay CUDA graphs: by default a GPU engine captures its decode step for batch sizes 1, 2, 4, "
-        "8, 16, ... up to max_num_seqs (at most 256) at startup and replays them, padding a batch to the next size "
-        "(vLLM's flag; CPU engines always run eager)")
+        False, "never replay CUDA graphs: by default a GPU engine captures its decode step for batch sizes 1, 2, 4 "
+        "and every multiple of 8 up to max_num_seqs (at most 256) at startup and replays them, padding a batch to "
+        "the next size (vLLM's flag; CPU engines always run eager)")
     tensor_parallel_size: int = _opt(1, "ranks the model is sharded over (Megatron-style; gloo on CPU, nccl on GPU)")
     distributed_executor_backend: str = _opt(
         "mp", "how tensor-parallel ranks start: mp = ironlm spawns them on this node, torchrun = launched by "

@@ -39,7 +39,7 @@ MAX_CAPTURE_SIZE = 256
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]:
-    """The batch sizes to capture: 1, 2, 4, 8, 16, ... up to the first one that holds max_num_seqs (<= limit)."""
+    """The batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to the first one that holds max_num_seqs (<= limit)."""
     sizes = [1, 2, 4, *range(8, limit + 1, 8)]
     top = min(max(1, max_num_seqs), limit)
     return [s for s in sizes if s < top] + [next(s for s in sizes if s >= top)]
