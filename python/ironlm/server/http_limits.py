@@ -10,7 +10,8 @@ closes. Once a head is complete a second deadline covers its body (`body_timeout
 one byte at a time does not reset it): a body still incomplete then, with no response started, gets 408 and the
 connection closes (the app, waiting in its body read, sees a disconnect). The app owns the request from then
 until its response ends. A client address over `max_per_client` open connections gets 429 on the extra ones.
-A refusal of a counted connection (408, 431) half-closes and lingers briefly so the client can read it (`_linger`).
+A refusal of a counted connection (408, 431), and any response sent before its request body was read, half-closes
+the connection and lingers briefly so the client can read the answer (`_linger`).
 """
 
 from __future__ import annotations
@@ -90,9 +91,14 @@ class _HeadLimits:
 
     def on_response_complete(self) -> None:
         cycle = self.cycle
-        self._disarm_body()  # a body left unread after the response counts as head bytes of the next request
+        self._disarm_body()
+        unread = cycle is not None and cycle.more_body  # answered before its body was read (401, 503, ...)
         super().on_response_complete()  # type: ignore[misc]
-        if self.cycle is cycle and not self.transport.is_closing():  # not pipelined: wait for the next head
+        if self.cycle is not cycle or self.transport.is_closing():  # pipelined, or closing anyway
+            return
+        if unread:  # the rest of that body is no next request: end the connection once the client is done
+            self._linger()
+        else:  # wait for the next head
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
