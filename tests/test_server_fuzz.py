@@ -98,7 +98,10 @@ def request_schema(doc: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def check_response(resp: httpx.Response, what: str) -> None:
-    assert resp.status_code < 500, f"{what} -> {resp.status_code} {resp.text[:500]}"
+    # A request's own `timeout` (the fuzz draws values down to 1e-10 s) expiring before any token is a 503
+    # `timeout`: the client's choice, not a server fault.
+    own_timeout = resp.status_code == 503 and resp.json().get("error", {}).get("code") == "timeout"
+    assert resp.status_code < 500 or own_timeout, f"{what} -> {resp.status_code} {resp.text[:500]}"
     if resp.status_code >= 400:
         body = resp.json()
         assert set(body) == {"error"} and set(body["error"]) == _ERROR_KEYS, f"{what} -> {resp.text[:500]}"
