@@ -1,27 +1,8 @@
-"""Device facts for tests (see conftest.py): what "auto" picks here, whether n ranks fit, tolerances per dtype."""
+"""Device facts for tests (see conftest.py): tolerances that depend on where and in which dtype an engine runs."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
-
-
-@functools.cache
-def auto_device() -> torch.device:
-    """What EngineConfig(device="auto") resolves to on this machine."""
-    from ironlm.model import resolve_device
-
-    return resolve_device("auto")
-
-
-def devices_available(n: int) -> tuple[bool, str]:
-    """Whether `n` ranks fit on the devices "auto" picks, and why not."""
-    device = auto_device()
-    if device.type != "cuda":
-        return True, ""
-    count = torch.cuda.device_count()
-    return count >= n, f"needs {n} CUDA devices (device 'auto' picks cuda, this machine has {count})"
 
 
 def logprob_atol(device: torch.device | str, dtype: torch.dtype | str) -> float:

@@ -74,7 +74,6 @@ def tp_engines(models):
         llm.engine.runner.shutdown()
 
 
-@pytest.mark.devices(2)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tp2_greedy_equals_tp1(variant, models, tp_engines):
     ref = LLM(models[variant], **ENGINE)
@@ -92,7 +91,6 @@ def test_tp2_greedy_equals_tp1(variant, models, tp_engines):
     assert tp.engine.step_breakdown()["tp_comm"] > 0
 
 
-@pytest.mark.devices(2)
 def test_killed_worker_is_reported_not_hung(tp_engines):
     from ironlm.engine.async_engine import AsyncLLMEngine
 
@@ -210,7 +208,6 @@ print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in out]), flush=T
 """
 
 
-@pytest.mark.devices(2)  # device "auto": on one GPU the second rank would ask for cuda:1
 def test_top_level_script_without_main_guard(tmp_path, models):
     script = tmp_path / "tp_script.py"
     script.write_text(TOP_LEVEL_SCRIPT)
