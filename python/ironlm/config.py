@@ -18,6 +18,7 @@ from typing import Any
 from ironlm.exceptions import InvalidArgumentError
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "deadline", "fair")
+PREEMPTION_MODES = ("aggressive", "conservative")
 # Here rather than in ironlm.attention so that config validation and the CLIs need no torch import.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DISTRIBUTED_BACKENDS = ("mp", "torchrun")
@@ -137,6 +138,12 @@ class EngineConfig:
     scheduling_policy: str = _opt(
         "fcfs", "order of waiting requests; fair = fair share across tenants (the OpenAI `user` field or the "
         "X-Tenant header) by virtual token counters, within each priority", choices=SCHEDULING_POLICIES)
+    preemption: str = _opt(
+        "aggressive", "admission under KV pressure: aggressive = admit every waiting request whose next chunk fits "
+        "now and, when blocks run out, preempt the latest running one (recompute; swap with swap_space); "
+        "conservative = admit a request only while free and evictable blocks cover what it and every running "
+        "request still need to reach max_tokens (SGLang-style), so running requests are rarely preempted, at the "
+        "cost of smaller batches", choices=PREEMPTION_MODES)
     tenant_weights: str | None = _opt(
         None, "fair-share weights of named tenants, e.g. 'a=2,b=1' (others get 1)", metavar="NAME=W,...")
     fair_input_token_weight: float = _opt(1.0, "cost of a prefill token in the fair-share counters")
@@ -200,6 +207,8 @@ class EngineConfig:
                            f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _invalid("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise _invalid("preemption", f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
         parse_tenant_weights(self.tenant_weights)
         for name in ("fair_input_token_weight", "fair_output_token_weight"):
             value = getattr(self, name)
@@ -284,7 +293,8 @@ class EngineConfig:
             max_queue_len=None if self.max_queue_len is None else self.max_queue_len + self.max_num_seqs,
             tenant_weights=self.tenant_weight_map() or {}, input_token_weight=self.fair_input_token_weight,
             output_token_weight=self.fair_output_token_weight, scheduler_delay_factor=self.scheduler_delay_factor,
-            tier_blocks=tier_blocks, swap=self.swap_space > 0, sliding_window=sliding_window)
+            tier_blocks=tier_blocks, swap=self.swap_space > 0, sliding_window=sliding_window,
+            reserve_decode=self.preemption == "conservative")
 
     # ---- defaults that depend on where the engine runs --------------------------------------------------
     def resolve_max_num_batched_tokens(self, device_type: str) -> int:
@@ -329,6 +339,7 @@ class SchedulerConfig:
     tier_blocks: int
     swap: bool
     sliding_window: int | None
+    reserve_decode: bool
 
 
 @dataclass

@@ -213,6 +213,7 @@ struct SchedulerArgs {
     tier_blocks: i64,
     swap: bool,
     sliding_window: Option<i64>,
+    reserve_decode: bool,
 }
 
 #[pymethods]
@@ -254,6 +255,7 @@ impl PyScheduler {
                 .sliding_window
                 .map(|w| count_arg("sliding_window", w, 1))
                 .transpose()?,
+            reserve_decode: a.reserve_decode,
         };
         Ok(Self {
             inner: Scheduler::with_options(cfg, opts)?,

@@ -67,6 +67,11 @@ pub struct SchedulerOptions {
     pub swap: bool,
     /// Every layer attends only inside this window: blocks wholly before it are released.
     pub sliding_window: Option<usize>,
+    /// Conservative admission (SGLang-style): a waiting request is admitted only while the
+    /// free and evictable blocks cover what every running sequence, and it, still needs to
+    /// reach its max length, so running sequences are rarely preempted for blocks. Off: admit
+    /// whatever fits now and preempt (recompute) when blocks run out.
+    pub reserve_decode: bool,
 }
 
 impl SchedulerOptions {

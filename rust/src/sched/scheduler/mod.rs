@@ -19,6 +19,8 @@ use crate::sched::radix::{InsertResult, NodeId, RadixCache, TierStats};
 pub use crate::sched::sequence::Finished;
 use crate::sched::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
 
+#[cfg(test)]
+mod admit_tests;
 mod config;
 #[cfg(test)]
 mod fair_tests;
@@ -95,6 +97,8 @@ pub struct Scheduler {
     masks: Masks,
     pacing: Pacing,
     sliding_window: Option<usize>,
+    /// `SchedulerOptions::reserve_decode`.
+    reserve_decode: bool,
     tier: TierState,
 }
 
@@ -162,6 +166,7 @@ impl Scheduler {
                 last_admit: f64::NEG_INFINITY,
             },
             sliding_window: opts.sliding_window,
+            reserve_decode: opts.reserve_decode,
             tier: TierState::new(opts.swap),
             cfg,
         })
@@ -445,6 +450,7 @@ impl Scheduler {
             tier_blocks: self.radix.tier_capacity(),
             swap: self.tier.swap,
             sliding_window: self.sliding_window,
+            reserve_decode: self.reserve_decode,
         }
     }
 

@@ -93,6 +93,12 @@ impl Scheduler {
             && now - self.pacing.last_admit < self.pacing.delay_factor * self.pacing.last_step_s;
         let admitted_before = self.num_running;
         if (!preempted || make_room_for_waiting) && !held {
+            // Conservative admission: blocks the running sequences will still take.
+            let mut promised = if self.reserve_decode {
+                self.blocks_to_finish()
+            } else {
+                0
+            };
             while budget > 0 {
                 let Some(&slot) = self.queue.peek() else {
                     break;
@@ -101,7 +107,7 @@ impl Scheduler {
                 if self.num_reserved + n_reserve > self.cfg.max_num_seqs {
                     break;
                 }
-                if !self.try_admit(slot, n_reserve, &mut budget) {
+                if !self.try_admit(slot, n_reserve, &mut budget, &mut promised) {
                     break;
                 }
             }
@@ -537,9 +543,32 @@ impl Scheduler {
         }
     }
 
+    /// Blocks the running sequences (and their not-yet-forked children) have still to allocate
+    /// to reach their max length: what conservative admission keeps free for them.
+    fn blocks_to_finish(&self) -> usize {
+        let bs = self.cfg.block_size;
+        let mut total = 0;
+        for &slot in &self.running {
+            let s = &self.seqs[slot as usize];
+            if s.status == Status::Running {
+                let own = s.max_len.div_ceil(bs).saturating_sub(s.blocks.len());
+                let forks = self.pending_of(slot) * (s.max_len.div_ceil(bs) - s.prompt_len / bs);
+                total += own + forks;
+            }
+        }
+        total
+    }
+
     /// Admit the waiting sequence `slot` (the queue head) with its first chunk, if its blocks
-    /// can be found. False (nothing changed) if not.
-    fn try_admit(&mut self, slot: Slot, n_reserve: usize, budget: &mut usize) -> bool {
+    /// can be found. False (nothing changed) if not. `promised`: blocks conservative admission
+    /// keeps for the running sequences (`blocks_to_finish`); grows by what this one will take.
+    fn try_admit(
+        &mut self,
+        slot: Slot,
+        n_reserve: usize,
+        budget: &mut usize,
+        promised: &mut usize,
+    ) -> bool {
         #[cfg(test)]
         self.check_fair_head(slot);
         let bs = self.cfg.block_size;
@@ -572,11 +601,20 @@ impl Scheduler {
             self.alloc.incref(b);
         }
         let need = (cached + num_new).div_ceil(bs) - on_device;
-        if need > self.alloc.num_free() && self.cfg.enable_prefix_caching {
+        // Conservative: everything this sequence and its forks will take up to their max length,
+        // on top of what is promised to the running ones, must be free or evictable now. With
+        // nothing running it goes in as it fits, so blocks held for good (pins) cannot starve it.
+        let s = &self.seqs[slot as usize];
+        let to_finish = s.max_len.div_ceil(bs).saturating_sub(on_device)
+            + (n_reserve - 1) * (s.max_len.div_ceil(bs) - s.prompt_len / bs);
+        let short_of_reserve = self.reserve_decode
+            && self.num_running > 0
+            && to_finish + *promised > self.alloc.num_free() + self.radix.num_evictable_blocks();
+        if need > self.alloc.num_free() && self.cfg.enable_prefix_caching && !short_of_reserve {
             let short = need - self.alloc.num_free();
             self.radix.evict(&mut self.alloc, short);
         }
-        if need > self.alloc.num_free() {
+        if short_of_reserve || need > self.alloc.num_free() {
             for &b in blocks[..on_device].iter().rev() {
                 self.alloc.decref(b);
             }
@@ -616,6 +654,9 @@ impl Scheduler {
         self.running.push(slot);
         self.num_running += 1;
         self.num_reserved += n_reserve;
+        if self.reserve_decode {
+            *promised += to_finish.saturating_sub(need);
+        }
         let r = self.reqs[idx].as_mut().expect("live request");
         if !r.admitted {
             r.admitted = true;
