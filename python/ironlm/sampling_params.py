@@ -50,6 +50,8 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-N raw logprobs per token; the chosen token's is always included
+    # Per prompt token after the first: its raw logprob and the top-N (vLLM's semantics; the first is None).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias added to the logit, clamped to [-100, 100]
@@ -99,6 +101,10 @@ class SamplingParams:
             self._check_int("logprobs", self.logprobs, low=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise _invalid("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            self._check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise _invalid("prompt_logprobs", f"must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}")
         self._check_logit_bias()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise _invalid("structured_outputs", f"must be a StructuredOutputsParams, got {self.structured_outputs!r}")

@@ -28,6 +28,8 @@ from ironlm.engine import faults
 from ironlm.engine.kv.lifecycle import TierLifecycle
 from ironlm.engine.model_runner import ModelRunner
 from ironlm.engine.outputs import RequestMetrics, RequestOutput
+from ironlm.engine.prompt_logprobs import PromptLogprobs
+from ironlm.engine.prompt_logprobs import namespace as prompt_logprobs_namespace
 from ironlm.engine.prompts import PromptType, apply_chat_template, encode_prompt
 from ironlm.engine.sequence_table import EngineRequest, SequenceTable
 from ironlm.engine.timing import StepTimer
@@ -112,6 +114,7 @@ class LLMEngine:
         self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
                                seed=config.seed)
         self.table = SequenceTable(self.sampler, runner.tokenizer)
+        self.prompt_lps = PromptLogprobs()
 
     def reset(self) -> list[str]:
         """Drop every request and rebuild the request state; returns the dropped request ids.
@@ -187,6 +190,8 @@ class LLMEngine:
         if max_tokens is None:  # up to max_model_len; a prompt already that long is the core's to reject
             max_tokens = max(1, self.max_model_len - len(token_ids))
         arrival = _core.monotonic() if arrival_time is None else arrival_time
+        if params.prompt_logprobs is not None:  # no prefix-cache hit: every prompt row is computed (see module)
+            cache_salt = prompt_logprobs_namespace()
         slots = self.scheduler.add_request(
             request_id, token_ids, max_tokens, min_tokens=params.min_tokens, n=params.n,
             priority=priority, eos_token_ids=list(self.model_config.eos_token_ids),
@@ -197,6 +202,8 @@ class LLMEngine:
         )
         request = EngineRequest(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival))
         self.table.add(request, slots, self.scheduler.stop_token_ids(slots[0]))
+        if params.prompt_logprobs is not None:
+            self.prompt_lps.add(request, slots)
         self.prompt_tokens_total += len(token_ids)
         return request_id
 
@@ -247,7 +254,11 @@ class LLMEngine:
         try:
             if self.faults is not None:
                 self.faults.check("forward")
-            logits = self.runner.execute(plan, timer)
+            prompt_rows = self.prompt_lps.rows(plan, self.table)
+            logits = self.runner.execute(plan, timer, None if prompt_rows is None else prompt_rows.rows)
+            if prompt_rows is not None:  # the rows after the sampled ones
+                self.prompt_lps.record(prompt_rows, logits[plan.num_samples:], self.tokenizer)
+                logits = logits[:plan.num_samples]
             self.kv.track_prefill(plan, timer.totals["forward"] - forward_s)
             with torch.inference_mode():  # the sampler edits the (inference-mode) logits in place
                 # The masks were computed on the core's worker while the forward ran: this join is ~free.

@@ -189,14 +189,18 @@ class ModelRunner:
             self.tier.close()
             self.tier = None
 
-    def execute(self, plan: _core.SchedulerPlan, timer: StepTimer | None = None) -> torch.Tensor:
-        """Logits [plan.num_samples, vocab] (float32) for the plan's `logits_indices` rows.
+    def execute(self, plan: _core.SchedulerPlan, timer: StepTimer | None = None,
+                extra_rows: np.ndarray | None = None) -> torch.Tensor:
+        """Logits [plan.num_samples, vocab] (float32) for the plan's `logits_indices` rows, then one row per
+        `extra_rows` entry (token rows of the batch: prompt logprobs), in that order.
 
         The result is an inference-mode tensor: modify it in place only under `torch.inference_mode()`.
         Under tensor parallelism the time spent in collectives (plan broadcast, all-reduces, logits gather) is
         taken out of the prepare / forward phases into its own `tp_comm` phase.
         """
         arrays = StepArrays.of(plan)
+        if extra_rows is not None and len(extra_rows):  # every rank runs the longer index list (a CUDA graph none)
+            arrays.logits_indices = np.concatenate([arrays.logits_indices, extra_rows]).astype(np.int64)
         tp = self.tp
         c0 = c1 = 0.0 if tp is None else tp.comm_s
         if self.executor is not None:

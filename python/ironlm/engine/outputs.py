@@ -14,6 +14,8 @@ class Logprob:
 
 # One entry per generated token: token id -> Logprob (the chosen token and the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token (SamplingParams.prompt_logprobs): None for the first, which nothing predicts.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -64,4 +66,5 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked for them
     extra: dict = field(default_factory=dict)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ironlm.detokenizer import IncrementalDetokenizer
-from ironlm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ironlm.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from ironlm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class EngineRequest:
     seqs: list[EngineSequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # filled by the engine's PromptLogprobs as the prompt runs
 
     @property
     def finished(self) -> bool:
@@ -40,7 +41,7 @@ class EngineRequest:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=[seq.output() for seq in self.seqs], finished=self.finished, metrics=self.metrics,
-            num_cached_tokens=self.num_cached_tokens, error=self.error,
+            num_cached_tokens=self.num_cached_tokens, error=self.error, prompt_logprobs=self.prompt_logprobs,
         )
 
 
