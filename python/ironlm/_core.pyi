@@ -55,6 +55,9 @@ class CompiledGrammar:
     @property
     def mask_words(self) -> int:
         """32-bit words per row of its token bitmask (``ceil(vocab_size / 32)``)."""
+    @property
+    def size_bytes(self) -> int:
+        """Estimated memory it holds, in bytes (its lexer tables after the first mask)."""
 
 @final
 class GrammarCompiler:
@@ -72,13 +75,27 @@ class GrammarCompiler:
         initial_lexer_fuel: int | None = None,
         step_lexer_fuel: int | None = None,
         max_lexer_states: int | None = None,
+        max_threads: int | None = None,
+        max_grammar_bytes: int | None = None,
+        max_schema_depth: int | None = None,
+        max_object_properties: int | None = None,
+        max_pattern_pairs: int | None = None,
+        max_lark_depth: int | None = None,
     ) -> Self:
         """``token_bytes[id]``: the token's bytes (None: no text, never allowed); ids up to ``vocab_size`` (the
         logits width) past the list have none. ``special_token_ids`` are produced only by grammars that name them.
-        The limits bound each compilation (None: llguidance's defaults)."""
+        The limits bound each compilation (None: the defaults): ``max_threads`` compile threads alive at once
+        (abandoned ones too), ``max_grammar_bytes`` per compiled grammar, and the input's shape
+        (``max_schema_depth``: values on the longest path through nesting and ``$ref`` chains;
+        ``max_object_properties``; ``max_pattern_pairs``: ``patternProperties`` regex pairs; ``max_lark_depth``:
+        Lark rule reference chain)."""
     def compile(self, text: str, *, param: str = "structured_outputs") -> CompiledGrammar:
         """Compile grammar text (llguidance's TopLevelGrammar JSON, or a Lark grammar) with the GIL released.
-        Raises ``GrammarError`` (``.param`` = ``param``) if it does not compile within the limits."""
+        Raises ``GrammarError`` (``.param`` = ``param``) if it does not compile within the limits,
+        ``QueueFullError`` if every compile thread stayed busy for the timeout."""
+    @property
+    def live_threads(self) -> int:
+        """Compile threads alive now, counting those whose caller timed out."""
     @property
     def vocab_size(self) -> int:
         """The logits width its masks cover."""

@@ -13,10 +13,12 @@
 
 mod compile;
 mod masks;
+mod shape;
 mod vocab;
 
-pub use compile::{CompiledGrammar, GrammarCompiler, GrammarLimits};
+pub use compile::{CompileError, CompiledGrammar, GrammarCompiler, GrammarLimits};
 pub use masks::{apply_bitmask, MaskJob, SeqMatcher, TokenBitmask};
+pub use shape::ShapeLimits;
 pub use vocab::Vocab;
 
 #[cfg(test)]

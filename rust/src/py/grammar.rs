@@ -6,9 +6,11 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use super::{count_arg, grammar_error, token_ids, value_error};
-use crate::error::CoreError;
-use crate::grammar::{apply_bitmask, CompiledGrammar, GrammarCompiler, GrammarLimits, Vocab};
+use super::{count_arg, grammar_error, token_ids, value_error, QueueFullError};
+use crate::grammar::{
+    apply_bitmask, CompileError, CompiledGrammar, GrammarCompiler, GrammarLimits, ShapeLimits,
+    Vocab,
+};
 
 /// A grammar compiled for one tokenizer; pass it to ``Scheduler.add_request(grammar=...)``.
 /// Immutable and shared: any number of requests may use the same one.
@@ -25,8 +27,18 @@ impl PyCompiledGrammar {
         self.inner.mask_words()
     }
 
+    /// Estimated memory it holds, in bytes (its lexer tables after the first mask).
+    #[getter]
+    fn size_bytes(&self) -> usize {
+        self.inner.size_bytes()
+    }
+
     fn __repr__(&self) -> String {
-        format!("CompiledGrammar(mask_words={})", self.inner.mask_words())
+        format!(
+            "CompiledGrammar(mask_words={}, size_bytes={})",
+            self.inner.mask_words(),
+            self.inner.size_bytes()
+        )
     }
 }
 
@@ -40,7 +52,11 @@ pub struct PyGrammarCompiler {
 impl PyGrammarCompiler {
     /// ``token_bytes[id]``: the token's bytes (None: no text, never allowed); ids up to
     /// ``vocab_size`` (the logits width) past the list have none. ``special_token_ids`` are
-    /// produced only by grammars that name them. The limits bound each compilation.
+    /// produced only by grammars that name them. The limits bound each compilation:
+    /// ``max_threads`` compile threads alive at once (abandoned ones too), ``max_grammar_bytes``
+    /// per compiled grammar, and the input's shape (``max_schema_depth``: values on the longest
+    /// path through nesting and ``$ref`` chains; ``max_object_properties``; ``max_pattern_pairs``:
+    /// ``patternProperties`` regex pairs; ``max_lark_depth``: Lark rule reference chain).
     #[new]
     #[pyo3(signature = (
         token_bytes,
@@ -53,6 +69,12 @@ impl PyGrammarCompiler {
         initial_lexer_fuel = None,
         step_lexer_fuel = None,
         max_lexer_states = None,
+        max_threads = None,
+        max_grammar_bytes = None,
+        max_schema_depth = None,
+        max_object_properties = None,
+        max_pattern_pairs = None,
+        max_lark_depth = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -66,6 +88,12 @@ impl PyGrammarCompiler {
         initial_lexer_fuel: Option<i64>,
         step_lexer_fuel: Option<i64>,
         max_lexer_states: Option<i64>,
+        max_threads: Option<i64>,
+        max_grammar_bytes: Option<i64>,
+        max_schema_depth: Option<i64>,
+        max_object_properties: Option<i64>,
+        max_pattern_pairs: Option<i64>,
+        max_lark_depth: Option<i64>,
     ) -> PyResult<Self> {
         let tokens = token_bytes
             .iter()
@@ -92,6 +120,17 @@ impl PyGrammarCompiler {
             ));
         }
         let d = GrammarLimits::default();
+        let ds = ShapeLimits::default();
+        let shape = ShapeLimits {
+            max_schema_depth: opt_count("max_schema_depth", max_schema_depth)?
+                .unwrap_or(ds.max_schema_depth),
+            max_object_properties: opt_count("max_object_properties", max_object_properties)?
+                .unwrap_or(ds.max_object_properties),
+            max_pattern_pairs: opt_count("max_pattern_pairs", max_pattern_pairs)?
+                .unwrap_or(ds.max_pattern_pairs),
+            max_lark_depth: opt_count("max_lark_depth", max_lark_depth)?
+                .unwrap_or(ds.max_lark_depth),
+        };
         let limits = GrammarLimits {
             timeout: Duration::from_secs_f64(timeout),
             max_grammar_size: opt_count("max_grammar_size", max_grammar_size)?
@@ -102,6 +141,9 @@ impl PyGrammarCompiler {
                 .map_or(d.step_lexer_fuel, |v| v as u64),
             max_lexer_states: opt_count("max_lexer_states", max_lexer_states)?
                 .unwrap_or(d.max_lexer_states),
+            max_threads: opt_count("max_threads", max_threads)?.unwrap_or(d.max_threads),
+            max_bytes: opt_count("max_grammar_bytes", max_grammar_bytes)?.unwrap_or(d.max_bytes),
+            shape,
         };
         // Building the token trie and its slices takes a while on large vocabularies.
         let inner = py.detach(|| {
@@ -113,15 +155,21 @@ impl PyGrammarCompiler {
 
     /// Compile grammar text (llguidance's TopLevelGrammar JSON, or a Lark grammar) with the GIL
     /// released. Raises ``GrammarError`` (``.param`` = ``param``) if it does not compile within
-    /// the limits.
+    /// the limits, ``QueueFullError`` if every compile thread stayed busy for the timeout.
     #[pyo3(signature = (text, *, param = "structured_outputs"))]
     fn compile(&self, py: Python<'_>, text: &str, param: &str) -> PyResult<PyCompiledGrammar> {
         let inner = &self.inner;
-        match py.detach(|| inner.compile(text)) {
+        match py.detach(|| inner.compile_checked(text)) {
             Ok(g) => Ok(PyCompiledGrammar { inner: g }),
-            Err(CoreError::Grammar(msg)) => Err(grammar_error(msg, param)),
-            Err(e) => Err(e.into()),
+            Err(CompileError::Grammar(msg)) => Err(grammar_error(msg, param)),
+            Err(CompileError::Busy(msg)) => Err(QueueFullError::new_err(msg)),
         }
+    }
+
+    /// Compile threads alive now, counting those whose caller timed out.
+    #[getter]
+    fn live_threads(&self) -> usize {
+        self.inner.live_threads()
     }
 
     /// The logits width its masks cover.
