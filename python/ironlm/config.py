@@ -27,6 +27,9 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
 # ironlm.structured.tool_parsers.PARSERS' names (tests check they agree); here so the CLI needs no import.
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = ("last", "mean", "cls")
+SCORE_MODES = ("auto", "classify", "yes_no", "cosine")
 _DTYPE_ALIASES = ("fp32", "fp16", "bf16", "half", "float")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -185,6 +188,28 @@ class EngineConfig:
         0.0, "GiB of host memory a preempted request's KV blocks are swapped to and back from when copying beats "
         "recomputing (vLLM's flag; 0 = off). Swaps into kv_offload_memory/kv_offload_dir instead when one is set",
         metavar="GIB")
+    # Pooling models (engine/pooling.py): embeddings and (query, document) scores instead of generated text.
+    runner: str = _opt(
+        "generate", "generate = a causal LM (completions, chat); pooling = the decoder as an embedding or scoring "
+        "model: prefill only, no sampling (/v1/embeddings, /v1/score, /v1/rerank, LLM.embed / LLM.score)",
+        choices=RUNNERS)
+    pooling_type: str = _opt(
+        "last", "--runner pooling: one vector per prompt from its final-norm hidden states: last = the last token "
+        "(Qwen3-Embedding, e5-mistral), mean = the prompt's mean, cls = the first token. mean and cls bypass the "
+        "prefix cache (a cache hit skips the rows they average or take)", choices=POOLING_TYPES)
+    normalize: bool = _opt(True, "--runner pooling: L2-normalise embeddings (after any `dimensions` truncation)")
+    score_mode: str = _opt(
+        "auto", "--runner pooling: how a (query, document) pair is scored: classify = the checkpoint's "
+        "sequence-classification head (score.weight; sigmoid of a single label, else softmax's last label), "
+        "yes_no = softmax over the two score_tokens' logits at the last position (Qwen3-Reranker), cosine = cosine "
+        "similarity of the two embeddings; auto = classify when the checkpoint has a head, else cosine",
+        choices=SCORE_MODES)
+    score_template: str | None = _opt(
+        None, "--runner pooling: the prompt of a scored pair, with {query} and {document} (default: Qwen3-Reranker's "
+        "for yes_no, the two texts one after the other for classify)", metavar="TEXT")
+    score_tokens: str = _opt(
+        "yes,no", "--runner pooling, score_mode yes_no: the positive and the negative token, each a text that is "
+        "one token or a token id", metavar="YES,NO")
     kv_pin_prefix: tuple[str, ...] = _opt(
         (), "texts prefilled at startup whose whole KV blocks stay on the device for good: a shared prompt start "
         "as the model sees it (for chat, the rendered template up to the end of the system message)",
@@ -235,6 +260,32 @@ class EngineConfig:
             raise _invalid("quantization_group_size",
                            f"must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, got {group!r}")
         self._check_kv_tier()
+        self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        for name, choices in (("runner", RUNNERS), ("pooling_type", POOLING_TYPES), ("score_mode", SCORE_MODES)):
+            if getattr(self, name) not in choices:
+                raise _invalid(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if not isinstance(self.normalize, bool):
+            raise _invalid("normalize", f"must be true or false, got {self.normalize!r}")
+        template = self.score_template
+        if template is not None and (not isinstance(template, str) or "{query}" not in template
+                                     or "{document}" not in template):
+            raise _invalid("score_template", f"must contain {{query}} and {{document}}, got {template!r}")
+        if not isinstance(self.score_tokens, str) or len(self.score_tokens.split(",")) != 2:
+            raise _invalid("score_tokens", f"must be two tokens as 'YES,NO', got {self.score_tokens!r}")
+        if self.runner != "pooling":
+            return
+        if self.tensor_parallel_size > 1:
+            raise _invalid("tensor_parallel_size", "--runner pooling runs on one rank")
+        if self.pooling_bypasses_cache() and (self.kv_tier_kind() is not None or self.kv_pin_prefix):
+            raise _invalid("pooling_type", f"{self.pooling_type} pooling bypasses the prefix cache, so a KV tier or "
+                           "pinned prefixes would serve nothing")
+
+    def pooling_bypasses_cache(self) -> bool:
+        """mean and cls pooling read prompt rows a prefix-cache hit would not compute: the engine runs them with
+        the prefix cache off (last-token pooling and scoring use it)."""
+        return self.runner == "pooling" and self.pooling_type != "last"
 
     def _check_kv_tier(self) -> None:
         parse_bytes(self.kv_offload_memory, "kv_offload_memory")
@@ -287,7 +338,8 @@ class EngineConfig:
         return SchedulerConfig(
             num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            policy=self.scheduling_policy, enable_prefix_caching=self.enable_prefix_caching,
+            policy=self.scheduling_policy,
+            enable_prefix_caching=self.enable_prefix_caching and not self.pooling_bypasses_cache(),
             # The capacity is max_num_seqs running + max_queue_len waiting (checked in add_request): requests that
             # arrive together all wait until the next step schedules them, so the core's waiting bound is the sum.
             max_queue_len=None if self.max_queue_len is None else self.max_queue_len + self.max_num_seqs,

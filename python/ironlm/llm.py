@@ -11,10 +11,12 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from ironlm import llm_pooling
 from ironlm.config import EngineConfig
 from ironlm.engine import LLMEngine
 from ironlm.engine.outputs import RequestOutput
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.llm_pooling import EmbeddingRequestOutput, ScoringRequestOutput
 from ironlm.sampling_params import SamplingParams
 from ironlm.stats import latency_summary
 
@@ -81,6 +83,18 @@ class LLM:
             c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))}
             for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """Embeddings of `prompts` (`runner="pooling"`): `outputs.embedding` per prompt, as in vLLM; `dimensions`
+        truncates (Matryoshka), re-normalised when the engine normalises."""
+        return llm_pooling.embed(self, prompts, use_tqdm, dimensions)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Relevance of each (text_1, text_2) pair (`runner="pooling"`; one text_1 against all text_2, or pairwise):
+        the classifier's or yes/no score of a scoring model, the embeddings' cosine of an embedding model."""
+        return llm_pooling.score(self, text_1, text_2, use_tqdm)
 
     def _params_list(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                      n: int) -> list[SamplingParams]:

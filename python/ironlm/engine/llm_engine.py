@@ -28,6 +28,7 @@ from ironlm.engine import faults
 from ironlm.engine.kv.lifecycle import TierLifecycle
 from ironlm.engine.model_runner import ModelRunner
 from ironlm.engine.outputs import RequestMetrics, RequestOutput
+from ironlm.engine.pooling import check_request, make_pooler
 from ironlm.engine.prompt_logprobs import PromptLogprobs
 from ironlm.engine.prompt_logprobs import namespace as prompt_logprobs_namespace
 from ironlm.engine.prompts import PromptType, apply_chat_template, encode_prompt
@@ -85,6 +86,7 @@ class LLMEngine:
         # Only a tier that persists has anything to do at exit (a weak reference: the hook keeps no engine alive).
         self._atexit = functools.partial(_shutdown_at_exit, weakref.ref(self))
         try:
+            self.pooler = make_pooler(config, runner)  # None unless runner="pooling" (engine/pooling.py)
             self._new_state()
             if self.kv.persist:
                 atexit.register(self._atexit)
@@ -176,6 +178,7 @@ class LLMEngine:
         compiled here when not given. `tenant`: who it is served for (`--scheduling-policy fair`); None is "".
         """
         params = params or SamplingParams()
+        check_request(self.pooler, params)
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params.structured_outputs)
         if request_id is None:
@@ -250,6 +253,8 @@ class LLMEngine:
             if request is not None and request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = cached
+        if self.pooler is not None:  # a pooling model: the forward pools instead of sampling
+            return self.pooler.engine_step(self, plan, touched)
         forward_s = timer.totals["forward"]
         try:
             if self.faults is not None:

@@ -53,6 +53,11 @@ class CausalLM(Protocol):
         """input_ids/positions [T] int64 -> float32 logits [len(logits_indices), vocab]."""
         ...
 
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
+                      meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """The same forward up to the final norm: float32 [len(rows), hidden] (pooling models)."""
+        ...
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
@@ -126,7 +131,7 @@ class ModelRunner:
         """Whether this runner captures its decode step: CUDA, one rank, the Triton backend, not enforce_eager."""
         backend = getattr(self.model, "attn_backend", None)
         return (not self.config.enforce_eager and self.device.type == "cuda" and self.tp is None
-                and getattr(backend, "name", None) == "triton")
+                and getattr(backend, "name", None) == "triton" and self.config.runner != "pooling")
 
     def _capture_graphs(self) -> DecodeGraphs:
         from ironlm.engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -214,8 +219,9 @@ class ModelRunner:
             timer.totals["tp_comm"] += sent + forward
         return logits
 
-    def run(self, plan: StepArrays, timer: StepTimer | None = None) -> torch.Tensor:
-        """The forward over one plan's arrays (every rank runs it; rank 0's result is the logits)."""
+    def run(self, plan: StepArrays, timer: StepTimer | None = None, hidden: bool = False) -> torch.Tensor:
+        """The forward over one plan's arrays (every rank runs it; rank 0's result is the logits). `hidden`: the
+        final-norm hidden states of the `logits_indices` rows instead (pooling models: one rank, eager)."""
         assert self.kv_caches is not None
         device = self.device
         if len(plan.kv_demote) or len(plan.kv_promote):
@@ -226,7 +232,7 @@ class ModelRunner:
                 timer.lap("kv_copy", sync=device)
         if len(plan.cow_pairs):
             copy_blocks(self.kv_caches, plan.cow_pairs)
-        size = None if self.graphs is None else self.graphs.size_for(plan)
+        size = None if self.graphs is None or hidden else self.graphs.size_for(plan)
         if size is not None:
             assert self.graphs is not None
             self.graphs.stage(plan, size)
@@ -245,8 +251,9 @@ class ModelRunner:
             max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len, device=device)
         if timer is not None:
             timer.lap("prepare")
+        forward = self.model.hidden_states if hidden else self.model
         with torch.inference_mode():
-            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+            logits = forward(input_ids, positions, self.kv_caches, meta, logits_indices)
         if timer is not None:
             timer.lap("forward", sync=device)
         return logits

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -68,3 +72,5 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked for them
     extra: dict = field(default_factory=dict)
+    # A pooling model's result (engine/pooling.py): the embedding, or a one-element array holding the score.
+    pooled: np.ndarray | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ironlm.detokenizer import IncrementalDetokenizer
 from ironlm.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
@@ -31,6 +31,7 @@ class EngineRequest:
     seqs: list[EngineSequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    pooled: Any = None  # a pooling model's embedding or score (engine/pooling.py)
     prompt_logprobs: PromptLogprobs | None = None  # filled by the engine's PromptLogprobs as the prompt runs
 
     @property
@@ -41,6 +42,7 @@ class EngineRequest:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=[seq.output() for seq in self.seqs], finished=self.finished, metrics=self.metrics,
+            pooled=self.pooled,
             num_cached_tokens=self.num_cached_tokens, error=self.error, prompt_logprobs=self.prompt_logprobs,
         )
 

@@ -50,6 +50,9 @@ class ModelConfig:
     # (p - sliding_window, p] (transformers' convention), on the layers `sliding_layers` marks (None = every layer).
     sliding_window: int | None = None
     sliding_layers: list[bool] | None = None
+    # Labels of a *ForSequenceClassification checkpoint, whose `score.weight` [num_labels, hidden] replaces the LM
+    # head (a reranker's relevance head); None for causal LMs.
+    num_labels: int | None = None
     source: str = "hf"  # hf | gguf
     hf_config: Any = field(default=None, repr=False, compare=False)  # the transformers config, when there is one
 
@@ -141,6 +144,8 @@ class ModelConfig:
             attention_bias = bool(getattr(hf_config, "attention_bias", False))
 
         sliding, sliding_layers = _sliding_window(hf_config, model_type)
+        archs = getattr(hf_config, "architectures", None) or []
+        num_labels = int(hf_config.num_labels) if archs and str(archs[0]).endswith("ForSequenceClassification") else None
 
         eos: list[int] = []
         for src in (generation_config, hf_config):
@@ -162,7 +167,8 @@ class ModelConfig:
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # A classifier's score head is its own tensor even where the base model ties its LM head.
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and num_labels is None,
             attention_bias=attention_bias,
             attention_out_bias=attention_bias and model_type != "qwen2",
             qk_norm=model_type == "qwen3",
@@ -173,6 +179,7 @@ class ModelConfig:
             pad_token_id=_first(getattr(hf_config, "pad_token_id", None)),
             sliding_window=sliding,
             sliding_layers=sliding_layers,
+            num_labels=num_labels,
             source="hf",
             hf_config=hf_config,
         )

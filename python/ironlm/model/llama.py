@@ -220,7 +220,9 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, dtype, device, tp, window)
                                      for window in config.layer_windows])
         self.norm = _param((config.hidden_size,), dtype, device)
-        if config.tie_word_embeddings:
+        if config.num_labels:  # a sequence-classification checkpoint: its score head stands in for the LM head
+            self.lm_head = _param((config.num_labels, config.hidden_size), dtype, device)
+        elif config.tie_word_embeddings:
             self.lm_head = self.embed
         else:
             self.lm_head = _param((config.vocab_size, config.hidden_size), dtype, device)
@@ -246,7 +248,7 @@ class DecoderLM(nn.Module):
         cfg = self.config
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not cfg.tie_word_embeddings:
-            names.append("lm_head.weight")
+            names.append("score.weight" if cfg.num_labels else "lm_head.weight")
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
@@ -269,7 +271,9 @@ class DecoderLM(nn.Module):
         if name == "model.norm.weight":
             return self.norm
         if name == "lm_head.weight":
-            return None if cfg.tie_word_embeddings else self.lm_head
+            return None if cfg.tie_word_embeddings or cfg.num_labels else self.lm_head
+        if name == "score.weight":
+            return self.lm_head if cfg.num_labels else None
         m = _LAYER_RE.match(name)
         if m is None:
             return None
@@ -439,13 +443,39 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids/positions [T] int64 -> float32 logits [len(logits_indices), vocab]."""
+        """input_ids/positions [T] int64 -> float32 logits [len(logits_indices), vocab] (or [.., num_labels] for a
+        sequence-classification checkpoint)."""
+        return self._logits(self._last_rows(input_ids, positions, kv_caches, meta, logits_indices))
+
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` up to the final norm: float32 [len(rows), hidden] of the token rows `rows` (what pooling
+        models embed; transformers' last_hidden_state)."""
+        h = self._last_rows(input_ids, positions, kv_caches, meta, rows)
+        return rms_norm(h, self.norm, self.config.rms_norm_eps).float()
+
+    def _last_rows(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last layer's output (before the final norm) for the rows `logits_indices`."""
         backend = self.attn_backend
         if backend is None:
             raise RuntimeError("no attention backend: call model.set_attention_backend(...) first")
-        logits = self._lean_forward(input_ids, positions, kv_caches, meta, logits_indices)
-        if logits is not None:
-            return logits
+        lean = self._lean_forward(input_ids, positions, kv_caches, meta, logits_indices)
+        if lean is not None:
+            return lean
         max_len = int(meta.max_seq_len)
         fused = None if self.config.qk_norm else self.rotary.fused(positions, max_len)
         rope = fused if fused is not None else self.rotary.cos_sin(positions, max_len)
@@ -455,7 +485,7 @@ class DecoderLM(nn.Module):
             h = layer(h, rope, kv_caches[i], meta, backend, logits_indices if i == last else None)
         if last < 0:
             h = h.index_select(0, logits_indices)
-        return self._logits(h)
+        return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the rows whose logits are wanted: float32 [rows, vocab]."""
@@ -475,8 +505,9 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor | None:
-        """A small CPU decode batch through `DecoderLayer.lean_forward`; None where it does not apply (GPU, prefill
-        rows, qk-norm models, other backends, steps the CPU backend sends to cascade attention)."""
+        """A small CPU decode batch through `DecoderLayer.lean_forward`: the last layer's rows `logits_indices`;
+        None where it does not apply (GPU, prefill rows, qk-norm models, other backends, steps the CPU backend sends
+        to cascade attention)."""
         t = input_ids.shape[0]
         backend = self.attn_backend
         if (t > LEAN_MAX_TOKENS or self.config.qk_norm or self.dtype not in CORE_DTYPES
@@ -503,7 +534,7 @@ class DecoderLM(nn.Module):
             torch.index_select(self.embed, 0, input_ids, out=ws.h)
         for layer, (k_np, v_np) in zip(self.layers, self._kv_np[1]):
             layer.lean_forward(ws, k_np, v_np, step)  # type: ignore[operator]
-        return self._logits(ws.h.index_select(0, logits_indices))
+        return ws.h.index_select(0, logits_indices)
 
 
 def _default_backend(device: torch.device) -> AttentionBackend | None:
