@@ -19,6 +19,8 @@ import pytest
 
 from ironlm.grpc import ironlm_pb2 as pb
 from ironlm.grpc import ironlm_pb2_grpc as pb_grpc
+from ironlm.structured import StructuredOutputsParams
+from ironlm.structured.json_depth import MAX_JSON_DEPTH, check_depth, json_depth
 from server_utils import tiny_model_path
 
 # ---- the shapes ------------------------------------------------------------------------------------------------
@@ -38,6 +40,10 @@ def required(n: int) -> dict[str, Any]:
 def lark_chain(n: int) -> str:
     """`start` and n + 1 rules, each naming the next: n + 2 deep."""
     return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
+
+
+def deep_json(n: int) -> str:
+    return '{"a": ' * n + "1" + "}" * n
 
 
 # ---- a real `ironlm serve` process -----------------------------------------------------------------------------
@@ -110,6 +116,13 @@ def _tool(parameters: dict[str, Any]) -> dict[str, Any]:
             "tool_choice": {"type": "function", "function": {"name": "f"}}}
 
 
+def _history(arguments: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+
+
 # Each used to kill the process (SIGSEGV on the compile thread's stack) or answer 500.
 CRASHERS: list[tuple[str, str, dict[str, Any], str]] = [
     ("ref_chain_1000", "/v1/completions", _completion(structured_outputs={"json": ref_chain(1000)}),
@@ -122,6 +135,13 @@ CRASHERS: list[tuple[str, str, dict[str, Any], str]] = [
     ("lark_chain_10k", "/v1/completions", _completion(structured_outputs={"grammar": lark_chain(10_000)}),
      "structured_outputs.grammar"),
     ("tool_parameters_ref_chain", "/v1/chat/completions", _chat(**_tool(ref_chain(800))), "tools"),
+    ("guided_json_string_1000_deep", "/v1/completions", _completion(guided_json=deep_json(1000)), "guided_json"),
+    ("schema_string_1000_deep", "/v1/completions", _completion(structured_outputs={"json": deep_json(1000)}),
+     "structured_outputs.json"),
+    ("tool_call_arguments_1000_deep", "/v1/chat/completions",
+     {"model": "tiny", "messages": _history(deep_json(1000)), "max_tokens": 2}, "messages"),
+    ("tokenize_tool_call_arguments_1000_deep", "/tokenize", {"model": "tiny", "messages": _history(deep_json(1000))},
+     "messages"),
 ]
 
 
@@ -153,7 +173,7 @@ def test_deepest_accepted_shapes_compile(served: ServeProcess, constraint: dict[
 def test_grpc_deep_schemas_are_invalid_argument(served: ServeProcess) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
         stub = pb_grpc.GenerationStub(channel)
-        for schema in (json.dumps(ref_chain(1000)),):
+        for schema in (deep_json(1000), json.dumps(ref_chain(1000))):
             req = pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(max_tokens=2),
                                      structured_outputs=pb.StructuredOutputs(json=schema))
             with pytest.raises(grpc.RpcError) as info:
@@ -161,3 +181,28 @@ def test_grpc_deep_schemas_are_invalid_argument(served: ServeProcess) -> None:
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
             assert "structured_outputs.json" in (info.value.details() or "")
     served.assert_alive()
+
+
+# ---- deep JSON: one helper ------------------------------------------------------------------------------------
+
+
+def test_json_depth_is_counted_without_recursion() -> None:
+    deep: Any = 1
+    for _ in range(100_000):  # far past Python's recursion limit
+        deep = [deep]
+    assert json_depth(deep, limit=10) == 11
+    assert json_depth({"a": [1, {"b": 2}]}) == 3
+    assert json_depth("text") == 0
+    check_depth({"a": 1}, "p")
+    with pytest.raises(ValueError, match="p is nested more than") as info:
+        check_depth(deep, "p")
+    assert getattr(info.value, "param", None) == "p"
+
+
+def test_structured_outputs_params_bound_schema_depth() -> None:
+    ok = json.loads(deep_json(MAX_JSON_DEPTH - 1))
+    StructuredOutputsParams(json=ok).grammar_text()
+    for schema in (deep_json(5000), json.loads(deep_json(MAX_JSON_DEPTH + 1))):
+        with pytest.raises(ValueError) as info:
+            StructuredOutputsParams(json=schema)
+        assert getattr(info.value, "param", None) == "structured_outputs.json"

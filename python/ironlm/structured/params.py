@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.structured import json_depth
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 PARAM_PREFIX = "structured_outputs."
@@ -115,11 +116,14 @@ class StructuredOutputsParams:
 
     @staticmethod
     def _check_schema(schema: object) -> dict[str, Any]:
+        param = PARAM_PREFIX + "json"
         if isinstance(schema, str):
             try:
-                schema = json.loads(schema)
+                schema = json_depth.loads(schema, param)
             except json.JSONDecodeError as e:
                 raise _invalid("json", f"is not valid JSON: {e}") from None
+        else:
+            json_depth.check_depth(schema, param)
         if isinstance(schema, bool):
             # JSON Schema allows `true` (anything) and `false` (nothing); as an object they compile the same way.
             schema = {} if schema else {"not": {}}
