@@ -17,6 +17,7 @@ from ironlm.cli_args import (
     HelpFormatter,
     add_engine_args,
     add_server_args,
+    apply_config_file,
     config_from_args,
     model_from_args,
     server_config_from_args,
@@ -102,7 +103,7 @@ def _add_bench(sub: Any, load: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args = apply_config_file(parser, argv, parser.parse_args(argv))
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -12,7 +12,7 @@ import argparse
 import sys
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import Field, fields
 from typing import Any
 
@@ -76,6 +76,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
     if positional_model:
         parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                             help=EngineConfig.__dataclass_fields__["model"].metadata["help"])
+    parser.add_argument("--config", dest="config_file", metavar="FILE.yaml", default=None,
+                        help="read flags from this YAML file (keys are the flag names; flags given here win)")
     group = parser.add_argument_group("engine")
     _add_fields(group, EngineConfig, skip)
     hints = typing.get_type_hints(EngineConfig)
@@ -99,6 +101,36 @@ def _add_fields(group: Any, cls: type, skip: Collection[str]) -> None:
         if f.name == "served_model_name":  # serve answers to several names; the engine reports the first
             opts["nargs"] = "+"
         group.add_argument(flag_name(f.name), dest=f.name, **opts)
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser that parsed the command `args` holds: `ironlm bench serve` -> bench's serve parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                return _chosen_parser(action.choices[name], args)
+    return parser
+
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: Sequence[str],
+                      args: argparse.Namespace) -> argparse.Namespace:
+    """`args` re-parsed with the `--config` file's values as the defaults, so the command line still wins. A bad
+    file ends the program as a bad flag does: the message names the key, exit status 2."""
+    from ironlm.config_file import ConfigFileError, flag_values, read_yaml
+
+    path = getattr(args, "config_file", None)
+    if not path:
+        return args
+    command = _chosen_parser(parser, args)
+    try:
+        values = flag_values(read_yaml(path), command)
+    except ConfigFileError as exc:  # argparse's exit status for a bad flag, without its page of usage
+        command.exit(2, f"{command.prog}: error: --config {path}: {exc}\n")
+    if getattr(args, "model_pos", None) is not None:
+        values.pop("model", None)  # MODEL on the command line wins over the file's `model`
+    command.set_defaults(**values)
+    return parser.parse_args(argv)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
