@@ -1,10 +1,12 @@
-"""Engine logprobs (one {token id: Logprob} dict per generated token) in the two OpenAI shapes."""
+"""Engine logprobs (one {token id: Logprob} dict per generated token) in the two OpenAI shapes, and prompt logprobs
+(one per prompt token, None for the first) in vLLM's `prompt_logprobs` shape and in legacy completions' echo."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from ironlm.engine.outputs import CompletionOutput, Logprob
+from ironlm.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from ironlm.server.serving_common import LOGPROB_FLOOR, clamp_logprob
 
 
@@ -18,30 +20,64 @@ def _ranked(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: -kv[1].logprob)
 
 
-def completion_logprobs(c: CompletionOutput, start: int, tokenizer: Any, offset: int) -> tuple[dict, int]:
-    """Legacy-completions logprobs for tokens [start:], text offsets from `offset`; returns the new offset."""
+def _legacy(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None], tokenizer: Any,
+            offset: int) -> tuple[dict, int]:
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
     text_offset: list[int] = []
-    entries = c.logprobs or []
-    for j in range(start, len(c.token_ids)):
-        tid = c.token_ids[j]
-        entry = entries[j] if j < len(entries) else {}
-        chosen = entry.get(tid)
+    for tid, entry in zip(token_ids, entries):
+        chosen = entry.get(tid) if entry is not None else None
         s = _token_str(tokenizer, tid, chosen)
         tokens.append(s)
-        token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)  # type: ignore[arg-type]
-        # As vLLM: the chosen token plus the top-N (N or N + 1 entries). Keys are strings, and distinct
-        # tokens can decode alike (partial UTF-8): keep the likelier one.
-        alts: dict[str, float] = {}
-        for t, lp in _ranked(entry):
-            alts.setdefault(_token_str(tokenizer, t, lp), clamp_logprob(lp.logprob))
-        top.append(alts)
+        token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
+        if entry is None:  # the first prompt token: nothing predicts it (OpenAI's null)
+            top.append(None)
+        else:
+            # As vLLM: the chosen token plus the top-N (N or N + 1 entries). Keys are strings, and distinct
+            # tokens can decode alike (partial UTF-8): keep the likelier one.
+            alts: dict[str, float] = {}
+            for t, lp in _ranked(entry):
+                alts.setdefault(_token_str(tokenizer, t, lp), clamp_logprob(lp.logprob))
+            top.append(alts)
         text_offset.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": text_offset}, offset
+
+
+def completion_logprobs(c: CompletionOutput, start: int, tokenizer: Any, offset: int) -> tuple[dict, int]:
+    """Legacy-completions logprobs for tokens [start:], text offsets from `offset`; returns the new offset."""
+    entries = c.logprobs or []
+    ids = c.token_ids[start:]
+    return _legacy(ids, [entries[j] if j < len(entries) else {} for j in range(start, start + len(ids))],
+                   tokenizer, offset)
+
+
+def echo_logprobs(out: RequestOutput, tokenizer: Any, num_top: int | None) -> tuple[dict, int]:
+    """Legacy-completions logprobs of the prompt (echo): None for the first token, the token and the top
+    `num_top` for the others (the engine may have computed more for `prompt_logprobs`); returns the next offset."""
+    top = num_top or 0
+    entries: PromptLogprobs = [None if e is None else {t: lp for t, lp in e.items()
+                                                       if t == tid or (lp.rank is not None and lp.rank <= top)}
+                               for tid, e in zip(out.prompt_token_ids, out.prompt_logprobs or [])]
+    ids = out.prompt_token_ids
+    entries += [{}] * (len(ids) - len(entries))
+    return _legacy(ids, entries, tokenizer, 0)
+
+
+def join_legacy(first: dict, second: dict) -> dict:
+    """Two legacy logprobs objects as one (the echoed prompt's, then the generated tokens')."""
+    return {k: first[k] + second[k] for k in first}
+
+
+def prompt_logprobs_wire(plp: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None or {token id: {logprob, rank, decoded_token}}."""
+    if plp is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in plp]
 
 
 def chat_logprobs(c: CompletionOutput, start: int, tokenizer: Any, num_top: int) -> dict:

@@ -21,7 +21,7 @@ from ironlm.structured.tools import FunctionTool, ToolChoice, resolve_tool_choic
 _UNSUPPORTED = {
     "functions": "legacy function calling (use tools)", "function_call": "legacy function calling (use tools)",
     "suffix": "suffix (insertion)", "audio": "audio output", "prediction": "predicted outputs",
-    "prompt_logprobs": "prompt logprobs", "web_search_options": "web search",
+    "web_search_options": "web search",
 }
 # vLLM's older request fields for structured outputs -> StructuredOutputsParams fields.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -111,6 +111,7 @@ class _SamplingRequest(_Strict):
     deadline: float | None = Field(None, gt=0, le=_MAX_SECONDS)  # TTFT target in seconds (policy "deadline")
     cache_salt: str | None = None
     request_id: str | None = Field(None, max_length=256)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: per prompt token, the token's and the top-N
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -137,7 +138,7 @@ class _SamplingRequest(_Strict):
             "skip_special_tokens": self.skip_special_tokens,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "seed", "stop", "stop_token_ids"):
+                     "frequency_penalty", "seed", "stop", "stop_token_ids", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
@@ -186,6 +187,7 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=_I64_MAX)  # 0: only with echo (the prompt alone comes back)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
@@ -197,6 +199,8 @@ class CompletionRequest(_SamplingRequest):
             raise _invalid("prompt", "must not be empty")
         if self.best_of is not None and self.best_of != self.n:
             raise _invalid("best_of", "only best_of == n is supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise _invalid("max_tokens", "0 is only allowed with echo (which returns the prompt alone)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -359,6 +363,7 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's shape (server/logprobs.py)
 
 
 class CompletionResponse(BaseModel):
@@ -391,6 +396,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's shape (server/logprobs.py)
 
 
 class ModelCard(BaseModel):

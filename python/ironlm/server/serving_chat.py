@@ -19,7 +19,7 @@ from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import RequestOutput
 from ironlm.server.errors import APIError
-from ironlm.server.logprobs import chat_logprobs
+from ironlm.server.logprobs import chat_logprobs, prompt_logprobs_wire
 from ironlm.server.prompt_limits import chat_prompt_ids
 from ironlm.server.protocol import (
     ChatChoice,
@@ -32,9 +32,11 @@ from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
     check_logprobs_budget,
+    check_prompt_logprobs_budget,
     constraint_error,
     continuous_usage,
     final_outputs,
+    logprob_entries,
     running_usage,
     sampling_params,
     sse,
@@ -99,10 +101,13 @@ class ChatHandler:
         if req.tool_choice_resolved().mode == "auto" and self.parser.keeps_special_tokens(self.engine.tokenizer):
             kwargs["skip_special_tokens"] = False  # the call marker is a special token (Mistral's [TOOL_CALLS])
         params = sampling_params(kwargs)
-        check_logprobs_budget(self.max_logprobs, prompts=1, n=req.n,
-                              max_tokens=max_tokens or self.engine.max_model_len - len(prompt),
-                              top=(req.top_logprobs or 0) if req.logprobs else None,
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        room = max_tokens or self.engine.max_model_len - len(prompt)
+        check_logprobs_budget(self.max_logprobs, prompts=1, n=req.n, max_tokens=room, top=top,
                               param="top_logprobs" if req.top_logprobs else "logprobs")
+        check_prompt_logprobs_budget(self.max_logprobs, prompt_tokens=len(prompt), top=req.prompt_logprobs, copies=1,
+                                     generated=logprob_entries(prompts=1, n=req.n, max_tokens=room, top=top),
+                                     param="prompt_logprobs")
         rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         try:
             streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages",
@@ -125,7 +130,8 @@ class ChatHandler:
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(req, c, 0),
                                       finish_reason=finish, stop_reason=c.stop_reason))
         body = ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
-                                      usage=UsageInfo(**usage([out])))
+                                      usage=UsageInfo(**usage([out])),
+                                      prompt_logprobs=prompt_logprobs_wire(out.prompt_logprobs))
         return JSONResponse(body.model_dump())
 
     def _logprobs(self, req: ChatCompletionRequest, c: Any, start: int) -> dict | None:

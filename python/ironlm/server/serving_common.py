@@ -73,6 +73,25 @@ def check_logprobs_budget(limit: int, *, prompts: int, n: int, max_tokens: int, 
                        "ask for fewer choices, tokens or logprobs", param=param)
 
 
+def check_prompt_logprobs_budget(limit: int, *, prompt_tokens: int, top: int | None, copies: int, generated: int,
+                                 param: str) -> None:
+    """The same budget with prompt logprobs: each prompt token's entries (`top`, counted as 1 when 0) once per
+    copy sent (`copies`: echo sends them with each of the n choices), plus the `generated` entries."""
+    if top is None:
+        return
+    entries = prompt_tokens * max(1, top) * copies + generated
+    if entries > limit:
+        raise APIError(400, f"{param}: {prompt_tokens} prompt tokens × {param} ({top})"
+                       f"{f' × {copies} choices' if copies > 1 else ''}{f' + {generated} generated' if generated else ''}"
+                       f" asks for {entries} logprob entries, over this server's limit of {limit} "
+                       "(--max-request-logprobs); ask for fewer tokens or logprobs", param=param)
+
+
+def logprob_entries(*, prompts: int, n: int, max_tokens: int, top: int | None) -> int:
+    """What check_logprobs_budget counts for the generated tokens (0 without logprobs)."""
+    return 0 if top is None else prompts * n * max_tokens * max(1, top)
+
+
 def engine_error(exc: BaseException, prompt_param: str = "prompt") -> APIError:
     """Map what AsyncLLMEngine.add_request raises to an HTTP error, by type and `param`, never by message.
 

@@ -1,7 +1,14 @@
-"""POST /v1/completions: one engine request per prompt, choices numbered prompt * n + index."""
+"""POST /v1/completions: one engine request per prompt, choices numbered prompt * n + index.
+
+`echo` with `logprobs` returns the prompt's token logprobs first in the legacy `logprobs` object (None for the first
+token), computed by the engine as prompt logprobs; `max_tokens: 0` with echo returns the prompt alone, as OpenAI's
+legacy API did (the engine samples one token, which is dropped, as in vLLM). `prompt_logprobs` (vLLM's extension)
+comes back on each choice.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,19 +19,21 @@ from fastapi.responses import JSONResponse, Response
 
 from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient, RequestStream
-from ironlm.engine.outputs import RequestOutput
+from ironlm.engine.outputs import CompletionOutput, RequestOutput
 from ironlm.server.errors import APIError
-from ironlm.server.logprobs import completion_logprobs
+from ironlm.server.logprobs import completion_logprobs, echo_logprobs, join_legacy, prompt_logprobs_wire
 from ironlm.server.prompt_limits import completion_prompts
 from ironlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
     check_logprobs_budget,
+    check_prompt_logprobs_budget,
     constraint_error,
     continuous_usage,
     decode,
     final_outputs,
+    logprob_entries,
     merge_streams,
     running_usage,
     sampling_params,
@@ -44,13 +53,22 @@ class CompletionHandler:
         self.max_logprobs = max_logprobs
 
     async def __call__(self, req: CompletionRequest, request: Request) -> Response:
-        max_tokens = req.max_tokens or 16
-        params = sampling_params({**req.sampling_kwargs(), "max_tokens": max_tokens, "logprobs": req.logprobs})
+        echo_only = req.max_tokens == 0  # with echo (protocol checks it): the prompt alone comes back
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        prompt_top = _prompt_top(req)
+        params = sampling_params({**req.sampling_kwargs(), "max_tokens": max(1, max_tokens),
+                                  "logprobs": req.logprobs, "prompt_logprobs": prompt_top})
         source = req.structured()[1]
         rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         check_logprobs_budget(self.max_logprobs, prompts=len(req.prompts()), n=req.n, max_tokens=max_tokens,
                               top=req.logprobs, param="logprobs")
         prompts = await completion_prompts(self.engine, req, request)
+        # Each choice of an echo carries the prompt's logprobs; vLLM's prompt_logprobs field does once per prompt.
+        copies = (req.n if req.echo and req.logprobs is not None else 0) + (req.prompt_logprobs is not None)
+        check_prompt_logprobs_budget(
+            self.max_logprobs, prompt_tokens=sum(map(_prompt_len, prompts)), top=prompt_top, copies=copies,
+            generated=logprob_entries(prompts=len(prompts), n=req.n, max_tokens=max_tokens, top=req.logprobs),
+            param="logprobs" if req.prompt_logprobs is None else "prompt_logprobs")
         try:
             streams = await start_streams(self.engine, rid, prompts, params, req, shedder=self.shedder,
                                           tenant_header=request.headers.get("x-tenant"))
@@ -59,18 +77,31 @@ class CompletionHandler:
         if req.stream:
             return EngineStreamingResponse(self._stream(req, rid, streams), streams)
         outputs = await final_outputs(streams, request)
+        if echo_only:
+            outputs = [_prompt_only(out) for out in outputs]
         choices = []
         for i, out in enumerate(outputs):
             prefix = self._prompt_text(out) if req.echo else ""
+            plp = prompt_logprobs_wire(out.prompt_logprobs) if req.prompt_logprobs is not None else None
             for c in sorted(out.outputs, key=lambda c: c.index):
-                lp = None
-                if req.logprobs is not None:
-                    lp, _ = completion_logprobs(c, 0, self.engine.tokenizer, len(prefix))
-                choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
+                                                logprobs=self._logprobs(req, out, c, 0, len(prefix), req.echo)[0],
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=plp))
         body = CompletionResponse(id=rid, model=self.model_name, choices=choices,
                                   usage=UsageInfo(**usage(outputs)))
         return JSONResponse(body.model_dump())
+
+    def _logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, start: int, offset: int,
+                  echo: bool) -> tuple[dict | None, int]:
+        """Legacy logprobs of tokens [start:] from text offset `offset`, after the prompt's when `echo` (the
+        first chunk of an echoed choice); returns them and the next offset."""
+        if req.logprobs is None:
+            return None, offset
+        lp, end = completion_logprobs(c, start, self.engine.tokenizer, offset)
+        if echo:
+            lp = join_legacy(echo_logprobs(out, self.engine.tokenizer, req.logprobs)[0], lp)
+        return lp, end
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else decode(self.engine.tokenizer, out.prompt_token_ids)
@@ -85,20 +116,24 @@ class CompletionHandler:
         done: set[int] = set()
         last: list[RequestOutput | None] = [None] * len(streams)
 
-        def chunk(idx: int, text: str, lp: Any, finish: str | None = None, stop: Any = None) -> str:
+        def chunk(idx: int, text: str, lp: Any, finish: str | None = None, stop: Any = None,
+                  plp: RequestOutput | None = None) -> str:
+            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
+            if plp is not None:  # vLLM's prompt_logprobs, with a choice's first chunk
+                choice["prompt_logprobs"] = prompt_logprobs_wire(plp.prompt_logprobs)
             obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                   "model": self.model_name, "choices": [
-                                       {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish,
-                                        "stop_reason": stop}]}
+                                   "model": self.model_name, "choices": [choice]}
             if req.include_usage:
                 obj["usage"] = running_usage(prompt_tokens[idx], sent_tokens[idx]) if continuous else None
             return sse(obj)
 
         try:
             async for i, out in merge_streams(streams):
-                last[i] = out
                 if out.error:
                     raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
+                if req.max_tokens == 0:
+                    out = _prompt_only(out)
+                last[i] = out
                 for c in out.outputs:
                     idx = i * req.n + c.index
                     if idx in done:
@@ -110,11 +145,9 @@ class CompletionHandler:
                     prompt_tokens[idx] = len(out.prompt_token_ids)
                     sent_tokens[idx], sent_text[idx] = len(c.token_ids), len(c.text)
                     if delta or len(c.token_ids) > start_tok:
-                        lp = None
-                        if req.logprobs is not None:
-                            lp, offsets[idx] = completion_logprobs(c, start_tok, self.engine.tokenizer,
-                                                                   offsets.get(idx, len(prefix)))
-                        yield chunk(idx, delta, lp)
+                        lp, offsets[idx] = self._logprobs(req, out, c, start_tok, offsets.get(idx, len(prefix)),
+                                                          first and req.echo)
+                        yield chunk(idx, delta, lp, plp=out if first and req.prompt_logprobs is not None else None)
                     if c.finish_reason is not None:
                         done.add(idx)
                         yield chunk(idx, "", None, c.finish_reason, c.stop_reason)
@@ -127,3 +160,26 @@ class CompletionHandler:
             for s in streams:
                 s.close()
         yield SSE_DONE
+
+
+def _prompt_top(req: CompletionRequest) -> int | None:
+    """The prompt logprobs the engine computes: vLLM's `prompt_logprobs`, else echo's `logprobs`."""
+    if req.prompt_logprobs is not None:
+        return max(req.prompt_logprobs, req.logprobs or 0) if req.echo else req.prompt_logprobs
+    return req.logprobs if req.echo else None
+
+
+def _prompt_len(prompt: str | list[int] | dict[str, Any]) -> int:
+    if isinstance(prompt, dict):
+        return len(prompt["prompt_token_ids"])
+    return len(prompt)  # token ids: the texts came back tokenized (completion_prompts)
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """`out` without its generated token (max_tokens 0 with echo): what the client gets is the prompt alone."""
+    outputs = [dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None,
+                                   logprobs=None if c.logprobs is None else [],
+                                   finish_reason="length" if c.finish_reason in ("stop", "length")
+                                   else c.finish_reason, stop_reason=None)
+               for c in out.outputs]
+    return dataclasses.replace(out, outputs=outputs)
