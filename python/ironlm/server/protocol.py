@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.structured import json_depth
 from ironlm.structured.params import StructuredOutputsParams
 from ironlm.structured.tools import FunctionTool, ToolChoice, resolve_tool_choice
 
@@ -243,6 +244,8 @@ class ChatMessage(_Strict):
             raise _invalid("messages", "only assistant messages carry tool_calls")
         if self.role == "tool" and self.content is None:
             raise _invalid("messages", "a tool message needs content (the tool's result)")
+        for call in self.tool_calls or ():
+            _arguments_object(call.function.arguments)  # too deep: a 400 here, on every path that renders it
         return self
 
     def template_dict(self) -> dict[str, Any]:
@@ -276,8 +279,9 @@ class ChatMessage(_Strict):
 
 
 def _arguments_object(arguments: str) -> Any:
+    """A call's arguments as the template takes them; InvalidArgumentError (messages) when nested too deep."""
     try:
-        return json.loads(arguments)
+        return json_depth.loads(arguments, "messages")
     except json.JSONDecodeError:
         return arguments  # not JSON: the template gets the text as it came
 
