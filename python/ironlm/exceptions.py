@@ -27,6 +27,7 @@ __all__ = [
     "EngineOverloadedError",
     "EngineRestartedError",
     "EngineStepError",
+    "GrammarBusyError",
     "GrammarError",
     "InjectedFault",
     "InvalidArgumentError",
@@ -39,6 +40,10 @@ __all__ = [
     "TensorParallelError",
     "UnsupportedModelError",
 ]
+
+
+class GrammarBusyError(QueueFullError):
+    """Too many grammar compilations in flight, for the request's tenant or in all: retry later (HTTP 429)."""
 
 
 class EngineDeadError(RuntimeError):

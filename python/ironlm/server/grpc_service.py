@@ -37,7 +37,7 @@ from ironlm.server.shedding import Shedder
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
-          499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE}
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED, 503: grpc.StatusCode.UNAVAILABLE}
 _OPTIONAL = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "seed", "include_stop_str_in_output", "ignore_eos",
              "min_tokens", "logprobs", "skip_special_tokens")
