@@ -35,6 +35,7 @@ from ironlm.server.protocol import (
 from ironlm.server.serving_chat import ChatHandler
 from ironlm.server.serving_common import parse_body
 from ironlm.server.serving_completions import CompletionHandler
+from ironlm.server.serving_score import POOLING_PATHS, POOLING_REQUESTS, install_pooling_routes
 from ironlm.server.shedding import LoadTracker, ShedCollector, Shedder, engine_setting
 
 
@@ -67,13 +68,15 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
     install_exception_handlers(app)
     app.state.chat_templates = TemplateRenderer(engine.tokenizer, config.chat_template)
     # The guard runs inside the key check (a stranger gets 401, not a hint about bodies), CORS outside it all.
-    install_guards(app, config, frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}))
+    install_guards(app, config, frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                                         *POOLING_PATHS}))
     if breaker is not None:  # added before the key check, so it runs inside it: refusals need a valid key
         app.add_middleware(BreakerMiddleware, breaker=breaker)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_keys=api_key)
     install_cors(app, config)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                          *POOLING_REQUESTS])
     completions = CompletionHandler(engine, model, shedder, max_logprobs=config.max_request_logprobs)
     chat = ChatHandler(engine, model, shedder, tool_call_parser=config.tool_call_parser,
                        max_logprobs=config.max_request_logprobs)
@@ -93,6 +96,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
         req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model)
         return await chat(req, request)
+
+    install_pooling_routes(app, engine, model, check_model, shedder)  # /v1/embeddings, /v1/score, /v1/rerank
 
     @app.get("/v1/models", **get_docs())
     async def list_models() -> dict[str, Any]:
