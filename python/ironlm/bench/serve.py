@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from ironlm.bench import datasets
-from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, make_dataset
+from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, ShareGPTSpec, make_dataset
 from ironlm.bench.report import format_table, machine_info
-from ironlm.bench.server_process import ServerProcess, model_vocab_size
+from ironlm.bench.server_process import ServerProcess, model_tokenizer, model_vocab_size
 
 BASELINES = ("llama.cpp",)
 from ironlm.stats import latency_summary
@@ -43,6 +43,7 @@ class ServeConfig:
     dataset: str = "random"
     random: RandomSpec = field(default_factory=RandomSpec)
     prefix: PrefixSpec = field(default_factory=PrefixSpec)
+    sharegpt: ShareGPTSpec = field(default_factory=ShareGPTSpec)
     request_rate: float = math.inf  # requests per second
     burstiness: float = 1.0
     max_concurrency: int | None = None
@@ -290,9 +291,9 @@ def drive(config: ServeConfig, base_url: str, ds: Dataset, warm: Dataset | None,
     return asyncio.run(_drive(config, base_url, None, ds, desc=label))
 
 
-def warmup_dataset(config: ServeConfig, vocab: int) -> Dataset | None:
+def warmup_dataset(config: ServeConfig, vocab: int, tokenizer: Any = None) -> Dataset | None:
     return datasets.warmup_dataset(config.dataset, vocab, config.warmup, random=config.random,
-                                   prefix=config.prefix)
+                                   prefix=config.prefix, sharegpt=config.sharegpt, tokenizer=tokenizer)
 
 
 def bench_threads(threads: int | None) -> int:
@@ -323,8 +324,11 @@ def run(config: ServeConfig) -> dict[str, Any]:
     if config.baseline not in (None, *BASELINES):
         raise ValueError(f"baseline must be one of {BASELINES}, got {config.baseline!r}")
     vocab = config.vocab_size or model_vocab_size(config.model)
-    ds = make_dataset(config.dataset, vocab, random=config.random, prefix=config.prefix)
-    warm = warmup_dataset(config, vocab)
+    # ShareGPT prompts are text: counted and sent as the served model's tokens.
+    tokenizer = model_tokenizer(config.model) if config.dataset == "sharegpt" else None
+    ds = make_dataset(config.dataset, vocab, random=config.random, prefix=config.prefix, sharegpt=config.sharegpt,
+                      tokenizer=tokenizer)
+    warm = warmup_dataset(config, vocab, tokenizer)
     threads = bench_threads(config.threads)
     # Built (binary located) before the long ironlm run, so a missing llama-server fails at once.
     baseline = _llama_server(config, ds, warm, threads) if config.baseline == "llama.cpp" else None

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 _LAUNCH = "import sys; from ironlm.cli import main; sys.exit(main())"
 
@@ -38,6 +39,18 @@ def model_vocab_size(model: str | None) -> int:
         return int(loader.load_hf_config(path).vocab_size)
     cfg = json.loads((path / "config.json").read_text())
     return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
+
+
+def model_tokenizer(model: str | None) -> Any:
+    """The tokenizer of a local model (None: the built-in default), as the server loads it."""
+    from ironlm.model import default_model_path, loader
+    from ironlm.model import gguf as gguf_mod
+
+    path = default_model_path() if model is None else Path(model).expanduser()
+    gguf_path = gguf_mod.resolve_gguf(path)
+    if gguf_path is not None:
+        return gguf_mod.load_gguf_tokenizer(gguf_path)
+    return loader.load_hf_tokenizer(path)
 
 
 class ServerProcess:

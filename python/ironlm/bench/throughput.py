@@ -20,7 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ironlm.bench.baseline import BaselineRun, TransformersBaseline, sync
-from ironlm.bench.datasets import Dataset, PrefixSpec, RandomSpec, make_dataset, warmup_dataset
+from ironlm.bench.datasets import Dataset, PrefixSpec, RandomSpec, ShareGPTSpec, make_dataset, warmup_dataset
 from ironlm.bench.kv import StepTap
 from ironlm.bench.report import format_table, machine_info
 
@@ -31,9 +31,10 @@ MODEL_PHASES = ("forward", "sample")
 @dataclass
 class ThroughputConfig:
     model: str | None = None  # None: the built-in default model
-    dataset: str = "random"  # random | prefix
+    dataset: str = "random"  # random | prefix | sharegpt
     random: RandomSpec = field(default_factory=RandomSpec)
     prefix: PrefixSpec = field(default_factory=PrefixSpec)
+    sharegpt: ShareGPTSpec = field(default_factory=ShareGPTSpec)
     baseline: str | None = None  # None | "transformers" | "llama.cpp"
     baseline_batch_sizes: tuple[int, ...] = (8, 16, 32, 64)
     baseline_single: bool = True  # also run one request at a time
@@ -256,8 +257,11 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
     llms = {caching: _make_llm(config, caching) for caching in settings}
     engine = llms[settings[0]].engine
     vocab = engine.model_config.vocab_size
-    ds = make_dataset(config.dataset, vocab, random=config.random, prefix=config.prefix)
-    warm = warmup_dataset(config.dataset, vocab, config.warmup, random=config.random, prefix=config.prefix)
+    tokenizer = engine.tokenizer if config.dataset == "sharegpt" else None
+    ds = make_dataset(config.dataset, vocab, random=config.random, prefix=config.prefix, sharegpt=config.sharegpt,
+                      tokenizer=tokenizer)
+    warm = warmup_dataset(config.dataset, vocab, config.warmup, random=config.random, prefix=config.prefix,
+                          sharegpt=config.sharegpt, tokenizer=tokenizer)
     for llm in llms.values():
         if warm is not None:
             _ironlm_once(llm, warm, progress=False)
