@@ -27,6 +27,8 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 QUANT_GROUP_SIZES = (32, 64, 128)
 # ironlm.structured.tool_parsers.PARSERS' names (tests check they agree); here so the CLI needs no import.
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+# ironlm.server.reasoning.PARSERS (tests check they agree).
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = ("last", "mean", "cls")
 SCORE_MODES = ("auto", "classify", "yes_no", "cosine")
@@ -467,6 +469,10 @@ class ServerConfig:
     tool_call_parser: str = _opt(
         "auto", "how tool calls are read from chat output with tool_choice auto (auto: from the chat template, then "
         "the model type)", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str = _opt(
+        "auto", "split a reasoning model's <think>...</think> text into message.reasoning_content (and reasoning) "
+        "apart from content; auto: qwen3 (or deepseek_r1 for DeepSeek's) when the chat template writes <think>, "
+        "else none", choices=REASONING_PARSERS)
 
     def __post_init__(self) -> None:
         _check_ints(self, ("circuit_breaker_window", "circuit_breaker_min_requests", "circuit_breaker_probes",
@@ -494,6 +500,9 @@ class ServerConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise _invalid("tool_call_parser", f"must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                            f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise _invalid("reasoning_parser", f"must be one of {', '.join(REASONING_PARSERS)}, "
+                           f"got {self.reasoning_parser!r}")
         self._check_client_limits()
 
     def _check_client_limits(self) -> None:

@@ -12,6 +12,8 @@ The sandbox alone stops attribute tricks, not a template that loops for an hour 
 from __future__ import annotations
 
 import functools
+import inspect
+import json
 import re
 import sys
 import time
@@ -34,6 +36,60 @@ T = TypeVar("T")
 _TEMPLATE_FILE = "<template>"  # the file name jinja gives code compiled from a string
 # A printf (`%9999999d`) or str.format (`{:>9999999}`) width of a million characters or more.
 _WIDTH = re.compile(r"%[-+ #0]*(\d{7,})|\{[^{}]*:[^{}]*?(\d{7,})")
+
+
+# chat_template_kwargs: a request's extra template variables (e.g. {"enable_thinking": false}) are small flags; the
+# bounds keep them so, and keep them from renaming what the server passes the template itself.
+MAX_KWARGS = 16
+MAX_KWARGS_CHARS = 16 * 1024  # as JSON
+MAX_KWARGS_DEPTH = 8
+_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "bos_token", "eos_token", "raise_exception", "strftime_now", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "processor_kwargs", "kwargs"})
+
+
+def _depth(value: object) -> int:
+    """Levels of dicts and lists in a JSON value, without recursion (a scalar is 0)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            depth += 1
+            deepest = max(deepest, depth)
+            if depth <= MAX_KWARGS_DEPTH:
+                stack.extend((c, depth) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def check_template_kwargs(kwargs: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:
+    """`chat_template_kwargs` within bounds (keys, names, JSON size, depth), else InvalidArgumentError naming it.
+    A key may not be one the server sets itself nor a parameter of the tokenizer's apply_chat_template."""
+    param = "chat_template_kwargs"
+    if len(kwargs) > MAX_KWARGS:
+        raise InvalidArgumentError(f"{param}: at most {MAX_KWARGS} keys, got {len(kwargs)}", param=param)
+    reserved = set(_RESERVED)
+    method = getattr(tokenizer, "apply_chat_template", None)
+    if method is not None:
+        try:
+            reserved |= set(inspect.signature(method).parameters)
+        except (TypeError, ValueError):
+            pass
+    for key in kwargs:
+        if not _KWARG_NAME.fullmatch(key):
+            raise InvalidArgumentError(f"{param}: key {key[:80]!r} is not a name (letters, digits, _; at most 64)",
+                                       param=param)
+        if key in reserved:
+            raise InvalidArgumentError(f"{param}: {key!r} is set by the server, not by the request", param=param)
+    if _depth(kwargs) > MAX_KWARGS_DEPTH:
+        raise InvalidArgumentError(f"{param}: nested more than {MAX_KWARGS_DEPTH} levels deep", param=param)
+    size = len(json.dumps(kwargs, ensure_ascii=False))
+    if size > MAX_KWARGS_CHARS:
+        raise InvalidArgumentError(f"{param}: {size} characters of JSON, over the limit of {MAX_KWARGS_CHARS}",
+                                   param=param)
+    return kwargs
 
 
 def _too_large(what: str) -> TemplateLimitError:

@@ -18,7 +18,7 @@ from fastapi import Request
 from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient
 from ironlm.exceptions import InvalidArgumentError
-from ironlm.server.chat_template import TemplateRenderer, run_with_deadline
+from ironlm.server.chat_template import TemplateRenderer, check_template_kwargs, run_with_deadline
 from ironlm.server.errors import APIError
 from ironlm.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -116,7 +116,9 @@ async def chat_prompt_ids(engine: EngineClient, req: ChatCompletionRequest, requ
                           default: Callable[[ChatCompletionRequest], list[int]]) -> list[int]:
     """The chat prompt's token ids, rendered and tokenized in a worker thread. A request's own `chat_template`
     needs --trust-request-chat-template; it, or the operator's --chat-template, is rendered by the bounded
-    sandbox; otherwise `default()` (the model's template through the engine) runs in the thread."""
+    sandbox; otherwise `default()` (the model's template through the engine, sandboxed by transformers and
+    time-bounded here) runs in the thread. `chat_template_kwargs` reach either template once within the bounds
+    of check_template_kwargs."""
     config, renderer = _settings(request, engine)
     check_model_bounds(engine, req)
     chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
@@ -125,11 +127,13 @@ async def chat_prompt_ids(engine: EngineClient, req: ChatCompletionRequest, requ
     if req.chat_template is not None and not config.trust_request_chat_template:
         raise APIError(400, "chat_template: this server does not accept request chat templates (start it with "
                        "--trust-request-chat-template)", param="chat_template")
+    if req.chat_template_kwargs:
+        try:
+            check_template_kwargs(req.chat_template_kwargs, engine.tokenizer)
+        except InvalidArgumentError as exc:
+            raise APIError(400, str(exc), param="chat_template_kwargs") from None
     template = req.chat_template if req.chat_template is not None else renderer.operator_template
     if template is None:
-        if req.chat_template_kwargs:
-            raise APIError(400, "chat_template_kwargs: only used with a chat_template given to the server or the "
-                           "request", param="chat_template_kwargs")
         return list(await asyncio.to_thread(run_with_deadline, default, req))
     messages = req.message_dicts()
     try:

@@ -383,6 +383,9 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[dict[str, Any]] | None = None
+    # With a reasoning parser (--reasoning-parser): the <think> text, under vLLM's older and newer names.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):

@@ -3,6 +3,8 @@
 Streaming follows OpenAI exactly: a role chunk per choice, content deltas, a finish chunk with an empty
 delta, an optional usage chunk with no choices (stream_options.include_usage), then `data: [DONE]`. With
 stream_options.continuous_usage_stats too, every chunk carries its choice's usage so far, as vLLM does.
+With a reasoning parser (server/reasoning.py) the `<think>` part goes to `reasoning_content` and `reasoning`
+(deltas likewise) and only the rest is content, which is what tool calls are parsed from.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import RequestOutput
+from ironlm.server import reasoning
 from ironlm.server.errors import APIError
 from ironlm.server.logprobs import chat_logprobs, prompt_logprobs_wire
 from ironlm.server.prompt_limits import chat_prompt_ids
@@ -52,11 +55,15 @@ from ironlm.structured.tools import forced_call_constraint, template_tools
 
 class ChatHandler:
     def __init__(self, engine: EngineClient, model_name: str, shedder: Shedder | None = None,
-                 tool_call_parser: str = "auto", max_logprobs: int = ServerConfig.max_request_logprobs) -> None:
-        """`tool_call_parser`, `max_logprobs`: ServerConfig's (max_request_logprobs: see check_logprobs_budget)."""
+                 tool_call_parser: str = "auto", max_logprobs: int = ServerConfig.max_request_logprobs,
+                 reasoning_parser: str = "none", operator_template: str | None = None) -> None:
+        """`tool_call_parser`, `max_logprobs`, `reasoning_parser`: ServerConfig's (max_request_logprobs: see
+        check_logprobs_budget); `operator_template`: --chat-template's text, which auto-detection reads first."""
         self.engine, self.model_name, self.shedder = engine, model_name, shedder
         self.tool_call_parser, self.max_logprobs = tool_call_parser, max_logprobs
         self._parser: ToolParser | None = None
+        template = operator_template or getattr(engine.tokenizer, "chat_template", None)
+        self.reasoning = reasoning.resolve(reasoning_parser, template if isinstance(template, str) else None)
 
     @property
     def parser(self) -> ToolParser:
@@ -73,8 +80,9 @@ class ChatHandler:
                 # Only with tools: templates without tool support, and engines without the keyword, still work.
                 tools = template_tools(req.function_tools())
                 return self.engine.apply_chat_template(req.message_dicts(), req.add_generation_prompt,
-                                                       tools=tools)
-            return self.engine.apply_chat_template(req.message_dicts(), req.add_generation_prompt)
+                                                       tools=tools, **(req.chat_template_kwargs or {}))
+            return self.engine.apply_chat_template(req.message_dicts(), req.add_generation_prompt,
+                                                   **(req.chat_template_kwargs or {}))
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
@@ -83,7 +91,16 @@ class ChatHandler:
         choice = req.tool_choice_resolved()
         if choice.mode == "none":
             return None
-        return [ToolOutput(choice, self.parser if choice.mode == "auto" else None) for _ in range(req.n)]
+        return [ToolOutput(choice, self.parser if choice.mode == "auto" else None, parallel=req.parallel_tool_calls)
+                for _ in range(req.n)]
+
+    def splitter(self, req: ChatCompletionRequest, prompt: list[int]) -> reasoning.ReasoningSplitter | None:
+        """How this request's outputs split into reasoning and content (None: no reasoning parser, or a forced
+        tool call, whose grammar makes the whole output the call)."""
+        if self.reasoning == "none" or req.tool_choice_resolved().mode in ("named", "required"):
+            return None
+        return reasoning.ReasoningSplitter(self.reasoning, reasoning.prompt_state(self.engine.tokenizer, prompt),
+                                           constrained=req.structured()[0] is not None)
 
     async def __call__(self, req: ChatCompletionRequest, request: Request) -> Response:
         prompt = await chat_prompt_ids(self.engine, req, request, self.prompt_ids)  # off the event loop
@@ -115,24 +132,34 @@ class ChatHandler:
         except APIError as err:
             raise constraint_error(err, source) from None
         if req.stream:
-            return EngineStreamingResponse(self._stream(req, rid, streams[0], len(prompt)), streams)
+            return EngineStreamingResponse(self._stream(req, rid, streams[0], prompt), streams)
         (out,) = await final_outputs(streams, request)
         tools = self.tool_outputs(req)
+        splitter = self.splitter(req, prompt)
         choices = []
         for c in sorted(out.outputs, key=lambda c: c.index):
+            part = reasoning.Split(None, c.text) if splitter is None else splitter.split(c.text, done=True)
+            # Only the content part can hold tool calls; with a reasoning part, no content is null, not "".
+            text: str | None = part.content if part.content or part.reasoning is None else None
             if tools is None:
-                message, finish = ChatResponseMessage(content=c.text), c.finish_reason
+                message, finish = ChatResponseMessage(content=text), c.finish_reason
             else:
-                m = tools[c.index].final(c.text, c.finish_reason)
-                message = ChatResponseMessage(content=m.content,
+                m = tools[c.index].final(part.content, c.finish_reason)
+                message = ChatResponseMessage(content=m.content if m.content or part.reasoning is None else None,
                                               tool_calls=[t.to_openai() for t in m.tool_calls] or None)
                 finish = m.finish_reason
+            message.reasoning_content = message.reasoning = part.reasoning
             choices.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(req, c, 0),
                                       finish_reason=finish, stop_reason=c.stop_reason))
         body = ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                       usage=UsageInfo(**usage([out])),
                                       prompt_logprobs=prompt_logprobs_wire(out.prompt_logprobs))
-        return JSONResponse(body.model_dump())
+        dumped = body.model_dump()
+        if splitter is None:  # without a reasoning parser the message keeps OpenAI's own fields only
+            for choice in dumped["choices"]:
+                for key in ("reasoning_content", "reasoning"):
+                    choice["message"].pop(key, None)
+        return JSONResponse(dumped)
 
     def _logprobs(self, req: ChatCompletionRequest, c: Any, start: int) -> dict | None:
         if not req.logprobs:
@@ -140,8 +167,11 @@ class ChatHandler:
         return chat_logprobs(c, start, self.engine.tokenizer, req.top_logprobs or 0)
 
     async def _stream(self, req: ChatCompletionRequest, rid: str, stream: RequestStream,
-                      prompt_tokens: int) -> AsyncIterator[str]:
+                      prompt: list[int]) -> AsyncIterator[str]:
         created = int(time.time())
+        prompt_tokens = len(prompt)
+        splitter = self.splitter(req, prompt)
+        thinking = [reasoning.ReasoningStream(splitter) for _ in range(req.n)] if splitter is not None else None
         continuous = continuous_usage(req)
         generated = [0] * req.n  # tokens of each choice so far, for continuous usage stats
 
@@ -173,18 +203,26 @@ class ChatHandler:
                     if done[i]:
                         continue
                     generated[i] = len(c.token_ids)
+                    text, thought = c.text, False
+                    if thinking is not None:
+                        r_delta, text = thinking[i].feed(c.text, c.finish_reason is not None)
+                        if r_delta:
+                            thought = True
+                            lp = self._logprobs(req, c, sent_tokens[i]) if tools is None else None
+                            yield chunk(i, {"reasoning_content": r_delta, "reasoning": r_delta}, lp)
+                            sent_tokens[i] = len(c.token_ids)
                     if tools is not None:
-                        deltas, finish = tools[i].deltas(c.text, c.finish_reason)
+                        deltas, finish = tools[i].deltas(text, c.finish_reason)
                         for d in deltas:
                             yield chunk(i, d)
                         if finish is not None:
                             done[i] = True
                             yield chunk(i, {}, None, finish, c.stop_reason)
                         continue
-                    delta = c.text[sent_text[i]:]
-                    if delta or len(c.token_ids) > sent_tokens[i]:
+                    delta = text[sent_text[i]:]
+                    if delta or (len(c.token_ids) > sent_tokens[i] and not thought):
                         yield chunk(i, {"content": delta}, self._logprobs(req, c, sent_tokens[i]))
-                    sent_text[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    sent_text[i], sent_tokens[i] = len(text), len(c.token_ids)
                     if c.finish_reason is not None:
                         done[i] = True
                         yield chunk(i, {}, None, c.finish_reason, c.stop_reason)

@@ -112,6 +112,31 @@ def forced_calls(text: str, choice: ToolChoice) -> list[ToolCall] | None:
     return calls
 
 
+def completed_calls(text: str, choice: ToolChoice) -> list[ToolCall]:
+    """The calls of a forced output cut short (max_tokens, a stop string): for `required`, each array item that
+    was generated whole; for a named function, its call with the arguments as far as they got (what OpenAI
+    answers, and what the stream already sent), none when no argument text was generated."""
+    if choice.mode == "named":
+        assert choice.name is not None
+        return [ToolCall.new(choice.name, text.strip())] if text.strip() else []
+    decoder = json.JSONDecoder()
+    pos = len(text) - len(text.lstrip())
+    if not text.startswith("[", pos):
+        return []
+    pos += 1
+    calls: list[ToolCall] = []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return calls  # the cut one, or the array's end
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return calls
+        calls.append(ToolCall.new(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+
+
 def template_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
     """The tools in the shape HF chat templates expect (OpenAI's request shape)."""
     out = []
