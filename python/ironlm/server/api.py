@@ -79,7 +79,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
                           *POOLING_REQUESTS])
     completions = CompletionHandler(engine, model, shedder, max_logprobs=config.max_request_logprobs)
     chat = ChatHandler(engine, model, shedder, tool_call_parser=config.tool_call_parser,
-                       max_logprobs=config.max_request_logprobs)
+                       max_logprobs=config.max_request_logprobs, reasoning_parser=config.reasoning_parser,
+                       operator_template=app.state.chat_templates.operator_template)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names:
