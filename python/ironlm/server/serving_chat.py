@@ -103,34 +103,7 @@ class ChatHandler:
                                            constrained=req.structured()[0] is not None)
 
     async def __call__(self, req: ChatCompletionRequest, request: Request) -> Response:
-        prompt = await chat_prompt_ids(self.engine, req, request, self.prompt_ids)  # off the event loop
-        max_tokens = req.max_completion_tokens or req.max_tokens  # None: up to max_model_len
-        if max_tokens is None and len(prompt) >= self.engine.max_model_len:
-            raise APIError(400, f"messages: the prompt ({len(prompt)} tokens) leaves no room to generate within "
-                           f"max_model_len ({self.engine.max_model_len})", param="messages",
-                           code="context_length_exceeded")
-        constraint, source = req.structured()
-        forced = forced_call_constraint(req.function_tools(), req.tool_choice_resolved(), req.parallel_tool_calls)
-        if forced is not None:
-            constraint, source = forced, "tools"  # a tool's parameters schema that does not compile
-        kwargs = {**req.sampling_kwargs(), "max_tokens": max_tokens,
-                  "logprobs": (req.top_logprobs or 0) if req.logprobs else None, "structured_outputs": constraint}
-        if req.tool_choice_resolved().mode == "auto" and self.parser.keeps_special_tokens(self.engine.tokenizer):
-            kwargs["skip_special_tokens"] = False  # the call marker is a special token (Mistral's [TOOL_CALLS])
-        params = sampling_params(kwargs)
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        room = max_tokens or self.engine.max_model_len - len(prompt)
-        check_logprobs_budget(self.max_logprobs, prompts=1, n=req.n, max_tokens=room, top=top,
-                              param="top_logprobs" if req.top_logprobs else "logprobs")
-        check_prompt_logprobs_budget(self.max_logprobs, prompt_tokens=len(prompt), top=req.prompt_logprobs, copies=1,
-                                     generated=logprob_entries(prompts=1, n=req.n, max_tokens=room, top=top),
-                                     param="prompt_logprobs")
-        rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        try:
-            streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages",
-                                          shedder=self.shedder, tenant_header=request.headers.get("x-tenant"))
-        except APIError as err:
-            raise constraint_error(err, source) from None
+        rid, prompt, streams = await self.start(req, request)
         if req.stream:
             return EngineStreamingResponse(self._stream(req, rid, streams[0], prompt), streams)
         (out,) = await final_outputs(streams, request)
@@ -160,6 +133,40 @@ class ChatHandler:
                 for key in ("reasoning_content", "reasoning"):
                     choice["message"].pop(key, None)
         return JSONResponse(dumped)
+
+    async def start(self, req: ChatCompletionRequest,
+                    request: Request) -> tuple[str, list[int], list[RequestStream]]:
+        """Render, check and queue the request: (request id, prompt ids, its engine stream). The Responses and
+        Anthropic Messages handlers start their requests here too, so all three share one generation path."""
+        prompt = await chat_prompt_ids(self.engine, req, request, self.prompt_ids)  # off the event loop
+        max_tokens = req.max_completion_tokens or req.max_tokens  # None: up to max_model_len
+        if max_tokens is None and len(prompt) >= self.engine.max_model_len:
+            raise APIError(400, f"messages: the prompt ({len(prompt)} tokens) leaves no room to generate within "
+                           f"max_model_len ({self.engine.max_model_len})", param="messages",
+                           code="context_length_exceeded")
+        constraint, source = req.structured()
+        forced = forced_call_constraint(req.function_tools(), req.tool_choice_resolved(), req.parallel_tool_calls)
+        if forced is not None:
+            constraint, source = forced, "tools"  # a tool's parameters schema that does not compile
+        kwargs = {**req.sampling_kwargs(), "max_tokens": max_tokens,
+                  "logprobs": (req.top_logprobs or 0) if req.logprobs else None, "structured_outputs": constraint}
+        if req.tool_choice_resolved().mode == "auto" and self.parser.keeps_special_tokens(self.engine.tokenizer):
+            kwargs["skip_special_tokens"] = False  # the call marker is a special token (Mistral's [TOOL_CALLS])
+        params = sampling_params(kwargs)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        room = max_tokens or self.engine.max_model_len - len(prompt)
+        check_logprobs_budget(self.max_logprobs, prompts=1, n=req.n, max_tokens=room, top=top,
+                              param="top_logprobs" if req.top_logprobs else "logprobs")
+        check_prompt_logprobs_budget(self.max_logprobs, prompt_tokens=len(prompt), top=req.prompt_logprobs, copies=1,
+                                     generated=logprob_entries(prompts=1, n=req.n, max_tokens=room, top=top),
+                                     param="prompt_logprobs")
+        rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            streams = await start_streams(self.engine, rid, [prompt], params, req, prompt_param="messages",
+                                          shedder=self.shedder, tenant_header=request.headers.get("x-tenant"))
+        except APIError as err:
+            raise constraint_error(err, source) from None
+        return rid, prompt, streams
 
     def _logprobs(self, req: ChatCompletionRequest, c: Any, start: int) -> dict | None:
         if not req.logprobs:
