@@ -473,11 +473,18 @@ class ServerConfig:
         "auto", "split a reasoning model's <think>...</think> text into message.reasoning_content (and reasoning) "
         "apart from content; auto: qwen3 (or deepseek_r1 for DeepSeek's) when the chat template writes <think>, "
         "else none", choices=REASONING_PARSERS)
+    # The Responses API's in-memory store (server/response_store.py), for previous_response_id and GET/DELETE.
+    response_store_size: int = _opt(
+        1000, "finished /v1/responses results kept in memory (LRU) for previous_response_id; 0 = off (nothing "
+        "stored, previous_response_id refused)")
+    response_store_max_chars: int = _opt(
+        64 * 1024**2, "characters (of JSON) the response store may hold in all; the least recently used go first")
 
     def __post_init__(self) -> None:
         _check_ints(self, ("circuit_breaker_window", "circuit_breaker_min_requests", "circuit_breaker_probes",
                            "engine_restart_after_failures", "shed_priority_waiting"), 1, optional=True)
-        _check_ints(self, ("result_cache_size",), 0)
+        _check_ints(self, ("result_cache_size", "response_store_size"), 0)
+        _check_ints(self, ("response_store_max_chars",), 1)
         if not isinstance(self.engine_max_restarts, int) or self.engine_max_restarts < 0:
             raise _invalid("engine_max_restarts", f"must be an integer >= 0, got {self.engine_max_restarts!r}")
         if not 0.0 <= self.circuit_breaker_threshold < 1.0:

@@ -32,9 +32,14 @@ from ironlm.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from ironlm.server.protocol_anthropic import CountTokensRequest, MessagesRequest
+from ironlm.server.protocol_responses import ResponsesRequest
+from ironlm.server.response_store import ResponseStore
 from ironlm.server.serving_chat import ChatHandler
 from ironlm.server.serving_common import parse_body
 from ironlm.server.serving_completions import CompletionHandler
+from ironlm.server.serving_messages import AnthropicErrorMiddleware, MessagesHandler
+from ironlm.server.serving_responses import ResponsesHandler
 from ironlm.server.serving_score import POOLING_PATHS, POOLING_REQUESTS, install_pooling_routes
 from ironlm.server.shedding import LoadTracker, ShedCollector, Shedder, engine_setting
 
@@ -69,18 +74,24 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
     app.state.chat_templates = TemplateRenderer(engine.tokenizer, config.chat_template)
     # The guard runs inside the key check (a stranger gets 401, not a hint about bodies), CORS outside it all.
     install_guards(app, config, frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-                                         *POOLING_PATHS}))
+                                         *POOLING_PATHS,
+                                         "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}))
     if breaker is not None:  # added before the key check, so it runs inside it: refusals need a valid key
         app.add_middleware(BreakerMiddleware, breaker=breaker)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_keys=api_key)
     install_cors(app, config)
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: every error on the Messages paths in their shape
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-                          *POOLING_REQUESTS])
+                          *POOLING_REQUESTS,
+                          ResponsesRequest, MessagesRequest, CountTokensRequest])
     completions = CompletionHandler(engine, model, shedder, max_logprobs=config.max_request_logprobs)
     chat = ChatHandler(engine, model, shedder, tool_call_parser=config.tool_call_parser,
                        max_logprobs=config.max_request_logprobs, reasoning_parser=config.reasoning_parser,
                        operator_template=app.state.chat_templates.operator_template)
+
+    responses = ResponsesHandler(chat, ResponseStore(config.response_store_size, config.response_store_max_chars))
+    messages = MessagesHandler(chat)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in names:
@@ -97,6 +108,32 @@ def build_app(engine: EngineClient, *, served_model_name: str | list[str] | None
         req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model)
         return await chat(req, request)
+
+    @app.post("/v1/responses", **body_docs(ResponsesRequest, streams=True))
+    async def create_response(request: Request) -> Response:
+        req = await parse_body(request, ResponsesRequest)
+        check_model(req.model)
+        return await responses.create(req, request)
+
+    @app.get("/v1/responses/{response_id}", **get_docs())
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}", **get_docs())
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
+
+    @app.post("/v1/messages", **body_docs(MessagesRequest, streams=True))
+    async def create_message(request: Request) -> Response:
+        req = await parse_body(request, MessagesRequest)
+        check_model(req.model)
+        return await messages.create(req, request)
+
+    @app.post("/v1/messages/count_tokens", **body_docs(CountTokensRequest))
+    async def count_message_tokens(request: Request) -> dict[str, int]:
+        req = await parse_body(request, CountTokensRequest)
+        check_model(req.model)
+        return await messages.count_tokens(req, request)
 
     install_pooling_routes(app, engine, model, check_model, shedder)  # /v1/embeddings, /v1/score, /v1/rerank
 

@@ -1,4 +1,4 @@
-"""Bearer API-key check as a pure ASGI middleware.
+"""API-key check as a pure ASGI middleware: `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and client-disconnect
 cancellation pass through untouched. Only SHA-256 digests are kept and compared with
@@ -58,6 +58,8 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 header = value.decode("latin-1")
                 break
+            if name == b"x-api-key" and header is None:  # Anthropic's clients send the key so
+                header = "Bearer " + value.decode("latin-1")
         if self.checker.check(header):
             await self.app(scope, receive, send)
             return
