@@ -202,3 +202,38 @@ def test_x_api_key_and_bearer(server: LiveServer):
         assert httpx.get(live.base_url + "/models", headers={"x-api-key": "nope"}).status_code == 401
     finally:
         live.stop()
+
+
+def test_engine_failure_is_each_apis_error(tmp_path_factory):
+    """A failed forward, streamed and not: Anthropic's `error` event / api_error body, OpenAI's `error` event then
+    response.failed / error body; the engine gives every block back."""
+    from openai.types.responses import ResponseStreamEvent
+
+    from server_utils import RealServer, wait_for
+
+    real = RealServer(tmp_path_factory)
+    try:
+        body = {"model": "tiny", "max_tokens": 4, "messages": USER}
+        real.faults.fail_next = 1
+        r = httpx.post(real.url + "/v1/messages", json=body, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+        real.faults.fail_next = 1
+        c = anthropic.Anthropic(base_url=real.url, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.APIError) as exc:
+            list(c.messages.create(model="tiny", messages=USER, max_tokens=4, stream=True))
+        assert exc.value.body["error"]["type"] == "api_error"
+        real.faults.fail_next = 1
+        with httpx.stream("POST", real.base_url + "/responses", timeout=60,
+                          json={"model": "tiny", "input": "hi", "max_output_tokens": 4, "stream": True}) as s:
+            datas = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+        events = [TypeAdapter(ResponseStreamEvent).validate_python(d) for d in datas]
+        assert [e.type for e in events][-2:] == ["error", "response.failed"]
+        assert events[-1].response.status == "failed" and "injected" in events[-2].message
+        real.faults.fail_next = 1
+        r = httpx.post(real.base_url + "/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 4})
+        assert r.status_code == 500 and set(r.json()) == {"error"}
+        assert wait_for(real.idle, 10), real.kv_blocks()
+        ok = c.messages.create(model="tiny", messages=USER, max_tokens=2)  # and it serves again
+        assert ok.type == "message"
+    finally:
+        real.stop()

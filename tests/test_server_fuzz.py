@@ -97,12 +97,30 @@ def request_schema(doc: dict[str, Any], path: str) -> dict[str, Any]:
     return {**defs[name], "$defs": defs}
 
 
+def check_typed_stream(resp: httpx.Response, what: str) -> None:
+    """The Responses and Anthropic streams: `event: TYPE` + `data: {"type": TYPE, ...}` pairs, ending in their own
+    last event (no [DONE]); an in-band error is a failure here, since only the engine failing makes one."""
+    events = [dict(line.split(": ", 1) for line in e.split("\n")) for e in resp.text.split("\n\n") if e]
+    types = [json.loads(e["data"])["type"] for e in events]
+    assert types and types == [e["event"] for e in events], f"{what} -> {resp.text[-300:]}"
+    assert types[-1] in ("response.completed", "response.incomplete", "message_stop"), f"{what} -> {types[-3:]}"
+
+
 def check_response(resp: httpx.Response, what: str) -> None:
     # A request's own `timeout` (the fuzz draws values down to 1e-10 s) expiring before any token is a 503
     # `timeout`: the client's choice, not a server fault.
-    own_timeout = resp.status_code == 503 and resp.json().get("error", {}).get("code") == "timeout"
+    # (Anthropic's error shape has no code: there the message tells.)
+    err = resp.json().get("error", {}) if resp.status_code == 503 else {}
+    own_timeout = err.get("code") == "timeout" or "timed out before any token" in str(err.get("message"))
     assert resp.status_code < 500 or own_timeout, f"{what} -> {resp.status_code} {resp.text[:500]}"
-    if resp.status_code >= 400:
+    typed = resp.request.url.path in ("/v1/responses", "/v1/messages")
+    if resp.status_code >= 400 and resp.request.url.path.startswith("/v1/messages"):  # Anthropic's error shape
+        body = resp.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, f"{what} -> {resp.text[:500]}"
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    elif typed and resp.headers.get("content-type", "").startswith("text/event-stream"):
+        check_typed_stream(resp, what)
+    elif resp.status_code >= 400:
         body = resp.json()
         assert set(body) == {"error"} and set(body["error"]) == _ERROR_KEYS, f"{what} -> {resp.text[:500]}"
         assert isinstance(body["error"]["message"], str) and body["error"]["message"]
