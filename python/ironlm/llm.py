@@ -11,9 +11,10 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from ironlm import llm_pooling
+from ironlm import llm_beam, llm_pooling
 from ironlm.config import EngineConfig
 from ironlm.engine import LLMEngine
+from ironlm.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from ironlm.engine.outputs import RequestOutput
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.llm_pooling import EmbeddingRequestOutput, ScoringRequestOutput
@@ -83,6 +84,12 @@ class LLM:
             c, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))}
             for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best sequences of each prompt, best first, as vLLM's `LLM.beam_search`
+        (selection, scores and stopping as transformers' `num_beams` generate: engine/beam_search.py)."""
+        return llm_beam.beam_search(self, prompts, params, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
               dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
