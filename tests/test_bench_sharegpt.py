@@ -93,13 +93,31 @@ def test_missing_package_names_the_install(monkeypatch):
         sharegpt.conversations.cache_clear()
 
 
-def test_bench_serve_on_sharegpt_against_a_server_configured_by_file(tmp_path):
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> str:
+    """A tiny model whose context holds ShareGPT's longest admitted request (2048 tokens)."""
+    from tiny_models import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("sharegpt"), arch="llama", max_position_embeddings=2048))
+
+
+def test_bench_throughput_on_sharegpt(long_model):
+    from ironlm.bench import throughput as tp
+
+    engine = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 640, "block_size": 4, "max_model_len": 1100}
+    report = tp.run(tp.ThroughputConfig(model=long_model, dataset="sharegpt", sharegpt=ShareGPTSpec(3, 0, 2),
+                                        warmup="none", engine_args=engine, progress=False))
+    assert report["dataset"]["name"] == "sharegpt" and report["dataset"]["num_requests"] == 3
+    ds, ours = report["dataset"], report["results"][0]
+    assert ds["output_tokens"] == 6 and ours["output_tokens"] == 6 and ours["prompt_tokens"] == ds["prompt_tokens"]
+
+
+def test_bench_serve_on_sharegpt_against_a_server_configured_by_file(long_model, tmp_path):
     """`ironlm bench serve --dataset sharegpt --num-prompts 4`: a real `ironlm serve` (whose engine settings and
     the seed article's scheduler block come from --config), real streaming, the dataset's token counts served."""
     from ironlm.bench.cli import main
-    from tiny_models import make_tiny_model
 
-    model = str(make_tiny_model(tmp_path, arch="llama", max_position_embeddings=2048))
+    model = long_model
     config = tmp_path / "serve.yaml"
     config.write_text("device: cpu\ndtype: float32\nnum_kv_blocks: 640\nblock_size: 4\nmax_model_len: 1100\n"
                       "scheduler:\n  max_batch_size: 64\n  timeout_ms: 5000\n  policy: fair_share\n"

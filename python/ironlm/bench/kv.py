@@ -46,7 +46,7 @@ class StepTap:
     def detach(self) -> None:
         del self._engine.runner.execute
 
-    def _observe(self, plan, timer=None):
+    def _observe(self, plan, timer=None, extra_rows=None):
         self.steps += 1
         self.prefill_tokens += plan.num_prefill_tokens
         self.decode_tokens += plan.num_decode_tokens
@@ -55,7 +55,7 @@ class StepTap:
         self.slots_allocated += s["kv_slots_allocated"]
         self.slots_used += s["kv_slots_used"]
         t0 = time.perf_counter()
-        logits = self._execute(plan, timer)  # the step timer syncs a GPU at the forward's end
+        logits = self._execute(plan, timer, extra_rows)  # the step timer syncs a GPU at the forward's end
         dt = time.perf_counter() - t0
         if plan.num_prefill_tokens:
             self.prefill_steps_s += dt
