@@ -10,6 +10,7 @@ shows the raw text each split is checked against. Response bodies are validated 
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +21,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from ironlm.cli_args import add_server_args, server_config_from_args
 from ironlm.config import REASONING_PARSERS, ServerConfig
 from ironlm.server import reasoning
 from ironlm.server.api import build_app
@@ -80,6 +82,12 @@ def test_detect_and_prompt_state() -> None:
     assert REASONING_PARSERS == reasoning.PARSERS
     with pytest.raises(ValueError, match="reasoning_parser"):
         ServerConfig(reasoning_parser="o1")
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)  # the flag comes from the ServerConfig field
+    assert server_config_from_args(parser.parse_args(["--reasoning-parser", "qwen3"])).reasoning_parser == "qwen3"
+    assert server_config_from_args(parser.parse_args([])).reasoning_parser == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--reasoning-parser", "o1"])
     from tiny_thinking import make_thinking_tokenizer
 
     tok = make_thinking_tokenizer()
