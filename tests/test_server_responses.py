@@ -5,6 +5,7 @@ Every body and event is validated against the SDK's own pydantic models; greedy 
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from ironlm.cli_args import add_server_args, server_config_from_args
 from ironlm.config import ServerConfig
 from ironlm.server.api import build_app
 from ironlm.server.response_store import ResponseStore, StoredResponse
@@ -157,6 +159,19 @@ def test_forced_function_call_and_its_output_round_trip(client: openai.OpenAI, s
     assert answer.output_text == expected and expected
 
 
+def test_required_tool_choice_streams_whole_calls(client: openai.OpenAI):
+    """tool_choice "required" (a grammar over every tool) with one call allowed: the call arrives whole at the end
+    of the stream, as one function_call item the SDK's helper folds."""
+    with client.responses.stream(model="tiny", input="weather?", tools=[TOOL], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=200, temperature=0) as stream:
+        types = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert types[-1] == "response.completed" and "response.function_call_arguments.done" in types
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
 def test_previous_response_id_continues_and_store_is_honoured(client: openai.OpenAI):
     first = client.responses.create(model="tiny", input="hello", max_output_tokens=4, **GREEDY)
     second = client.responses.create(model="tiny", input="tell me more", previous_response_id=first.id,
@@ -222,6 +237,11 @@ def test_store_is_bounded_lru():
     assert not off.enabled and not off.put("a", entry("a"))
     with pytest.raises(ValueError, match="response_store_size"):
         ServerConfig(response_store_size=-1)
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)  # `ironlm serve`'s flags
+    config = server_config_from_args(parser.parse_args(["--response-store-size", "0",
+                                                        "--response-store-max-chars", "5000"]))
+    assert (config.response_store_size, config.response_store_max_chars) == (0, 5000)
 
 
 @pytest.mark.parametrize(("body", "param"), [
