@@ -192,6 +192,14 @@ def test_qwen3_think_block_split_non_streamed_and_streamed(servers: Servers) -> 
     s = streamed(c, messages=USER, **regex(THINK_THEN_ANSWER))
     assert (s["reasoning_content"], s["reasoning"], s["content"], s["finish"]) == (thought, thought, answer, "stop")
     assert s["chunks"] >= 2  # the reasoning went out as it was generated, not in one piece at the end
+    # every generated token's logprob goes out exactly once, whichever part its text landed in
+    tokens = []
+    for chunk in c.chat.completions.create(model="tiny", messages=USER, temperature=0, stream=True, logprobs=True,
+                                           stream_options={"include_usage": True}, **regex(THINK_THEN_ANSWER)):
+        tokens += [t.token for ch in chunk.choices for t in (ch.logprobs.content or [] if ch.logprobs else [])]
+        usage = chunk.usage or None
+    assert usage is not None and len(tokens) == usage.completion_tokens == body["usage"]["completion_tokens"]
+    assert "".join(tokens) == raw_msg["content"]
 
 
 def test_deepseek_r1_prompt_opens_the_think_block(servers: Servers) -> None:
