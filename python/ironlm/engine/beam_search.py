@@ -135,6 +135,8 @@ class BeamSearchInstance:
         for b, (beam, out) in enumerate(zip(self.live, outputs, strict=True)):
             self.cached_tokens += out.num_cached_tokens
             self.step_prompt_tokens += len(out.prompt_token_ids)
+            if out.error:
+                raise RuntimeError(f"beam step {out.request_id} failed: {out.error}")
             lps = out.outputs[0].logprobs
             if not lps:
                 raise RuntimeError(f"beam step {out.request_id} came back without logprobs")
@@ -147,7 +149,7 @@ class BeamSearchInstance:
         self.generated += 1
         last = self.generated >= self.max_tokens
         live: list[BeamSearchSequence] = []
-        # The caller stops once no live beam can improve on k finished ones, so any finished candidate may enter.
+        # No check that a finished candidate can still improve on k finished ones: `done` ended the search first.
         for rank, (_, _, _, c) in enumerate(cands[:max(2, 1 + len(self.eos)) * k]):
             if last or c.token in self.eos:
                 if rank < k:

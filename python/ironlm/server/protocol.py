@@ -192,14 +192,20 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
+    # vLLM's beam search extension (server/serving_beam.py): the n best of best_of (default n) beams
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = "never"  # or "never"; checked with the beam search's other parameters
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         p = self.prompt
         if p == "" or p == [] or (isinstance(p, list) and any(x in ("", []) for x in p)):
             raise _invalid("prompt", "must not be empty")
-        if self.best_of is not None and self.best_of != self.n:
-            raise _invalid("best_of", "only best_of == n is supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise _invalid("best_of", f"must be >= n ({self.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            raise _invalid("best_of", "only best_of == n is supported without use_beam_search")
         if self.max_tokens == 0 and not self.echo:
             raise _invalid("max_tokens", "0 is only allowed with echo (which returns the prompt alone)")
         return self

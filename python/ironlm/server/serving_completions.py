@@ -24,6 +24,7 @@ from ironlm.server.errors import APIError
 from ironlm.server.logprobs import completion_logprobs, echo_logprobs, join_legacy, prompt_logprobs_wire
 from ironlm.server.prompt_limits import completion_prompts
 from ironlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from ironlm.server.serving_beam import beam_completions
 from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
@@ -53,6 +54,9 @@ class CompletionHandler:
         self.max_logprobs = max_logprobs
 
     async def __call__(self, req: CompletionRequest, request: Request) -> Response:
+        if req.use_beam_search:
+            rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+            return await beam_completions(self.engine, self.model_name, req, request, rid, self.shedder)
         echo_only = req.max_tokens == 0  # with echo (protocol checks it): the prompt alone comes back
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         prompt_top = _prompt_top(req)
