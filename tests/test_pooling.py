@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ironlm import LLM
+from ironlm import LLM, EngineConfig
 from ironlm.engine.pooling import QWEN3_RERANK_TEMPLATE
 from ironlm.exceptions import InvalidArgumentError
 from tiny_models import make_tiny_model
@@ -156,3 +156,15 @@ def test_config_errors(tiny: Path) -> None:
         LLM(str(tiny), runner="pooling", score_mode="classify", **ENGINE_KW)
     with pytest.raises(InvalidArgumentError, match="score_tokens"):
         LLM(str(tiny), runner="pooling", score_mode="yes_no", score_tokens="hello there,no", **ENGINE_KW)
+
+
+def test_task_alias() -> None:
+    assert EngineConfig(task="embed").runner == "pooling"
+    assert EngineConfig(task="score").runner == "pooling"
+    classify = EngineConfig(task="classify")
+    assert (classify.runner, classify.score_mode) == ("pooling", "classify")
+    assert EngineConfig(task="generate").runner == "generate"
+    with pytest.raises(InvalidArgumentError, match="task"):
+        EngineConfig(task="generate", runner="pooling")
+    with pytest.raises(InvalidArgumentError, match="task"):
+        EngineConfig(task="reward")

@@ -30,6 +30,7 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 # ironlm.server.reasoning.PARSERS (tests check they agree).
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
 RUNNERS = ("generate", "pooling")
+TASKS = ("generate", "embed", "score", "classify")
 POOLING_TYPES = ("last", "mean", "cls")
 SCORE_MODES = ("auto", "classify", "yes_no", "cosine")
 _DTYPE_ALIASES = ("fp32", "fp16", "bf16", "half", "float")
@@ -195,6 +196,9 @@ class EngineConfig:
         "generate", "generate = a causal LM (completions, chat); pooling = the decoder as an embedding or scoring "
         "model: prefill only, no sampling (/v1/embeddings, /v1/score, /v1/rerank, LLM.embed / LLM.score)",
         choices=RUNNERS)
+    task: str | None = _opt(
+        None, "vLLM's older spelling: embed / score = --runner pooling, classify = that with --score-mode classify, "
+        "generate = --runner generate", choices=TASKS)
     pooling_type: str = _opt(
         "last", "--runner pooling: one vector per prompt from its final-norm hidden states: last = the last token "
         "(Qwen3-Embedding, e5-mistral), mean = the prompt's mean, cls = the first token. mean and cls bypass the "
@@ -265,6 +269,15 @@ class EngineConfig:
         self._check_pooling()
 
     def _check_pooling(self) -> None:
+        if self.task is not None:
+            if self.task not in TASKS:
+                raise _invalid("task", f"must be one of {', '.join(TASKS)}, got {self.task!r}")
+            runner = "generate" if self.task == "generate" else "pooling"
+            if self.runner != "generate" and self.runner != runner:
+                raise _invalid("task", f"task {self.task} contradicts runner {self.runner}")
+            self.runner = runner
+            if self.task == "classify" and self.score_mode == "auto":
+                self.score_mode = "classify"
         for name, choices in (("runner", RUNNERS), ("pooling_type", POOLING_TYPES), ("score_mode", SCORE_MODES)):
             if getattr(self, name) not in choices:
                 raise _invalid(name, f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
