@@ -16,7 +16,7 @@ from ironlm.exceptions import InvalidArgumentError
 _I64_MAX = 2**63 - 1
 # vLLM-style sampling extras passed on to the chat request underneath when present.
 EXTRAS = ("ignore_eos", "min_tokens", "seed", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "priority", "timeout", "cache_salt")
+          "frequency_penalty", "priority", "timeout", "cache_salt", "structured_outputs")
 
 
 def _invalid(param: str, reason: str) -> InvalidArgumentError:
@@ -47,9 +47,11 @@ class Block(_Strict):
     def problem(self) -> str | None:
         """What is wrong with this block, if anything (checked by the message: inside the content union a
         block's own error would come out as the union's, 'Input should be a valid string')."""
-        need = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+        need = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",),
+                "thinking": (), "redacted_thinking": ()}
         if self.type not in need:
-            return f"content block type {self.type!r} is not supported (text, tool_use and tool_result only)"
+            return (f"content block type {self.type!r} is not supported (text, tool_use, tool_result and thinking "
+                    "only)")
         missing = [f for f in need[self.type] if getattr(self, f) is None]
         return f"a {self.type} block needs {', '.join(missing)}" if missing else None
 
@@ -83,6 +85,8 @@ class AnthropicMessage(_Strict):
         text: list[str] = []
         calls = []
         for block in self.content:
+            if block.type in ("thinking", "redacted_thinking"):
+                continue  # an earlier turn's reasoning: chat templates drop it from the history too
             if block.type == "text":
                 text.append(block.text or "")
             elif block.type == "tool_use":
@@ -130,6 +134,15 @@ class AnthropicToolChoice(_Strict):
         return self
 
 
+class Thinking(_Strict):
+    """Extended thinking: a reasoning model (--reasoning-parser) thinks unless told not to; `disabled` renders the
+    prompt with `enable_thinking: false` (Qwen3's switch; templates without it ignore it). The budget is not
+    enforced: max_tokens bounds thinking and answer together."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=0, le=_I64_MAX)
+
+
 class Metadata(_Strict):
     user_id: str | None = None
 
@@ -143,12 +156,7 @@ class CountTokensRequest(_Strict):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
 
-    @model_validator(mode="after")
-    def _check_thinking(self) -> CountTokensRequest:
-        thinking = (self.model_extra or {}).get("thinking")
-        if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-            raise _invalid("thinking", "extended thinking is not supported by this server")
-        return self
+    thinking: Thinking | None = None
 
     def chat_body(self) -> dict[str, Any]:
         messages: list[dict[str, Any]] = []
@@ -167,6 +175,8 @@ class CountTokensRequest(_Strict):
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
                 "type": "function", "function": {"name": choice.name}}
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        if self.thinking is not None and self.thinking.type == "disabled":
+            body["chat_template_kwargs"] = {"enable_thinking": False}
         return body
 
 

@@ -21,7 +21,8 @@ _UNSUPPORTED = {"background": "background mode", "conversation": "server-side co
                 "max_tool_calls": "max_tool_calls"}
 # vLLM-style sampling extras passed on to the chat request underneath when present.
 EXTRAS = ("ignore_eos", "min_tokens", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "stop", "stop_token_ids", "priority", "timeout", "cache_salt")
+          "frequency_penalty", "stop", "stop_token_ids", "priority", "timeout", "cache_salt",
+          "structured_outputs")
 
 
 def _invalid(param: str, reason: str) -> InvalidArgumentError:

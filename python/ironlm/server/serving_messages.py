@@ -20,13 +20,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ironlm.engine import RequestStream
+from ironlm.server import reasoning
 from ironlm.server.breaker import note_stream_error
 from ironlm.server.errors import APIError
 from ironlm.server.prompt_limits import chat_prompt_ids
 from ironlm.server.protocol_anthropic import CHAT_PARAMS, CountTokensRequest, MessagesRequest
 from ironlm.server.serving_chat import ChatHandler
 from ironlm.server.serving_common import EngineStreamingResponse, engine_error, final_outputs
-from ironlm.server.serving_responses import chat_request, finished
+from ironlm.server.serving_responses import chat_request, finished, split
 from ironlm.structured.tool_output import ToolOutput
 from ironlm.structured.tools import ToolCall
 
@@ -83,12 +84,18 @@ class MessagesHandler:
         _, prompt, streams = await self.chat.start(chat_req, request)
         outputs = self.chat.tool_outputs(chat_req)
         tools = outputs[0] if outputs else None
+        splitter = self.chat.splitter(chat_req, prompt)
         if req.stream:
-            return EngineStreamingResponse(self._stream(mid, streams[0], len(prompt), tools), streams)
+            return EngineStreamingResponse(self._stream(mid, streams[0], len(prompt), tools, splitter), streams)
         (out,) = await final_outputs(streams, request)
         c = out.outputs[0]
-        msg = finished(tools, c.text, c.finish_reason)
-        content: list[dict[str, Any]] = [{"type": "text", "text": msg.content}] if msg.content else []
+        part = split(splitter, c.text)
+        msg = finished(tools, part.content, c.finish_reason)
+        content: list[dict[str, Any]] = []
+        if part.reasoning:
+            content.append({"type": "thinking", "thinking": part.reasoning, "signature": ""})
+        if msg.content:
+            content.append({"type": "text", "text": msg.content})
         content += [_tool_use(call) for call in msg.tool_calls]
         stop, sequence = stop_of(msg.finish_reason, c.stop_reason)
         return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": self.chat.model_name,
@@ -101,9 +108,10 @@ class MessagesHandler:
         return {"input_tokens": prompt, "output_tokens": generated, "cache_read_input_tokens": cached,
                 "cache_creation_input_tokens": 0}
 
-    async def _stream(self, mid: str, stream: RequestStream, prompt_tokens: int,
-                      tools: ToolOutput | None) -> AsyncIterator[str]:
+    async def _stream(self, mid: str, stream: RequestStream, prompt_tokens: int, tools: ToolOutput | None,
+                      splitter: reasoning.ReasoningSplitter | None) -> AsyncIterator[str]:
         blocks = _Blocks()
+        thinking = reasoning.ReasoningStream(splitter) if splitter is not None else None
         start: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "model": self.chat.model_name,
                                  "content": [], "stop_reason": None, "stop_sequence": None,
                                  "usage": self._usage(prompt_tokens, 0, 0)}
@@ -119,11 +127,17 @@ class MessagesHandler:
                 if finish is not None:
                     continue
                 generated, stop_reason = len(c.token_ids), c.stop_reason
+                text = c.text
+                if thinking is not None:
+                    thought, text = thinking.feed(c.text, c.finish_reason is not None)
+                    if thought:
+                        for ev in blocks.thinking(thought):
+                            yield ev
                 if tools is not None:
-                    deltas, finish = tools.deltas(c.text, c.finish_reason)
+                    deltas, finish = tools.deltas(text, c.finish_reason)
                 else:
-                    deltas = [{"content": c.text[sent:]}] if len(c.text) > sent else []
-                    sent, finish = len(c.text), c.finish_reason
+                    deltas = [{"content": text[sent:]}] if len(text) > sent else []
+                    sent, finish = len(text), c.finish_reason
                 for d in deltas:
                     for ev in blocks.delta(d):
                         yield ev
@@ -148,7 +162,8 @@ def _event(type: str, **fields: Any) -> str:
 
 
 class _Blocks:
-    """The streamed message's content blocks: which one is open, and chat's tool call index -> block index."""
+    """The streamed message's content blocks: which one is open (thinking, text, tool_use), and chat's tool call
+    index -> block index."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -159,6 +174,11 @@ class _Blocks:
         out = self.close()
         self.open = block["type"]
         out.append(_event("content_block_start", index=self.count, content_block=block))
+        return out
+
+    def thinking(self, text: str) -> list[str]:
+        out = [] if self.open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
+        out.append(_event("content_block_delta", index=self.count, delta={"type": "thinking_delta", "thinking": text}))
         return out
 
     def delta(self, d: dict[str, Any]) -> list[str]:
@@ -184,9 +204,13 @@ class _Blocks:
     def close(self) -> list[str]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":  # the SDK folds a block's signature in; ironlm signs nothing
+            out.append(_event("content_block_delta", index=self.count, delta={"type": "signature_delta",
+                                                                              "signature": ""}))
         self.open = None
         self.count += 1
-        return [_event("content_block_stop", index=self.count - 1)]
+        return out + [_event("content_block_stop", index=self.count - 1)]
 
 
 class AnthropicErrorMiddleware:

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from ironlm.engine import RequestStream
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.server import reasoning
 from ironlm.server.breaker import note_stream_error
 from ironlm.server.errors import APIError, validation_error
 from ironlm.server.protocol import ChatCompletionRequest
@@ -48,6 +49,11 @@ def chat_request(body: Callable[[], dict[str, Any]], params: dict[str, str]) -> 
         raise err from None
 
 
+def split(splitter: reasoning.ReasoningSplitter | None, text: str) -> reasoning.Split:
+    """A finished output's reasoning part (None without a reasoning parser) and content, as chat splits them."""
+    return splitter.split(text, done=True) if splitter is not None else reasoning.Split(None, text)
+
+
 def finished(tools: ToolOutput | None, text: str, finish_reason: str | None) -> Message:
     """A choice's final content, tool calls and finish reason, as chat reads them."""
     return tools.final(text, finish_reason) if tools is not None else Message(text, [], finish_reason)
@@ -62,14 +68,19 @@ class ResponsesHandler:
         chat_req = chat_request(lambda: req.chat_body(history), CHAT_PARAMS)
         rid = f"resp_{uuid.uuid4().hex}"
         chat_req.request_id = rid
-        _, _, streams = await self.chat.start(chat_req, request)
+        _, prompt, streams = await self.chat.start(chat_req, request)
         tools = self._tools(chat_req)
+        splitter = self.chat.splitter(chat_req, prompt)
         if req.stream:
-            return EngineStreamingResponse(self._stream(req, chat_req, rid, streams[0], history, tools), streams)
+            return EngineStreamingResponse(self._stream(req, chat_req, rid, streams[0], history, tools, splitter),
+                                           streams)
         (out,) = await final_outputs(streams, request)
         c = out.outputs[0]
-        msg = finished(tools, c.text, c.finish_reason)
+        part = split(splitter, c.text)
+        msg = finished(tools, part.content, c.finish_reason)
         items = _output_items(msg)
+        if part.reasoning:
+            items.insert(0, _reasoning_item(part.reasoning, "completed"))
         body = self._body(req, rid, _status(msg.finish_reason), items, usage([out]))
         self._keep(req, rid, body, history, msg)
         return JSONResponse(body)
@@ -141,9 +152,10 @@ class ResponsesHandler:
         return body
 
     async def _stream(self, req: ResponsesRequest, chat_req: ChatCompletionRequest, rid: str,
-                      stream: RequestStream, history: list[dict[str, Any]],
-                      tools: ToolOutput | None) -> AsyncIterator[str]:
+                      stream: RequestStream, history: list[dict[str, Any]], tools: ToolOutput | None,
+                      splitter: reasoning.ReasoningSplitter | None) -> AsyncIterator[str]:
         events = _Events()
+        thinking = reasoning.ReasoningStream(splitter) if splitter is not None else None
         yield events.emit("response.created", response=self._body(req, rid, "in_progress", [], None))
         yield events.emit("response.in_progress", response=self._body(req, rid, "in_progress", [], None))
         sent, last, finish = 0, None, None
@@ -155,11 +167,17 @@ class ResponsesHandler:
                 c = out.outputs[0]
                 if finish is not None:
                     continue
+                text = c.text
+                if thinking is not None:
+                    thought, text = thinking.feed(c.text, c.finish_reason is not None)
+                    if thought:
+                        for ev in events.reasoning(thought):
+                            yield ev
                 if tools is not None:
-                    deltas, finish = tools.deltas(c.text, c.finish_reason)
+                    deltas, finish = tools.deltas(text, c.finish_reason)
                 else:
-                    deltas = [{"content": c.text[sent:]}] if len(c.text) > sent else []
-                    sent, finish = len(c.text), c.finish_reason
+                    deltas = [{"content": text[sent:]}] if len(text) > sent else []
+                    sent, finish = len(text), c.finish_reason
                 for d in deltas:
                     for ev in events.delta(d):
                         yield ev
@@ -171,7 +189,8 @@ class ResponsesHandler:
                               response=body)
             if last is not None:
                 c = last.outputs[0]
-                self._keep(req, rid, body, history, finished(self._tools(chat_req), c.text, c.finish_reason))
+                content = split(splitter, c.text).content
+                self._keep(req, rid, body, history, finished(self._tools(chat_req), content, c.finish_reason))
         except Exception as exc:  # noqa: BLE001 - engine failure mid-stream: in-band error, then a clean end
             err = exc if isinstance(exc, APIError) else engine_error(exc)
             note_stream_error(err.status)
@@ -195,6 +214,11 @@ def _message_item(text: str, status: str) -> dict[str, Any]:
 
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+    return {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text else []}
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -261,6 +285,23 @@ class _Events:
                                      output_index=self.items.index(item), delta=args))
         return out
 
+    def reasoning(self, text: str) -> list[str]:
+        """The events of a reasoning delta (a reasoning item opens first when another item is open or none is)."""
+        out = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self.close("completed")
+            item = _reasoning_item("", "in_progress")
+            out.append(self._added(item))
+            part = {"type": "reasoning_text", "text": ""}
+            item["content"] = [part]
+            out.append(self.emit("response.content_part.added", item_id=item["id"],
+                                 output_index=len(self.items) - 1, content_index=0, part=dict(part)))
+        assert self.open is not None
+        self.open["content"][0]["text"] += text
+        out.append(self.emit("response.reasoning_text.delta", item_id=self.open["id"],
+                             output_index=len(self.items) - 1, content_index=0, delta=text))
+        return out
+
     def close(self, status: str) -> list[str]:
         """The events that finish the open item, if any."""
         item, self.open = self.open, None
@@ -269,10 +310,14 @@ class _Events:
         index = self.items.index(item)
         item["status"] = "completed" if status == "completed" else "incomplete"
         out = []
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            out.append(self.emit("response.output_text.done", item_id=item["id"], output_index=index,
-                                 content_index=0, text=part["text"], logprobs=[]))
+            if item["type"] == "message":
+                out.append(self.emit("response.output_text.done", item_id=item["id"], output_index=index,
+                                     content_index=0, text=part["text"], logprobs=[]))
+            else:
+                out.append(self.emit("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                     content_index=0, text=part["text"]))
             out.append(self.emit("response.content_part.done", item_id=item["id"], output_index=index,
                                  content_index=0, part=part))
         else:
