@@ -115,6 +115,22 @@ def test_offline_batched_with_plain_requests_and_n(llm: LLM, hf: Any):
     assert first.token_ids == second.token_ids
 
 
+def test_offline_preempted_requests_keep_them(path: Any, hf: Any):
+    """Four requests over a KV pool too small for all of them: the engine preempts (recompute) and re-runs one,
+    which must neither lose nor duplicate its prompt's entries."""
+    small = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=40, max_model_len=128,
+                max_num_seqs=4, max_num_batched_tokens=CHUNK)
+    try:
+        texts = [f"hello world, the model is a token of the world {i}{i}{i}" for i in range(4)]
+        outs = small.generate(texts, SamplingParams(prompt_logprobs=1, max_tokens=30, temperature=0, ignore_eos=True),
+                              use_tqdm=False)
+        assert small.engine.stats()["num_preemptions"] >= 1
+        for out in outs:
+            check(out.prompt_logprobs, out.prompt_token_ids, reference(hf, out.prompt_token_ids), k=1)
+    finally:
+        small.shutdown()
+
+
 def test_validation():
     for bad in (-1, 21, 1.5, True, "2"):
         with pytest.raises(InvalidArgumentError) as info:
@@ -197,6 +213,10 @@ def test_http_prompt_logprobs_extension(client: openai.OpenAI, hf: Any, llm: LLM
         entry = wire[p]
         assert abs(entry[str(ids[p])]["logprob"] - float(ref[p - 1, ids[p]])) <= ATOL
         assert {int(t) for t, e in entry.items() if e["rank"] <= 2} >= set(ref[p - 1].topk(2).indices.tolist())
+    stream = client.completions.create(model="tiny", prompt=TEXT[:80], max_tokens=2, temperature=0, stream=True,
+                                       extra_body={"prompt_logprobs": 2})
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream if c.choices]  # type: ignore[union-attr]
+    assert firsts[0] == wire and all(f is None for f in firsts[1:])
     chat = httpx.post(f"{server.base_url}/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "prompt_logprobs": 0})
     assert chat.status_code == 200, chat.text
