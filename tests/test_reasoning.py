@@ -59,6 +59,14 @@ CASES = [
 ]
 
 
+def test_can_close() -> None:
+    from ironlm.structured.params import StructuredOutputsParams as P
+
+    assert reasoning.can_close(P(regex="[a-z]+</think>[a-z]+")) and reasoning.can_close(P(regex=r"x<\/think>"))
+    assert not reasoning.can_close(P(json={"type": "object"})) and not reasoning.can_close(P(choice=["a", "b"]))
+    assert reasoning.can_close(P(choice=["a</think>b"]))
+
+
 @pytest.mark.parametrize("mode,state,constrained,text,want_reasoning,want_content", CASES)
 def test_split_streams_to_the_final_answer(mode: str, state: Any, constrained: bool, text: str,
                                            want_reasoning: str | None, want_content: str) -> None:
@@ -216,6 +224,12 @@ def test_deepseek_r1_prompt_opens_the_think_block(servers: Servers) -> None:
     choice = cut["choices"][0]
     assert choice["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == 3
     assert choice["message"]["content"] is None and thought.startswith(choice["message"]["reasoning_content"])
+    # a grammar that cannot close the block (a JSON schema) writes the answer even though the prompt opened it
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    msg = chat(servers.r1, messages=USER, response_format=fmt)["choices"][0]["message"]
+    assert msg["reasoning_content"] is None and set(json.loads(msg["content"])) == {"a"}
 
 
 def test_deepseek_r1_unconstrained_output_is_reasoning_until_closed(servers: Servers) -> None:

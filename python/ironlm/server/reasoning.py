@@ -8,8 +8,9 @@ Two formats, which differ only in where the reasoning begins when nothing says s
 The prompt decides first: a prompt whose rendered end is an open `<think>` (a template that starts the thinking
 for the model) puts the output inside the reasoning; one that ends with a closed, empty block (Qwen3's
 `enable_thinking: false`) makes the whole output content. A constrained output (response_format,
-structured_outputs, guided_*) is never reasoning from its first token by default: only where it writes `<think>`
-itself or the prompt opened one, since the grammar, not the model, decides what it is.
+structured_outputs, guided_*) is the grammar's, not the model's: one whose grammar cannot write `</think>` (a JSON
+schema, a choice) is all content whatever the prompt opened; one that can is reasoning only where it writes
+`<think>` itself or the prompt opened one, never from its first token by default.
 
 `split` is a pure function of the text so far, so streaming is the difference of two calls: while the output
 is unfinished, an end that could still grow into a tag (`</thi`), leading whitespace and the reasoning's trailing
@@ -22,6 +23,7 @@ across tokens.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,6 +49,15 @@ def resolve(name: str, chat_template: str | None) -> str:
         raise InvalidArgumentError(f"reasoning_parser must be one of {', '.join(PARSERS)}, got {name!r}",
                                    param="reasoning_parser")
     return detect(chat_template) if name == "auto" else name
+
+
+def can_close(constraint: Any) -> bool:
+    """Whether an output constraint (StructuredOutputsParams) can write `</think>`: its text mentions it (also
+    escaped, `<\\/think>`)."""
+    texts = [v if isinstance(v, str) else json.dumps(v) for v in (constraint.json, constraint.regex,
+                                                                  constraint.choice, constraint.grammar)
+             if v is not None]
+    return any("/think>" in t for t in texts)
 
 
 def prompt_state(tokenizer: Any, prompt_ids: list[int]) -> PromptState:

@@ -99,8 +99,11 @@ class ChatHandler:
         tool call, whose grammar makes the whole output the call)."""
         if self.reasoning == "none" or req.tool_choice_resolved().mode in ("named", "required"):
             return None
-        return reasoning.ReasoningSplitter(self.reasoning, reasoning.prompt_state(self.engine.tokenizer, prompt),
-                                           constrained=req.structured()[0] is not None)
+        constraint = req.structured()[0]
+        state = reasoning.prompt_state(self.engine.tokenizer, prompt)
+        if constraint is not None and not reasoning.can_close(constraint):
+            state = "closed"  # a grammar that cannot end a think block writes the answer, whatever the prompt opened
+        return reasoning.ReasoningSplitter(self.reasoning, state, constrained=constraint is not None)
 
     async def __call__(self, req: ChatCompletionRequest, request: Request) -> Response:
         rid, prompt, streams = await self.start(req, request)
