@@ -89,7 +89,10 @@ class LLM:
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """The `params.beam_width` best sequences of each prompt, best first, as vLLM's `LLM.beam_search`
         (selection, scores and stopping as transformers' `num_beams` generate: engine/beam_search.py)."""
-        return llm_beam.beam_search(self, prompts, params, use_tqdm)
+        def generate(batch: list[dict], step: SamplingParams) -> list[RequestOutput]:
+            return self.generate(batch, step, use_tqdm=False)
+
+        return llm_beam.beam_search(self.engine, generate, prompts, params, use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
               dimensions: int | None = None) -> list[EmbeddingRequestOutput]:

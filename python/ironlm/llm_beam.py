@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from tqdm.auto import tqdm
@@ -21,18 +21,22 @@ from ironlm.engine.prompts import encode_prompt
 from ironlm.exceptions import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from ironlm.engine.llm_engine import LLMEngine
+    from ironlm.engine.outputs import RequestOutput
     from ironlm.engine.prompts import PromptType
-    from ironlm.llm import LLM
+    from ironlm.sampling_params import SamplingParams
+
+# LLM.generate without its progress bar (this module cannot name LLM: ironlm.llm imports it).
+Generate = Callable[[list[dict], "SamplingParams"], list["RequestOutput"]]
 
 
-def beam_search(llm: LLM, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
+def beam_search(engine: LLMEngine, generate: Generate, prompts: PromptType | Sequence[PromptType],
+                params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
     if not isinstance(params, BeamSearchParams):
         raise InvalidArgumentError(f"params must be a BeamSearchParams, got {type(params).__name__}", param="params")
     one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                 and isinstance(prompts[0], int))
     prompt_list = cast("list[PromptType]", [prompts] if one else list(prompts))
-    engine = llm.engine
     eos = list(engine.model_config.eos_token_ids)
     sp = step_params(params, len(eos))
     instances = []
@@ -42,7 +46,7 @@ def beam_search(llm: LLM, prompts: PromptType | Sequence[PromptType], params: Be
     bar = tqdm(total=params.max_tokens, desc="Beam search", unit="tok", disable=not use_tqdm)
     try:
         while batch := pending_prompts(instances):
-            advance_all(instances, llm.generate([{"prompt_token_ids": b} for b in batch], sp, use_tqdm=False))
+            advance_all(instances, generate([{"prompt_token_ids": b} for b in batch], sp))
             bar.update(1)
     finally:
         bar.close()
