@@ -168,3 +168,28 @@ def test_task_alias() -> None:
         EngineConfig(task="generate", runner="pooling")
     with pytest.raises(InvalidArgumentError, match="task"):
         EngineConfig(task="reward")
+
+
+def test_qwen3_embedding_and_classifier(tmp_path: Path) -> None:
+    """Qwen3-Embedding's and Qwen3ForSequenceClassification's architecture (q/k norm: not the lean CPU path)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    base = make_tiny_model(tmp_path, arch="qwen3")
+    llm = LLM(str(base), runner="pooling", **ENGINE_KW)
+    hf = AutoModel.from_pretrained(str(base), dtype=torch.float32).eval()
+    for out in llm.embed(PROMPTS[:2], use_tqdm=False):
+        np.testing.assert_allclose(out.outputs.embedding, reference(hf, out.prompt_token_ids, "last", True),
+                                   atol=1e-5)
+    llm.shutdown()
+    path = make_classifier(base, tmp_path / "qwen3-cls")
+    llm = LLM(str(path), task="classify", **ENGINE_KW)
+    tok = llm.get_tokenizer()
+    clf = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32).eval()
+    docs = ["a document", "the model"]
+    for doc, out in zip(docs, llm.score("the query", docs, use_tqdm=False)):
+        ids = tok("the query", doc)["input_ids"]
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            ref = torch.sigmoid(clf(torch.tensor([ids])).logits[0, 0]).item()
+        assert out.outputs.score == pytest.approx(ref, abs=1e-5)
+    llm.shutdown()
