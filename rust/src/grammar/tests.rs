@@ -429,7 +429,17 @@ fn grammar_compile_wall_clock_bound() {
         other => panic!("{other:?}"),
     }
     assert!(t0.elapsed() < Duration::from_millis(500));
-    // The compiler stays usable.
-    let ok = c.compile(r#"start: "ok""#);
-    assert!(ok.is_ok(), "{ok:?}");
+    // The abandoned compilation ends and gives its thread back.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while c.live_threads() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the abandoned compile thread never ended"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The compiler stays usable. Its compile threads are niced, and the suite's other tests run
+    // beside this one: 50 ms may pass before it gets the CPU, so a few tries are allowed.
+    let ok = (0..10).find_map(|_| c.compile(r#"start: "ok""#).ok());
+    assert!(ok.is_some());
 }
