@@ -12,6 +12,7 @@ import torch
 from ironlm import LLM, EngineConfig
 from ironlm.engine.pooling import QWEN3_RERANK_TEMPLATE
 from ironlm.exceptions import InvalidArgumentError
+from server_utils import tiny_model_path
 from tiny_models import make_tiny_model
 
 # A small token budget chunks the longer prompts over several steps (mean pooling adds chunk by chunk).
@@ -23,7 +24,7 @@ PROMPTS = ["hello world", "the model is a token model and the world is in the mo
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("pool"), arch="llama")
+    return tiny_model_path(tmp_path_factory)  # the serving tests' tiny llama, built once per process
 
 
 @pytest.fixture(scope="module")
