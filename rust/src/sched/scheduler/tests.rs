@@ -684,7 +684,11 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
         ..c
     };
     let bs = c.block_size;
-    let mut s = Scheduler::new(c.clone()).unwrap();
+    let opts = SchedulerOptions {
+        reserve_decode: rng.chance(30),
+        ..SchedulerOptions::default()
+    };
+    let mut s = Scheduler::with_options(c.clone(), opts).unwrap();
     let mut kv = SimKv::new(c.num_blocks, bs);
     let prefixes: Vec<Vec<u32>> = (0..4)
         .map(|_| (0..24).map(|_| rng.below(50) as u32).collect())
