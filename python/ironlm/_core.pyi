@@ -412,7 +412,9 @@ class Scheduler:
         caching): evicted cached blocks are demoted there (``plan.kv_demote``) and hits on them promoted
         back (``plan.kv_promote``); with ``swap`` a preempted sequence's cached blocks are demoted at
         once. ``sliding_window``: every layer attends only inside it, so blocks wholly before it are
-        released."""
+        released. ``reserve_decode`` (``EngineConfig.preemption == "conservative"``): a waiting request is
+        admitted only while free and evictable blocks cover what it and every running sequence still need to
+        reach their max length, so running sequences are rarely preempted for blocks."""
     def add_request(
         self,
         request_id: str,
