@@ -185,6 +185,34 @@ def test_http_text_prompt_echo(server: LiveServer, hf: Any, path: Any):
         t[:-1] if t[-1] in (EOS, EOS_ID) else t) for t, _ in ref]
 
 
+def test_http_chat_use_beam_search(server: LiveServer, hf: Any, path: Any):
+    tok = load_tokenizer(path)
+    messages = [{"role": "user", "content": "hello model"}]
+    client = openai.OpenAI(base_url=server.base_url, api_key="x")
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, n=2,  # type: ignore[arg-type]
+                                       extra_body={"use_beam_search": True, "length_penalty": 0.0})
+    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ref = hf_beams(hf, ids, 2, 5, 0.0, "never")
+    assert [c.message.content for c in r.choices] == [
+        tok.decode(t[:-1] if t[-1] in (EOS, EOS_ID) else t) for t, _ in ref]
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == sum(len(t) for t, _ in ref)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temperature": 1.0}, "temperature"),
+    ({"logprobs": True}, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"n": 0}, "n"),
+])
+def test_http_chat_bad_params(server: LiveServer, body: dict, param: str):
+    r = httpx.post(f"{server.base_url}/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "use_beam_search": True,
+        **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
 def load_tokenizer(path: Any) -> Any:
     from transformers import AutoTokenizer
 

@@ -115,6 +115,10 @@ class _SamplingRequest(_Strict):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: per prompt token, the token's and the top-N
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's beam search extension (server/serving_beam.py): the n best beams (of best_of on completions)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = "never"  # or false / "never"; checked with the beam search's other parameters
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
@@ -192,10 +196,6 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
-    # vLLM's beam search extension (server/serving_beam.py): the n best of best_of (default n) beams
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | str = "never"  # or "never"; checked with the beam search's other parameters
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:

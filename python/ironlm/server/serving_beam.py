@@ -1,4 +1,5 @@
-"""`use_beam_search: true` (vLLM's extension) on /v1/completions: the `n` best of `best_of` (default n) beams.
+"""`use_beam_search: true` (vLLM's extension) on /v1/completions, the `n` best of `best_of` (default n) beams, and on
+/v1/chat/completions, the `n` best of `n` (split into reasoning and content as any answer; tools are refused).
 
 The beam search of engine/beam_search.py, each step one engine request per live beam (all or none admitted), so a
 beam step queues and is scheduled like any request, and its prompt's full KV blocks are prefix-cache hits on its
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -32,25 +33,45 @@ from ironlm.engine.beam_search import (
 )
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.server.errors import APIError
-from ironlm.server.prompt_limits import completion_prompts
-from ironlm.server.protocol import CompletionChoice, CompletionResponse, UsageInfo
+from ironlm.server.prompt_limits import chat_prompt_ids, completion_prompts
+from ironlm.server.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionResponse,
+    UsageInfo,
+)
 from ironlm.server.serving_common import decode, final_outputs, start_streams
 
 if TYPE_CHECKING:
     from ironlm.engine import EngineClient
-    from ironlm.server.protocol import CompletionRequest
+    from ironlm.server.protocol import ChatCompletionRequest, CompletionRequest
+    from ironlm.server.reasoning import ReasoningSplitter
     from ironlm.server.shedding import Shedder
 
 # Body fields beam search cannot honour, with the values that mean "off".
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "stream": (False,), "logprobs": (None,), "prompt_logprobs": (None,), "stop": (None, []),
+    "stream": (False,), "logprobs": (None, False), "prompt_logprobs": (None,), "stop": (None, []),
     "stop_token_ids": (None, []), "top_p": (None, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0.0),
     "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
     "logit_bias": (None, {}), "min_tokens": (0,),
 }
 
 
-def beam_params(req: CompletionRequest, max_tokens: int, num_eos: int) -> BeamSearchParams:
+class ChatHandler(Protocol):
+    """What beam_chat uses of serving_chat.ChatHandler (which imports this module)."""
+
+    engine: EngineClient
+    model_name: str
+    shedder: Shedder | None
+
+    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]: ...
+
+    def splitter(self, req: ChatCompletionRequest, prompt: list[int]) -> ReasoningSplitter | None: ...
+
+
+def beam_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, num_eos: int) -> BeamSearchParams:
     """The request's BeamSearchParams; a 400 naming the body field for anything beam search cannot do."""
     for name, neutral in _NEUTRAL.items():
         if getattr(req, name, None) not in neutral:
@@ -59,7 +80,8 @@ def beam_params(req: CompletionRequest, max_tokens: int, num_eos: int) -> BeamSe
     if constraint is not None:
         param = source or "structured_outputs"
         raise APIError(400, f"{param}: not supported with use_beam_search", param=param)
-    width = req.best_of if req.best_of is not None else req.n
+    best_of = getattr(req, "best_of", None)
+    width = best_of if best_of is not None else req.n
     try:
         params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                   temperature=0.0 if req.temperature is None else req.temperature,
@@ -70,7 +92,7 @@ def beam_params(req: CompletionRequest, max_tokens: int, num_eos: int) -> BeamSe
     except InvalidArgumentError as exc:
         param = str(exc.param)
         if param == "beam_width":
-            param = "best_of" if req.best_of is not None else "n"
+            param = "best_of" if best_of is not None else "n"
         reason = str(exc).removeprefix(str(exc.param)).lstrip(" :")
         raise APIError(400, f"{param}: {reason}", param=param) from None
 
@@ -137,3 +159,36 @@ async def beam_completions(engine: EngineClient, model_name: str, req: Completio
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details={"cached_tokens": cached}))
     return JSONResponse(body.model_dump())
+
+
+async def beam_chat(handler: ChatHandler, req: ChatCompletionRequest, request: Request, rid: str) -> JSONResponse:
+    engine = handler.engine
+    if req.tools and req.tool_choice_resolved().mode != "none":
+        raise APIError(400, "tools: not supported with use_beam_search (unless tool_choice is \"none\")",
+                       param="tools")
+    prompt = await chat_prompt_ids(engine, req, request, handler.prompt_ids)
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, engine.max_model_len - len(prompt))
+    params = beam_params(req, max_tokens, len(eos_ids(engine)))
+    (res,) = await run_beam_search(engine, rid, [prompt], params, req, request, handler.shedder)
+    plain = True
+    choices = []
+    for i, seq in enumerate(res.sequences[:req.n]):
+        text = seq.text or ""
+        splitter = handler.splitter(req, prompt)  # a fresh one per beam: each is an answer of its own
+        message = ChatResponseMessage(content=text)
+        if splitter is not None:
+            plain = False
+            part = splitter.split(text, done=True)
+            message = ChatResponseMessage(content=part.content if part.content or part.reasoning is None else None,
+                                          reasoning_content=part.reasoning, reasoning=part.reasoning)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=seq.finish_reason))
+    completion_tokens = sum(len(s.output_tokens) for s in res.sequences[:req.n])
+    body = ChatCompletionResponse(id=rid, model=handler.model_name, choices=choices, usage=UsageInfo(
+        prompt_tokens=len(prompt), completion_tokens=completion_tokens, total_tokens=len(prompt) + completion_tokens,
+        prompt_tokens_details={"cached_tokens": res.num_cached_tokens}))
+    dumped = body.model_dump()
+    if plain:  # without a reasoning parser the message keeps OpenAI's own fields only
+        for choice in dumped["choices"]:
+            for key in ("reasoning_content", "reasoning"):
+                choice["message"].pop(key, None)
+    return JSONResponse(dumped)

@@ -31,6 +31,7 @@ from ironlm.server.protocol import (
     ChatResponseMessage,
     UsageInfo,
 )
+from ironlm.server.serving_beam import beam_chat
 from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
@@ -106,6 +107,8 @@ class ChatHandler:
         return reasoning.ReasoningSplitter(self.reasoning, state, constrained=constraint is not None)
 
     async def __call__(self, req: ChatCompletionRequest, request: Request) -> Response:
+        if req.use_beam_search:
+            return await beam_chat(self, req, request, req.request_id or f"chatcmpl-{uuid.uuid4().hex}")
         rid, prompt, streams = await self.start(req, request)
         if req.stream:
             return EngineStreamingResponse(self._stream(req, rid, streams[0], prompt), streams)
