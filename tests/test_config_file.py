@@ -81,6 +81,20 @@ def test_generate_and_chat_take_the_same_file(tmp_path):
         assert config.max_num_seqs == 64 and config.max_model_len == 512 and config.scheduling_policy == "fair"
 
 
+def test_bench_commands_with_engine_flags_take_their_own_flags(tmp_path):
+    """`ironlm bench throughput --config`: its keys are that command's flags, the workload's and the engine's."""
+    from ironlm.bench import cli as bench_cli
+
+    path = _yaml(tmp_path, "num_prompts: 5\ndataset: prefix\nmax_num_seqs: 3\nscheduler: {policy: fair_share}\n")
+    args = _parse(["bench", "throughput", "--config", path, "--seed", "7"])
+    assert (args.num_requests, args.dataset, args.seed, args.max_num_seqs) == (5, "prefix", 7, 3)
+    assert args.scheduling_policy == "fair"
+    # The standalone entry point (python -m ironlm.bench.cli) reads the file too: a bad key stops it before any run.
+    with pytest.raises(SystemExit) as exc:
+        bench_cli.main(["throughput", "--config", _yaml(tmp_path, "num_prompts: 5\nwarp_speed: 9\n")])
+    assert exc.value.code == 2
+
+
 def test_the_seed_scheduler_block_maps_onto_real_settings(tmp_path):
     args = _parse(["serve", "--config", _yaml(tmp_path, SEED_SCHEDULER)])
     config = config_from_args(args, None)

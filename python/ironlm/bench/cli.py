@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ironlm.cli_args import HelpFormatter, add_engine_args, engine_kwargs_from_args
+from ironlm.cli_args import HelpFormatter, add_engine_args, apply_config_file, engine_kwargs_from_args
 from ironlm.config import EngineConfig
 
 W_HELP = ("with no options: workload W = 64 requests, prompt lengths uniform in [32, 512], output lengths "
@@ -429,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m ironlm.bench.cli throughput ...` works without the top-level CLI."""
     parser = argparse.ArgumentParser(prog="ironlm")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    full = ["bench", *(sys.argv[1:] if argv is None else argv)]
+    args = apply_config_file(parser, full, parser.parse_args(full))
     return args.func(args)
 
 
