@@ -166,7 +166,10 @@ def test_http_echo_logprobs_max_tokens_0(client: openai.OpenAI, hf: Any, llm: LL
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset is not None
+    # Offsets index the echoed text: the BOS (not in the text) at 0, every other token where its text starts.
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    pieces = [TEXT[a:b] for a, b in zip(lp.text_offset[1:], lp.text_offset[2:] + [len(TEXT)])]
+    assert "".join(pieces) == TEXT and pieces == lp.tokens[1:]
     ref = reference(hf, ids)
     tok = llm.get_tokenizer()
     for p in range(1, len(ids)):
@@ -194,6 +197,7 @@ def test_http_echo_then_generated(client: openai.OpenAI, llm: LLM):
     assert echoed.logprobs.tokens[n:] == plain.logprobs.tokens
     assert echoed.logprobs.text_offset is not None and plain.logprobs.text_offset is not None
     assert echoed.logprobs.text_offset[n:] == [o + len("hello world") for o in plain.logprobs.text_offset]
+    assert echoed.logprobs.text_offset == sorted(echoed.logprobs.text_offset)
     stream = client.completions.create(echo=True, stream=True, **kw)
     chunks = [c.choices[0] for c in stream if c.choices]
     assert "".join(c.text for c in chunks) == echoed.text

@@ -54,16 +54,32 @@ def completion_logprobs(c: CompletionOutput, start: int, tokenizer: Any, offset:
                    tokenizer, offset)
 
 
-def echo_logprobs(out: RequestOutput, tokenizer: Any, num_top: int | None) -> tuple[dict, int]:
+def echo_logprobs(out: RequestOutput, tokenizer: Any, num_top: int | None, offsets: list[int] | None) -> dict:
     """Legacy-completions logprobs of the prompt (echo): None for the first token, the token and the top
-    `num_top` for the others (the engine may have computed more for `prompt_logprobs`); returns the next offset."""
+    `num_top` for the others (the engine may have computed more for `prompt_logprobs`). `offsets`: where each
+    token starts in the echoed text (`prompt_offsets`); None: the token strings' running lengths, as vLLM's."""
     top = num_top or 0
     entries: PromptLogprobs = [None if e is None else {t: lp for t, lp in e.items()
                                                        if t == tid or (lp.rank is not None and lp.rank <= top)}
                                for tid, e in zip(out.prompt_token_ids, out.prompt_logprobs or [])]
     ids = out.prompt_token_ids
     entries += [{}] * (len(ids) - len(entries))
-    return _legacy(ids, entries, tokenizer, 0)
+    lp, _ = _legacy(ids, entries, tokenizer, 0)
+    if offsets is not None:
+        lp["text_offset"] = offsets
+    return lp
+
+
+def prompt_offsets(out: RequestOutput, tokenizer: Any) -> list[int] | None:
+    """Where each prompt token starts in the prompt's text, from the tokenizer's offset mapping (a BOS the text
+    does not hold starts at 0); None when it cannot tell (a slow tokenizer, token ids given, a tokenization that
+    differs). It tokenizes the text again: call it off the event loop."""
+    if out.prompt is None or not getattr(tokenizer, "is_fast", False):
+        return None
+    enc = tokenizer(out.prompt, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != list(out.prompt_token_ids):
+        return None
+    return [int(start) for start, _ in enc["offset_mapping"]]
 
 
 def join_legacy(first: dict, second: dict) -> dict:

@@ -8,6 +8,7 @@ comes back on each choice.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -21,7 +22,13 @@ from ironlm.config import ServerConfig
 from ironlm.engine import EngineClient, RequestStream
 from ironlm.engine.outputs import CompletionOutput, RequestOutput
 from ironlm.server.errors import APIError
-from ironlm.server.logprobs import completion_logprobs, echo_logprobs, join_legacy, prompt_logprobs_wire
+from ironlm.server.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    join_legacy,
+    prompt_logprobs_wire,
+    prompt_offsets,
+)
 from ironlm.server.prompt_limits import completion_prompts
 from ironlm.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from ironlm.server.serving_beam import beam_completions
@@ -83,13 +90,15 @@ class CompletionHandler:
         outputs = await final_outputs(streams, request)
         if echo_only:
             outputs = [_prompt_only(out) for out in outputs]
+        offsets = await self._offsets(req, outputs)
         choices = []
         for i, out in enumerate(outputs):
             prefix = self._prompt_text(out) if req.echo else ""
             plp = prompt_logprobs_wire(out.prompt_logprobs) if req.prompt_logprobs is not None else None
             for c in sorted(out.outputs, key=lambda c: c.index):
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
-                                                logprobs=self._logprobs(req, out, c, 0, len(prefix), req.echo)[0],
+                                                logprobs=self._logprobs(req, out, c, 0, len(prefix), req.echo,
+                                                                        offsets[i])[0],
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                 prompt_logprobs=plp))
         body = CompletionResponse(id=rid, model=self.model_name, choices=choices,
@@ -97,15 +106,22 @@ class CompletionHandler:
         return JSONResponse(body.model_dump())
 
     def _logprobs(self, req: CompletionRequest, out: RequestOutput, c: CompletionOutput, start: int, offset: int,
-                  echo: bool) -> tuple[dict | None, int]:
-        """Legacy logprobs of tokens [start:] from text offset `offset`, after the prompt's when `echo` (the
-        first chunk of an echoed choice); returns them and the next offset."""
+                  echo: bool, prompt_offsets: list[int] | None = None) -> tuple[dict | None, int]:
+        """Legacy logprobs of tokens [start:] from text offset `offset`, after the prompt's when `echo` (the first
+        chunk of an echoed choice; `prompt_offsets`: see `_offsets`); returns them and the next offset."""
         if req.logprobs is None:
             return None, offset
         lp, end = completion_logprobs(c, start, self.engine.tokenizer, offset)
         if echo:
-            lp = join_legacy(echo_logprobs(out, self.engine.tokenizer, req.logprobs)[0], lp)
+            lp = join_legacy(echo_logprobs(out, self.engine.tokenizer, req.logprobs, prompt_offsets), lp)
         return lp, end
+
+    async def _offsets(self, req: CompletionRequest, outputs: list[RequestOutput]) -> list[list[int] | None]:
+        """Each echoed prompt's token offsets in its text (tokenized again, in a worker thread)."""
+        if not req.echo or req.logprobs is None:
+            return [None] * len(outputs)
+        tokenizer = self.engine.tokenizer
+        return await asyncio.to_thread(lambda: [prompt_offsets(out, tokenizer) for out in outputs])
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else decode(self.engine.tokenizer, out.prompt_token_ids)
@@ -117,6 +133,7 @@ class CompletionHandler:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}
+        prompt_offs: dict[int, list[int] | None] = {}  # per prompt (stream), for echo
         done: set[int] = set()
         last: list[RequestOutput | None] = [None] * len(streams)
 
@@ -149,8 +166,11 @@ class CompletionHandler:
                     prompt_tokens[idx] = len(out.prompt_token_ids)
                     sent_tokens[idx], sent_text[idx] = len(c.token_ids), len(c.text)
                     if delta or len(c.token_ids) > start_tok:
-                        lp, offsets[idx] = self._logprobs(req, out, c, start_tok, offsets.get(idx, len(prefix)),
-                                                          first and req.echo)
+                        echo = first and req.echo
+                        if echo and i not in prompt_offs:
+                            prompt_offs[i] = (await self._offsets(req, [out]))[0]
+                        lp, offsets[idx] = self._logprobs(req, out, c, start_tok, offsets.get(idx, len(prefix)), echo,
+                                                          prompt_offs.get(i))
                         yield chunk(idx, delta, lp, plp=out if first and req.prompt_logprobs is not None else None)
                     if c.finish_reason is not None:
                         done.add(idx)
