@@ -78,6 +78,9 @@ def test_stop_sequences(client: anthropic.Anthropic, oai: openai.OpenAI):
     m = client.messages.create(model="tiny", messages=USER, max_tokens=8, stop_sequences=[stop], **GREEDY)
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert text_of(m) == full[:full.find(stop)] == chat(oai, USER, 8, stop=[stop])[0]
+    with client.messages.stream(model="tiny", messages=USER, max_tokens=8, stop_sequences=[stop], **GREEDY) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, text_of(final)) == ("stop_sequence", stop, text_of(m))
 
 
 def test_stream_events(client: anthropic.Anthropic, server: LiveServer):

@@ -157,6 +157,16 @@ def test_forced_function_call_and_its_output_round_trip(client: openai.OpenAI, s
                {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp": 21}'}]
     expected, _ = chat_text(client, history, 6)
     assert answer.output_text == expected and expected
+    # The agent loop on the store: only the call's output is sent, after previous_response_id.
+    first = client.responses.create(model="tiny", **forced)
+    stored_call = first.output[0]
+    assert stored_call.arguments == call.arguments
+    follow = client.responses.create(model="tiny", previous_response_id=first.id, tools=[TOOL], tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": stored_call.call_id,
+                                             "output": '{"temp": 21}'}], max_output_tokens=6, **GREEDY)
+    history[1]["tool_calls"][0]["id"] = history[2]["tool_call_id"] = stored_call.call_id
+    history[0]["content"] = "weather in Paris?"
+    assert follow.output_text == chat_text(client, history, 6)[0]
 
 
 def test_required_tool_choice_streams_whole_calls(client: openai.OpenAI):
