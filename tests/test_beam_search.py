@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ironlm import LLM
-from ironlm.engine.beam_search import BeamSearchParams
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.sampling_params import BeamSearchParams  # where vLLM has it
 from ironlm.server.api import build_app
 from server_utils import TINY_ENGINE_KW, AsyncLLMEngine, LiveServer, tiny_model_path
 from tiny_models import EOS_ID, load_hf_reference

@@ -14,11 +14,11 @@ from tqdm.auto import tqdm
 from ironlm import llm_beam, llm_pooling
 from ironlm.config import EngineConfig
 from ironlm.engine import LLMEngine
-from ironlm.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from ironlm.engine.beam_search import BeamSearchOutput
 from ironlm.engine.outputs import RequestOutput
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.llm_pooling import EmbeddingRequestOutput, ScoringRequestOutput
-from ironlm.sampling_params import SamplingParams
+from ironlm.sampling_params import BeamSearchParams, SamplingParams
 from ironlm.stats import latency_summary
 
 PromptType = str | list[int] | dict

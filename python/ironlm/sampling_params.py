@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Literal, TypeGuard
 
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.structured.params import StructuredOutputsParams
@@ -168,3 +168,45 @@ class SamplingParams:
                 raise _invalid("logit_bias", f"values must be numbers, got {bias!r} for token {key!r}")
             clean[int(tid)] = float(min(max(bias, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT))
         self.logit_bias = clean
+
+
+EarlyStopping = bool | Literal["never"]
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams (`LLM.beam_search`), plus transformers' `early_stopping`: True stops once beam_width
+    sequences finished, False by transformers' heuristic, "never" only when no live beam can beat them (see
+    engine/beam_search.py)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = "never"
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise _invalid(name, f"must be an int >= 1, got {value!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise _invalid("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        if not _is_real(self.temperature) or self.temperature != 0:
+            # Beam search keeps the most likely beams; sampling them (transformers' do_sample beams) is not built.
+            raise _invalid("temperature", f"must be 0 for beam search (it is deterministic), got {self.temperature!r}")
+        lp = self.length_penalty
+        if not _is_real(lp) or not math.isfinite(lp):
+            raise _invalid("length_penalty", f"must be a finite number, got {lp!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise _invalid("early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}")
+
+    def top_logprobs(self, num_eos: int) -> int:
+        """Logprobs asked per beam and step: enough for the global top candidates (engine/beam_search.py)."""
+        top = self.beam_width + (0 if self.ignore_eos else num_eos)
+        if top > MAX_LOGPROBS:
+            raise _invalid("beam_width", f"must be <= {MAX_LOGPROBS - top + self.beam_width} (each step reads the "
+                           f"top beam_width + {top - self.beam_width} EOS logprobs, at most {MAX_LOGPROBS}), "
+                           f"got {self.beam_width}")
+        return top

@@ -22,61 +22,17 @@ ranked in the top k overall is in its beam's top k, and a beam's k best non-EOS 
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from ironlm.engine.outputs import Logprob, RequestOutput
-from ironlm.exceptions import InvalidArgumentError
-from ironlm.sampling_params import MAX_LOGPROBS, SamplingParams
+from ironlm.sampling_params import BeamSearchParams, EarlyStopping, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-EarlyStopping = bool | Literal["never"]
-
-
-def _invalid(param: str, reason: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{param} {reason}", param=param)
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's BeamSearchParams, plus transformers' `early_stopping` (see the module)."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    early_stopping: EarlyStopping = "never"
-
-    def __post_init__(self) -> None:
-        for name in ("beam_width", "max_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-                raise _invalid(name, f"must be an int >= 1, got {value!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise _invalid("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
-        if self.temperature != 0:
-            # Beam search keeps the most likely beams; sampling them (transformers' do_sample beams) is not built.
-            raise _invalid("temperature", f"must be 0 for beam search (it is deterministic), got {self.temperature!r}")
-        lp = self.length_penalty
-        if not isinstance(lp, numbers.Real) or isinstance(lp, bool) or not math.isfinite(lp):
-            raise _invalid("length_penalty", f"must be a finite number, got {lp!r}")
-        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
-            raise _invalid("early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}")
-
-    def top_logprobs(self, num_eos: int) -> int:
-        """Logprobs asked per beam and step: enough for the global top candidates (see the module)."""
-        top = self.beam_width + (0 if self.ignore_eos else num_eos)
-        if top > MAX_LOGPROBS:
-            raise _invalid("beam_width", f"must be <= {MAX_LOGPROBS - top + self.beam_width} (each step reads the "
-                           f"top beam_width + {top - self.beam_width} EOS logprobs, at most {MAX_LOGPROBS}), "
-                           f"got {self.beam_width}")
-        return top
+__all__ = ["BeamSearchInstance", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "EarlyStopping"]
 
 
 @dataclass
