@@ -22,7 +22,7 @@ from ironlm import LLM
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.sampling_params import BeamSearchParams  # where vLLM has it
 from ironlm.server.api import build_app
-from server_utils import TINY_ENGINE_KW, AsyncLLMEngine, LiveServer, tiny_model_path
+from server_utils import TINY_ENGINE_KW, AsyncLLMEngine, LiveServer, tiny_model_path, wait_for
 from tiny_models import EOS_ID, load_hf_reference
 
 EOS = 333
@@ -211,6 +211,19 @@ def test_http_chat_bad_params(server: LiveServer, body: dict, param: str):
         **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_http_timeout_bounds_the_whole_search(server: LiveServer):
+    """`timeout` is the whole search's, not each step's: one far shorter than the search ends it with a 503, and
+    the engine is left with nothing of it running."""
+    r = httpx.post(f"{server.base_url}/completions", json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 200, "n": 4, "use_beam_search": True, "ignore_eos": True,
+        "timeout": 0.05}, timeout=60)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "timeout"
+    engine = server.engine
+    assert engine is not None
+    assert wait_for(lambda: engine.num_inflight == 0 and engine.stats()["num_requests_running"] == 0)
 
 
 def load_tokenizer(path: Any) -> Any:
