@@ -267,3 +267,24 @@ def test_http_budget_counts_prompt_logprobs(path: Any):
         assert len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 20
     finally:
         live.stop()
+
+
+def test_http_timeout_keeps_prompt_logprobs(tmp_path_factory: pytest.TempPathFactory):
+    """A request cut by its `timeout` mid-generation still answers with the prompt's logprobs (echo)."""
+    from server_utils import RealServer
+
+    served = RealServer(tmp_path_factory)
+    try:
+        served.faults.delay = 0.05
+        r = httpx.post(f"{served.base_url}/completions", json={
+            "prompt": "hello world", "echo": True, "logprobs": 0, "max_tokens": 200, "ignore_eos": True,
+            "timeout": 1.0}, timeout=30)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "timeout"
+        n = r.json()["usage"]["prompt_tokens"]
+        lps = choice["logprobs"]["token_logprobs"]
+        assert lps[0] is None and all(isinstance(x, float) for x in lps[1:n])
+    finally:
+        served.faults.delay = 0.0
+        served.stop()

@@ -138,7 +138,8 @@ class RequestStream:
         metrics = last.metrics if last is not None else RequestMetrics(self.engine_kwargs.get("arrival_time", 0.0))
         return RequestOutput(self.request_id, last.prompt if last else None,
                              last.prompt_token_ids if last else [], outputs, True, metrics,
-                             num_cached_tokens=last.num_cached_tokens if last else 0)
+                             num_cached_tokens=last.num_cached_tokens if last else 0,
+                             prompt_logprobs=last.prompt_logprobs if last else None)
 
     def close(self) -> None:
         """Stop listening; aborts the request in the engine unless it already finished."""
