@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
@@ -13,9 +13,18 @@ from ironlm.engine.pooling import PoolingParams, cosine, truncate
 from ironlm.exceptions import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from ironlm.engine.llm_engine import LLMEngine
+    from ironlm.engine.outputs import RequestOutput
     from ironlm.engine.pooling import Pooler
     from ironlm.engine.prompts import PromptType
-    from ironlm.llm import LLM
+
+
+class OfflineLLM(Protocol):
+    """What these functions use of ironlm.LLM (a protocol: ironlm.llm imports this module)."""
+
+    engine: LLMEngine
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]: ...
 
 
 @dataclass
@@ -44,7 +53,7 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
-def pooler_of(llm: LLM) -> Pooler:
+def pooler_of(llm: OfflineLLM) -> Pooler:
     pooler = llm.engine.pooler
     if pooler is None:
         raise InvalidArgumentError("this model generates text: create it with LLM(..., runner='pooling') to embed "
@@ -66,7 +75,7 @@ def pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tupl
     return list(zip(left, right))
 
 
-def _run(llm: LLM, prompts: list[PromptType], use_tqdm: bool) -> list[tuple[str, list[int], np.ndarray]]:
+def _run(llm: OfflineLLM, prompts: list[PromptType], use_tqdm: bool) -> list[tuple[str, list[int], np.ndarray]]:
     engine, ids = llm.engine, []
     try:
         for i, prompt in enumerate(prompts):
@@ -84,7 +93,7 @@ def _run(llm: LLM, prompts: list[PromptType], use_tqdm: bool) -> list[tuple[str,
     return out
 
 
-def embed(llm: LLM, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+def embed(llm: OfflineLLM, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
           dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
     pooler = pooler_of(llm)
     if pooler.task != "embed":
@@ -101,7 +110,7 @@ def embed(llm: LLM, prompts: PromptType | Sequence[PromptType], use_tqdm: bool =
             for rid, ids, vec in results]
 
 
-def score(llm: LLM, text_1: str | Sequence[str], text_2: str | Sequence[str],
+def score(llm: OfflineLLM, text_1: str | Sequence[str], text_2: str | Sequence[str],
           use_tqdm: bool = True) -> list[ScoringRequestOutput]:
     pooler = pooler_of(llm)
     todo = pairs(text_1, text_2)

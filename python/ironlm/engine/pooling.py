@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from ironlm.config import EngineConfig
-    from ironlm.engine.llm_engine import LLMEngine
     from ironlm.engine.model_runner import ModelRunner
     from ironlm.engine.outputs import RequestOutput
     from ironlm.engine.sequence_table import EngineRequest, SequenceTable
@@ -56,6 +55,24 @@ QWEN3_RERANK_TEMPLATE = (
     "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 )
 _FIELD = re.compile(r"\{(query|document)\}")
+
+
+class _StepEngine(Protocol):
+    """What `Pooler.engine_step` uses of the LLMEngine whose step it finishes (a protocol: no import cycle)."""
+
+    timer: StepTimer
+    faults: Any
+    table: SequenceTable
+    scheduler: _core.Scheduler
+    num_steps: int
+
+    def _fail_step(self, plan: _core.SchedulerPlan, exc: Exception,
+                   touched: dict[str, EngineRequest]) -> list[RequestOutput]: ...
+
+    def _finish_seq(self, slot: int, reason: str, stop_token: int | None,
+                    touched: dict[str, EngineRequest]) -> None: ...
+
+    def _collect(self, touched: dict[str, EngineRequest]) -> list[RequestOutput]: ...
 
 
 @dataclass
@@ -152,7 +169,7 @@ class Pooler:
         return {"prompt_token_ids": [int(t) for t in ids]}
 
     # ---- the step ------------------------------------------------------------------------------------------
-    def engine_step(self, engine: LLMEngine, plan: _core.SchedulerPlan,
+    def engine_step(self, engine: _StepEngine, plan: _core.SchedulerPlan,
                     touched: dict[str, EngineRequest]) -> list[RequestOutput]:
         """The rest of `LLMEngine._step` for a pooling engine: the forward pools, the core gets placeholders and
         finishes each completed prompt (max_tokens 1), whose output carries no token."""
