@@ -119,7 +119,10 @@ def test_bench_serve_on_sharegpt_against_a_server_configured_by_file(long_model,
 
     model = long_model
     config = tmp_path / "serve.yaml"
-    config.write_text("device: cpu\ndtype: float32\nnum_kv_blocks: 640\nblock_size: 4\nmax_model_len: 1100\n"
+    # Room for all four at once (conservative admission reserves each one's whole length), so no request waits
+    # out the block's 5 s queue timeout on a loaded machine.
+    config.write_text("device: cpu\ndtype: float32\nnum_kv_blocks: 1100\nblock_size: 4\nmax_model_len: 1100\n"
+                      "max_num_batched_tokens: 4400\n"
                       "scheduler:\n  max_batch_size: 64\n  timeout_ms: 5000\n  policy: fair_share\n"
                       "  preemption: conservative\n")
     out = tmp_path / "serve.json"
