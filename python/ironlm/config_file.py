@@ -18,11 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ironlm.exceptions import InvalidArgumentError
-
-
-class ConfigFileError(InvalidArgumentError):
-    """The file is unreadable, not a mapping, or holds an unknown key or a value of the wrong type."""
+from ironlm.exceptions import ConfigFileError
 
 
 @dataclass(frozen=True)

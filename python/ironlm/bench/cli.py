@@ -250,7 +250,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _specs(args: argparse.Namespace, quick_random, quick_prefix):
-    from ironlm.bench.datasets import PrefixSpec, RandomSpec, ShareGPTSpec
+    from ironlm.bench.datasets import PrefixSpec, RandomSpec
+    from ironlm.bench.sharegpt import ShareGPTSpec
 
     r = quick_random if args.quick else RandomSpec(seed=args.seed)
     p = quick_prefix if args.quick else PrefixSpec(seed=args.seed)
@@ -285,8 +286,7 @@ def _missing_baseline_is_an_error(cmd):
     traceback."""
     @functools.wraps(cmd)
     def run(args: argparse.Namespace) -> int:
-        from ironlm.bench.llama_cpp import LlamaCppNotBuilt
-        from ironlm.bench.sharegpt import ShareGPTMissing
+        from ironlm.exceptions import LlamaCppNotBuilt, ShareGPTMissing
 
         try:
             return cmd(args)

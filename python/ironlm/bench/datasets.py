@@ -17,6 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from ironlm.bench.sharegpt import ShareGPTSpec
+from ironlm.bench.sharegpt import sample as sharegpt_sample
+
 
 @dataclass(frozen=True)
 class BenchRequest:
@@ -82,13 +85,6 @@ class PrefixSpec:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class ShareGPTSpec:
-    num_requests: int = 64
-    seed: int = 0
-    output_len: int | None = None  # vLLM's --sharegpt-output-len: this for every request instead of the reply's
-
-
 def random_dataset(spec: RandomSpec, vocab_size: int) -> Dataset:
     _check_range("input_len", *spec.input_len)
     _check_range("output_len", *spec.output_len)
@@ -125,11 +121,10 @@ def make_dataset(name: str, vocab_size: int, *, random: RandomSpec | None = None
     if name == "prefix":
         return prefix_dataset(prefix or PrefixSpec(), vocab_size)
     if name == "sharegpt":
-        from ironlm.bench.sharegpt import sharegpt_dataset
-
         if tokenizer is None:
             raise ValueError("the sharegpt dataset needs the model's tokenizer")
-        return sharegpt_dataset(sharegpt or ShareGPTSpec(), tokenizer)
+        pairs, config = sharegpt_sample(sharegpt or ShareGPTSpec(), tokenizer)
+        return Dataset("sharegpt", config, [BenchRequest(ids, n) for ids, n in pairs])
     raise ValueError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)}")
 
 

@@ -28,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from ironlm.bench import datasets
-from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, ShareGPTSpec, make_dataset
+from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, make_dataset
 from ironlm.bench.report import format_table, machine_info
 from ironlm.bench.server_process import ServerProcess, model_tokenizer, model_vocab_size
+from ironlm.bench.sharegpt import ShareGPTSpec
 
 BASELINES = ("llama.cpp",)
 from ironlm.stats import latency_summary

