@@ -27,7 +27,7 @@ from ironlm.server.prompt_limits import chat_prompt_ids
 from ironlm.server.protocol_anthropic import CHAT_PARAMS, CountTokensRequest, MessagesRequest
 from ironlm.server.serving_chat import ChatHandler
 from ironlm.server.serving_common import EngineStreamingResponse, engine_error, final_outputs
-from ironlm.server.serving_responses import chat_request, finished, split
+from ironlm.server.serving_responses import ChoiceDeltas, chat_request, finished, split
 from ironlm.structured.tool_output import ToolOutput
 from ironlm.structured.tools import ToolCall
 
@@ -111,39 +111,31 @@ class MessagesHandler:
     async def _stream(self, mid: str, stream: RequestStream, prompt_tokens: int, tools: ToolOutput | None,
                       splitter: reasoning.ReasoningSplitter | None) -> AsyncIterator[str]:
         blocks = _Blocks()
-        thinking = reasoning.ReasoningStream(splitter) if splitter is not None else None
+        choice = ChoiceDeltas(tools, splitter)
         start: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "model": self.chat.model_name,
                                  "content": [], "stop_reason": None, "stop_sequence": None,
                                  "usage": self._usage(prompt_tokens, 0, 0)}
         yield _event("message_start", message=start)
-        sent, generated = 0, 0
-        finish: str | None = None
+        generated = 0
         stop_reason: int | str | None = None
         try:
             async for out in stream:
                 if out.error:
                     raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
                 c = out.outputs[0]
-                if finish is not None:
+                if choice.finish is not None:
                     continue
                 generated, stop_reason = len(c.token_ids), c.stop_reason
-                text = c.text
-                if thinking is not None:
-                    thought, text = thinking.feed(c.text, c.finish_reason is not None)
-                    if thought:
-                        for ev in blocks.thinking(thought):
-                            yield ev
-                if tools is not None:
-                    deltas, finish = tools.deltas(text, c.finish_reason)
-                else:
-                    deltas = [{"content": text[sent:]}] if len(text) > sent else []
-                    sent, finish = len(text), c.finish_reason
+                thought, deltas = choice.feed(c.text, c.finish_reason)
+                if thought:
+                    for ev in blocks.thinking(thought):
+                        yield ev
                 for d in deltas:
                     for ev in blocks.delta(d):
                         yield ev
             for ev in blocks.close():
                 yield ev
-            stop, sequence = stop_of(finish, stop_reason)
+            stop, sequence = stop_of(choice.finish, stop_reason)
             yield _event("message_delta", delta={"stop_reason": stop, "stop_sequence": sequence},
                          usage={"output_tokens": generated})
             yield _event("message_stop")

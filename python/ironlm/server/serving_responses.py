@@ -49,6 +49,29 @@ def chat_request(body: Callable[[], dict[str, Any]], params: dict[str, str]) -> 
         raise err from None
 
 
+class ChoiceDeltas:
+    """One streamed choice as chat would stream it: per engine output, the new reasoning text and the content /
+    tool-call deltas; `finish` is set once the choice is done (later outputs are to be skipped). Shared by the
+    Responses and Messages streams, which only dress these up as their own events."""
+
+    def __init__(self, tools: ToolOutput | None, splitter: reasoning.ReasoningSplitter | None) -> None:
+        self.tools = tools
+        self.thinking = reasoning.ReasoningStream(splitter) if splitter is not None else None
+        self.sent = 0  # content characters sent (without a tool parser)
+        self.finish: str | None = None
+
+    def feed(self, text: str, finish_reason: str | None) -> tuple[str, list[dict[str, Any]]]:
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text, finish_reason is not None)
+        if self.tools is not None:
+            deltas, self.finish = self.tools.deltas(text, finish_reason)
+        else:
+            deltas = [{"content": text[self.sent:]}] if len(text) > self.sent else []
+            self.sent, self.finish = len(text), finish_reason
+        return thought, deltas
+
+
 def split(splitter: reasoning.ReasoningSplitter | None, text: str) -> reasoning.Split:
     """A finished output's reasoning part (None without a reasoning parser) and content, as chat splits them."""
     return splitter.split(text, done=True) if splitter is not None else reasoning.Split(None, text)
@@ -155,33 +178,26 @@ class ResponsesHandler:
                       stream: RequestStream, history: list[dict[str, Any]], tools: ToolOutput | None,
                       splitter: reasoning.ReasoningSplitter | None) -> AsyncIterator[str]:
         events = _Events()
-        thinking = reasoning.ReasoningStream(splitter) if splitter is not None else None
+        choice = ChoiceDeltas(tools, splitter)
         yield events.emit("response.created", response=self._body(req, rid, "in_progress", [], None))
         yield events.emit("response.in_progress", response=self._body(req, rid, "in_progress", [], None))
-        sent, last, finish = 0, None, None
+        last = None
         try:
             async for out in stream:
                 last = out
                 if out.error:
                     raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
                 c = out.outputs[0]
-                if finish is not None:
+                if choice.finish is not None:
                     continue
-                text = c.text
-                if thinking is not None:
-                    thought, text = thinking.feed(c.text, c.finish_reason is not None)
-                    if thought:
-                        for ev in events.reasoning(thought):
-                            yield ev
-                if tools is not None:
-                    deltas, finish = tools.deltas(text, c.finish_reason)
-                else:
-                    deltas = [{"content": text[sent:]}] if len(text) > sent else []
-                    sent, finish = len(text), c.finish_reason
+                thought, deltas = choice.feed(c.text, c.finish_reason)
+                if thought:
+                    for ev in events.reasoning(thought):
+                        yield ev
                 for d in deltas:
                     for ev in events.delta(d):
                         yield ev
-            status = _status(finish)
+            status = _status(choice.finish)
             for ev in events.close(status):
                 yield ev
             body = self._body(req, rid, status, events.items, usage([last]))
