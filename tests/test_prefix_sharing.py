@@ -85,11 +85,11 @@ def test_shared_prefix_across_chunks_and_a_failed_step(setup, monkeypatch):
     real = runner.execute
     calls = {"n": 0}
 
-    def flaky(plan, timer=None):
+    def flaky(plan, *args):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected forward failure")
-        return real(plan, timer)
+        return real(plan, *args)
 
     monkeypatch.setattr(runner, "execute", flaky)
     counting = CountingScheduler(llm.engine.scheduler)
