@@ -197,6 +197,13 @@ class QuantMatrix:
         """Round-to-nearest: 8 bits symmetric, 4 bits asymmetric, one scale per ``group_size`` weights of a row (a
         multiple of 32 dividing ``cols``; 0 = per output channel)."""
     @staticmethod
+    def from_parts(
+        q: npt.NDArray[np.uint8], scales: npt.NDArray[np.float32], mins: npt.NDArray[np.float32], bits: int
+    ) -> QuantMatrix:
+        """From already-quantized parts (pre-quantized checkpoints, unpacked): ``q`` ``[rows, cols]`` (``<= 15`` for
+        ``bits`` 4, any uint8 for 8), ``scales`` and ``mins`` ``[rows, cols / 32]``: ``w = scale * q + min`` per
+        32-block, stored exactly (f16 scales and mins when all are f16s, else f32)."""
+    @staticmethod
     def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
         """The rows of ``parts`` stacked (q, k, v into one qkv matrix; gate and up into one): one matmul then
         quantizes the activations once. q4 parts widen to q8 losslessly when any part is q8 (e.g. Q4_K q/k with a
