@@ -8,7 +8,7 @@ from typing import Any
 from ironlm.exceptions import UnsupportedModelError
 from ironlm.model import registry
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 # model_type -> HF class of every registered family (importing the registry's families registers them all)
@@ -66,6 +66,7 @@ class ModelConfig:
     local_rope: dict[str, Any] | None = None  # rope_theta (+ scaling) of the sliding layers when it differs
     rotary_dim: int | None = None  # rotate only the first rotary_dim dims of each head; None = all
     rope_layers: list[bool] | None = None  # per layer: False = no positional encoding (NoPE); None = all rotate
+    qk_norm_full: bool = False  # with qk_norm: one RMSNorm over the whole q (k) projection, not per head (OLMo 2)
     source: str = "hf"  # hf | gguf
     hf_config: Any = field(default=None, repr=False, compare=False)  # the transformers config, when there is one
 
@@ -154,7 +155,7 @@ class ModelConfig:
         norms = self.pre_attn_norm + self.post_attn_norm + self.pre_mlp_norm + self.post_mlp_norm
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + norms * h
         per_layer += (self.q_size + 2 * self.kv_size) * self.attention_bias + h * self.attention_out_bias
-        per_layer += 2 * self.head_dim * self.qk_norm
+        per_layer += (self.q_size + self.kv_size if self.qk_norm_full else 2 * self.head_dim) * self.qk_norm
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n * per_layer + emb + h
 
@@ -177,8 +178,7 @@ class ModelConfig:
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedModelError("partial rotary embeddings are not supported")
+        partial = float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         num_labels = int(hf_config.num_labels) if archs and str(archs[0]).endswith("ForSequenceClassification") else None
 
@@ -215,6 +215,9 @@ class ModelConfig:
             hf_config=hf_config,
         )
         fields.update(family.hf_fields(hf_config))
+        if partial != 1.0 and fields.get("rotary_dim") is None:  # a family that rotates part of a head says so
+            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not "
+                                        f"supported for {family.name}")
         return cls(**fields)
 
 

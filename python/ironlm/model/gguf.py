@@ -327,6 +327,7 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
     projection weights) goes through one temporary per tensor.
     """
     permute = registry.by_gguf_arch(gf.get("general.architecture")).gguf_permuted_qk
+    split_fused(gf, config)
     parts: dict[str, Any] = {}
     shard: ShardSpec | None = None if model.tp is None else model.tp.shard  # tensor parallel: dequantize, slice
     for name, info in gf.tensors.items():
@@ -363,6 +364,42 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
                 dest.copy_(w)
         model.mark_loaded(target_name)
     return parts
+
+
+def split_fused(gf: GGUFFile, config: ModelConfig) -> None:
+    """Replace fused tensors by row slices under the unfused names (in place, idempotent): ``attn_qkv`` (Phi-3 and
+    others) -> ``attn_q|k|v``, and an ``ffn_up`` twice the MLP width with no ``ffn_gate`` (Phi-3's gate|up) ->
+    ``ffn_gate`` + ``ffn_up``. A slice of whole rows is a tensor of its own in every GGUF type (no block spans
+    two rows), so quantized blocks are kept and every later step (Q/K un-permutation, tensor-parallel slicing,
+    QuantMatrix) sees ordinary tensors."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def cut(info: GGUFTensorInfo, names: list[str], sizes: list[int]) -> None:
+        rows, cols = info.shape
+        if sum(sizes) != rows:
+            raise ValueError(f"GGUF tensor {info.name}: {rows} rows, expected {sum(sizes)} ({'+'.join(map(str, sizes))})")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+        row_bytes = cols // block * type_size
+        del gf.tensors[info.name]  # first: Phi-3's up half keeps the fused tensor's name
+        start = 0
+        for name, n in zip(names, sizes):
+            gf.tensors[name] = GGUFTensorInfo(name, (n, cols), info.ggml_type, info.offset + start * row_bytes,
+                                              n * row_bytes)
+            start += n
+
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    for name, info in list(gf.tensors.items()):
+        m = _BLOCK_RE.match(name)
+        if m is None or len(info.shape) != 2:
+            continue
+        blk = f"blk.{m.group(1)}."
+        if m.group(2) == "attn_qkv.weight":
+            cut(info, [blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"], [q, kv, kv])
+        elif m.group(2) == "ffn_up.weight" and info.shape[0] == 2 * inter and blk + "ffn_gate.weight" not in gf.tensors:
+            cut(info, [blk + "ffn_gate.weight", blk + "ffn_up.weight"], [inter, inter])
+
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def has_quantized_linears(gf: GGUFFile) -> bool:
@@ -432,7 +469,16 @@ def load_gguf_tokenizer(path: str | os.PathLike, *, use_cache: bool = True) -> A
                 return AutoTokenizer.from_pretrained(str(cache_dir))
             except Exception as exc:  # noqa: BLE001 - a stale/corrupt cache entry: convert again
                 logger.warning("ignoring unreadable tokenizer cache %s: %s", cache_dir, exc)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as exc:
+        # AutoTokenizer first rebuilds a transformers config, which it cannot for architectures its GGUF support
+        # lacks (olmo2, smollm3, granite, ...); the tokenizer itself only needs the tokenizer.* metadata.
+        if "architecture" not in str(exc):
+            raise
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     if cache_dir is not None:
         tmp = cache_dir.with_name(f"{cache_dir.name}.tmp{os.getpid()}")
         try:

@@ -95,6 +95,8 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config.hf_config, torch.device("cpu"))
         inv_freq = inv_freq.float().cpu()
+    elif rope_type == "longrope":
+        inv_freq, attention_factor = _longrope(config, scaling, dim, base)
     elif rope_type != "default":
         raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
     if config.rope_freq_factors is not None:
@@ -104,6 +106,26 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
                 f"rope_freqs has {factors.numel()} entries, expected head_dim/2 = {inv_freq.numel()}"
             )
         inv_freq = inv_freq / factors
+    return inv_freq, float(attention_factor)
+
+
+def _longrope(config: ModelConfig, scaling: dict, dim: int, base: float) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE ('su'): per-frequency divisors, the long set when the model's context exceeds the original
+    one, the short set otherwise. transformers switches per forward call (long once a call's sequence passes
+    original_max_position_embeddings), which would rotate one position differently depending on how its sequence
+    was batched; like llama.cpp (per context size), ironlm fixes the choice per model, so prefix caching, chunked
+    prefill and preemption see one rotation per position. Both agree wherever every sequence is longer than the
+    original context, or the context is not extended."""
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or config.max_position_embeddings / orig
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    key = "long_factor" if config.max_position_embeddings > orig else "short_factor"
+    ext = torch.tensor(scaling[key], dtype=torch.float32)
+    if ext.numel() != dim // 2:
+        raise UnsupportedModelError(f"longrope {key} has {ext.numel()} entries, expected rotary dim / 2 = {dim // 2}")
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return inv_freq, float(attention_factor)
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ironlm import _core
+from ironlm.exceptions import UnsupportedModelError
 from ironlm.model import lean, weights
 from ironlm.model.config import ModelConfig
 from ironlm.model.layers import CoreRope, RotaryEmbedding, act_and_mul, apply_rotary, rms_norm
@@ -68,8 +69,13 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = _param((q + 2 * kv,), dtype, device) if cfg.attention_bias else None
         self.o_weight = _param((q, h), dtype, device)
         self.o_bias = _param((h,), dtype, device) if cfg.attention_out_bias else None
-        self.q_norm = norm(cfg.qk_norm, cfg.head_dim)
-        self.k_norm = norm(cfg.qk_norm, cfg.head_dim)
+        # qk-norm per head ([head_dim] weights, Qwen3) or over the whole projection (OLMo 2: [q_size], [kv_size])
+        self.qk_norm_full = cfg.qk_norm and cfg.qk_norm_full
+        if self.qk_norm_full and tp is not None:
+            raise UnsupportedModelError("a qk-norm over the whole q/k projection (OLMo 2) does not run tensor "
+                                        "parallel: each rank holds only some heads of the norm's width")
+        self.q_norm = norm(cfg.qk_norm, q if self.qk_norm_full else cfg.head_dim)
+        self.k_norm = norm(cfg.qk_norm, kv if self.qk_norm_full else cfg.head_dim)
         self.qk_norm_weight: torch.Tensor | None = None  # [Hq + Hkv, D], built by finish_loading
         self._norms_np: tuple[np.ndarray, np.ndarray] | None = None  # numpy views for the lean CPU step
         self.attn_out_norm = norm(cfg.post_attn_norm)
@@ -95,7 +101,7 @@ class DecoderLayer(nn.Module):
             self.gate_up = DenseLinear(self.gate_up_weight)
         if self.down is None:
             self.down = DenseLinear(self.down_weight)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_full:
             self.qk_norm_weight = torch.cat(
                 [self.q_norm.expand(self.num_heads, -1), self.k_norm.expand(self.num_kv_heads, -1)]
             ).contiguous()
@@ -116,6 +122,11 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, None, self.eps).mul_(self.qk_norm_weight)
+        elif self.qk_norm_full:
+            assert self.q_norm is not None and self.k_norm is not None
+            q_part, k_part = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            qk = torch.cat([rms_norm(q_part, self.q_norm, self.eps), rms_norm(k_part, self.k_norm, self.eps)],
+                           dim=1).view(t, hq + hkv, d)
         if rope is not None:
             if self.rotary_dim is None:
                 qk = apply_rotary(qk, *rope)  # q and k rotated together: one set of kernels
