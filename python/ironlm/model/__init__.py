@@ -114,7 +114,7 @@ def load_model(
     model's, `LoadedModel.model.config` is the shard's.
     """
     from ironlm.model import gguf as gguf_mod
-    from ironlm.model import loader, quantize
+    from ironlm.model import loader, prequant, quantize
 
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -147,13 +147,18 @@ def load_model(
             resolved = gguf_path
         elif loader.is_hf_folder(path):
             config = loader.load_hf_config(path)
-            spec = quantize.resolve(quantization, quantization_group_size, dev, None)
+            scheme = prequant.detect(path, quantization)  # AWQ / GPTQ / compressed-tensors / FP8 checkpoints
+            spec = (prequant.spec_for(scheme, quantization, dev, tp) if scheme is not None
+                    else quantize.resolve(quantization, quantization_group_size, dev, None))
             dt = _model_dtype(dtype, dev, spec)
             tok_future = pool.submit(loader.load_hf_tokenizer, path)
             net = DecoderLM(_local(config, tp), dtype=dt, device=dev, attn_backend=attn_backend, tp=tp)
             t1 = time.perf_counter()
-            loader.load_hf_weights(net, path)
-            if spec.enabled:
+            if scheme is not None:
+                prequant.load(net, path, scheme, keep=spec.enabled)
+            else:
+                loader.load_hf_weights(net, path)
+            if spec.enabled and scheme is None:
                 net.quantize_(spec)
             timings["weights_s"] = time.perf_counter() - t1
             name = loader.model_name_for(path)

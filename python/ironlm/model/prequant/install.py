@@ -1,0 +1,74 @@
+"""Pre-quantized linears into a loaded `DecoderLM`: q|k|v and gate|up fused as the decoder runs them, the dense
+parameters they replace dropped. A linear the checkpoint left dense (the LM head, usually) stays dense; a fused
+projection with only some parts quantized is refused rather than re-quantized."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ironlm import _core
+from ironlm.exceptions import UnsupportedModelError
+from ironlm.model.linear import QuantLinear
+from ironlm.model.prequant.actorder import ActOrderLinear
+from ironlm.model.prequant.bits import Unpacked
+
+if TYPE_CHECKING:
+    from ironlm.model.llama import DecoderLayer, DecoderLM
+
+
+def _linear(parts: list[Unpacked], what: str, bias: torch.Tensor | None = None) -> QuantLinear:
+    perm = parts[0].perm
+    if any((p.perm is None) != (perm is None) or (perm is not None and p.perm is not None and
+                                                 not torch.equal(p.perm, perm)) for p in parts):
+        raise UnsupportedModelError(f"{what}: the fused parts have different act-order g_idx permutations")
+    mats = [p.matrix() for p in parts]
+    m = mats[0] if len(mats) == 1 else _core.QuantMatrix.concat(mats)
+    return QuantLinear(m, bias) if perm is None else ActOrderLinear(m, perm, bias)
+
+
+def _fused(parts: dict[str, Unpacked], names: list[str], what: str) -> list[Unpacked] | None:
+    have = [n in parts for n in names]
+    if not any(have):
+        return None
+    if not all(have):
+        missing = [n for n, h in zip(names, have) if not h]
+        raise UnsupportedModelError(f"{what}: {', '.join(missing)} not quantized while the rest is (ironlm fuses them)")
+    return [parts[n] for n in names]
+
+
+def install(model: DecoderLM, parts: dict[str, Unpacked]) -> None:
+    def empty() -> nn.Parameter:
+        return nn.Parameter(torch.empty((0,), dtype=model.dtype, device=model.device), requires_grad=False)
+
+    for i, module in enumerate(model.layers):
+        layer: DecoderLayer = module  # type: ignore[assignment]
+        p = f"model.layers.{i}."
+        qkv = _fused(parts, [p + f"self_attn.{x}_proj.weight" for x in "qkv"], p + "self_attn.qkv")
+        if qkv is not None:
+            layer.qkv = _linear(qkv, p + "self_attn.qkv", layer.qkv_bias)
+            layer.qkv_weight = empty()
+        o = parts.get(p + "self_attn.o_proj.weight")
+        if o is not None:
+            layer.o = _linear([o], p + "self_attn.o_proj", layer.o_bias)
+            layer.o_weight = empty()
+        gate_up = _fused(parts, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up")
+        down = parts.get(p + "mlp.down_proj.weight")
+        if down is not None and down.perm is not None and gate_up is not None:
+            # act-order of down folded into gate/up's output rows (see actorder.py)
+            gate_up = [g.take_rows(down.perm) for g in gate_up]
+            down = Unpacked(down.q, down.scale, down.min, down.bits)
+        if gate_up is not None:
+            layer.gate_up = _linear(gate_up, p + "mlp.gate_up")
+            layer.gate_up_weight = empty()
+        if down is not None:
+            layer.down = _linear([down], p + "mlp.down_proj")
+            layer.down_weight = empty()
+    head = parts.get("lm_head.weight")
+    if head is not None:
+        if head.perm is not None:
+            raise UnsupportedModelError("lm_head: act-order (g_idx) on the LM head")
+        model.head = QuantLinear(head.matrix())
+        model.lm_head = empty()
