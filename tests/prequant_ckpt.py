@@ -39,6 +39,8 @@ class Case:
     act_order: bool = False
     static_acts: bool = False  # ct-int: W8A8 with a static input_scale
     fmt: str = "gptq"  # GPTQ's checkpoint_format
+    arch: str = "llama"  # tiny_models arch (qwen2: q/k/v biases)
+    tied: bool = False
 
 
 @dataclass
@@ -236,7 +238,7 @@ def quantization_config(case: Case) -> dict[str, Any]:
 
 
 def make_prequant(tmp_path: Path, case: Case, seed: int = 0, **overrides: Any) -> Built:
-    base = make_tiny_model(tmp_path / "base", "llama", seed=seed, **overrides)
+    base = make_tiny_model(tmp_path / "base", case.arch, seed=seed, tie_word_embeddings=case.tied, **overrides)
     sd = load_file(str(base / "model.safetensors"))
     rng = torch.Generator().manual_seed(seed + 7)
     orders: dict[tuple[str, str], torch.Tensor] = {}

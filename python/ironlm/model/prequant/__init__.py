@@ -93,6 +93,7 @@ def _collects(scheme: Scheme, leaf: str, tensor: torch.Tensor) -> bool:
 def load(model: DecoderLM, path: Path, scheme: Scheme, keep: bool) -> None:
     """Every checkpoint tensor into `model`: dense ones as usual, each quantized linear unpacked and installed
     quantized (`keep`) or as its exact dense weights."""
+    from ironlm.model import weights
     from ironlm.model.loader import iter_weights, weight_files
 
     groups: dict[str, dict[str, torch.Tensor]] = {}
@@ -105,8 +106,12 @@ def load(model: DecoderLM, path: Path, scheme: Scheme, keep: bool) -> None:
     parts: dict[str, Unpacked] = {}
     dense_fp8 = False
     for prefix, tensors in groups.items():
-        name = prefix + ".weight"
+        name = weights.canonical(model.config, prefix + ".weight")
         if model.weight_target(name) is None:
+            if prefix.endswith("_proj"):  # e.g. Phi-3's fused qkv_proj, which dense loads split
+                raise UnsupportedModelError(
+                    f"{prefix}: a quantized projection ironlm cannot place as stored ({model.config.architecture}"
+                    " fuses or renames it); pre-quantized checkpoints load llama-style q/k/v/o/gate/up/down")
             continue  # a module ironlm does not use
         if "weight" not in tensors and not any(k in tensors for k in ("qweight", "weight_packed")):
             raise UnsupportedModelError(f"{prefix}: quantization tensors {sorted(tensors)} without the weights")
