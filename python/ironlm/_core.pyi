@@ -122,6 +122,7 @@ def paged_decode_attention(
     v: _Floats | None = None,
     slot_mapping: npt.NDArray[np.int64] | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Decode attention on the CPU, reading the paged cache in place (the ``cpu`` attention backend).
 
@@ -131,7 +132,8 @@ def paged_decode_attention(
     ``h // (Hq // Hkv)``. ``dtype`` is float32, bfloat16 or float16 for every float array; the math is f32.
     With ``k``/``v`` (``[n, Hkv, D]``, rows may be strided) and ``slot_mapping`` (-1 = skip) those rows are first
     written into the caches. With ``window`` (sliding-window attention) sequence ``i`` attends only its last
-    ``window`` positions. Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
+    ``window`` positions. With ``softcap`` each logit ``x`` becomes ``softcap * tanh(x / softcap)`` before the
+    softmax (Gemma 2). Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
     torch is loaded). Raises ``InvalidArgumentError`` naming the argument for any shape, dtype, block id or
     length it cannot follow."""
 

@@ -60,7 +60,7 @@ class CpuAttention(TorchAttention):
         softcap: float | None = None,
     ) -> torch.Tensor:
         dtype = CORE_DTYPES.get(k_cache.dtype)
-        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype or softcap is not None:
+        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0], window)
         if plan is None:
@@ -71,7 +71,7 @@ class CpuAttention(TorchAttention):
             out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads,
-                dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window)
+                dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap)
             return out
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
         out = torch.zeros(q.shape, dtype=q.dtype) if plan.num_tokens < q.shape[0] else torch.empty(q.shape, dtype=q.dtype)
@@ -80,7 +80,7 @@ class CpuAttention(TorchAttention):
             od = out if plan.rows is None else torch.empty(qd.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(qd), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(od), threads, dtype=dtype,
-                window=window)
+                window=window, softcap=softcap)
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:

@@ -1,6 +1,7 @@
 """Gemma 3 text (Gemma3ForCausalLM, model_type gemma3_text): Gemma 2's block plus ``1 + w`` qk-norm, a RoPE base
-of its own for the sliding (local) layers, five local layers to one global; soft-capping only where the config
-sets it (released checkpoints set none)."""
+of its own for the sliding (local) layers, five local layers to one global. Final-logit soft-capping where the
+config sets it (released checkpoints set none); ``attn_logit_softcapping`` is ignored, as transformers' Gemma 3
+attention ignores it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _rope(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hf(hf_config: Any) -> dict[str, Any]:
-    fields = {**gemma_fields(hf_config), "qk_norm": True}
+    fields = {**gemma_fields(hf_config), "qk_norm": True, "attn_softcap": None}
     params = getattr(hf_config, "rope_parameters", None) or {}
     if "full_attention" in params:  # transformers >= 5: one rope dict per layer type
         full, local = _rope(params["full_attention"]), _rope(params.get("sliding_attention") or {})
@@ -30,7 +31,7 @@ def _hf(hf_config: Any) -> dict[str, Any]:
 
 def _gguf(meta: Any, gf: Any) -> dict[str, Any]:
     # llama.cpp runs the local layers at base 10000 without the global layers' scaling
-    return {**gemma_gguf_fields(meta, gf, 6), "qk_norm": True,
+    return {**gemma_gguf_fields(meta, gf, 6), "qk_norm": True, "attn_softcap": None,
             "local_rope": {"rope_type": "default", "rope_theta": 10_000.0}}
 
 
@@ -41,7 +42,7 @@ GEMMA3 = register(Family(
     gguf_archs=("gemma3",),
     features=("GeGLU (gelu tanh)", "1+w RMSNorm", "1+w qk-norm", "post-attention / post-feedforward norms",
               "embedding x sqrt(hidden)", "query_pre_attn_scalar", "5:1 local / global sliding windows",
-              "local RoPE base (rope_local_base_freq)", "soft-capping when configured", "tied head"),
+              "local RoPE base (rope_local_base_freq)", "final logit soft-capping when configured", "tied head"),
     activations=("gelu_tanh",),
     hf_fields=_hf,
     gguf_fields=_gguf,
