@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from ironlm import LLM, SamplingParams
 from test_llm_correctness import hf_greedy
@@ -28,10 +29,11 @@ def shared_prefix_prompts(vocab: int, seed: int = 1, prefix: int = 24) -> list[l
 
 
 def check_engine_greedy(model: str | Path, prompts: list[list[int]], expected: list[list[int]],
-                        backend: str = "torch", max_new: int = MAX_NEW) -> LLM:
-    """ironlm's greedy tokens == `expected` with prefix caching, chunked prefill and preemption in one run."""
+                        backend: str = "torch", max_new: int = MAX_NEW, **engine: Any) -> LLM:
+    """ironlm's greedy tokens == `expected` with prefix caching, chunked prefill and preemption in one run
+    (`engine`: more LLM arguments, e.g. quantization)."""
     llm = LLM(str(model), dtype="float32", device="cpu", attention_backend=backend, seed=0,
-              block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4)
+              block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4, **engine)
     sp = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outs]
