@@ -155,7 +155,7 @@ def load_model(
             net = DecoderLM(_local(config, tp), dtype=dt, device=dev, attn_backend=attn_backend, tp=tp)
             t1 = time.perf_counter()
             if scheme is not None:
-                prequant.load(net, path, scheme, keep=spec.enabled)
+                prequant.load(net, path, scheme, keep=spec.enabled, backend=spec.backend)
             else:
                 loader.load_hf_weights(net, path)
             if spec.enabled and scheme is None:

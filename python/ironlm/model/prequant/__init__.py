@@ -63,12 +63,18 @@ def spec_for(scheme: Scheme, quantization: str, device: torch.device, tp: TPGrou
     the CPU and keeps a CPU spec (`bits` 8) so that dtype auto means float32 there too (bf16 would round it)."""
     if tp is not None:
         raise UnsupportedModelError(f"{scheme.method} checkpoints with tensor parallelism (tensor_parallel_size > 1)")
-    if device.type != "cpu" and quantization != "none":
-        raise UnsupportedModelError(
-            f"{scheme.method} checkpoints run on the CPU (device={device}): the GPU dequant-GEMM has no zero "
-            "points yet; use --quantization none for the exact dense weights")
     if quantization == "none":
         return QuantSpec()
+    if device.type != "cpu":
+        # The Triton dequant-GEMM is symmetric (w = s q, q signed): it takes sym integer checkpoints exactly.
+        if scheme.method == "fp8" or scheme.fmt == "float-quantized":
+            raise UnsupportedModelError(f"{scheme.method} FP8 checkpoints on device={device}: not wired to the "
+                                        "GPU's Fp8Linear yet (CPU: exact f32; --quantization none: dense)")
+        if not scheme.sym:
+            raise UnsupportedModelError(
+                f"quantization_config: {scheme.method} with zero points (asymmetric) on device={device}: the GPU "
+                "dequant-GEMM is symmetric (run it on the CPU, or --quantization none for the dense weights)")
+        return QuantSpec(bits=scheme.container, group_size=scheme.group, source=scheme.method, backend="triton")
     return QuantSpec(bits=scheme.container, group_size=scheme.group, source=scheme.method, backend="core")
 
 
@@ -90,9 +96,10 @@ def _collects(scheme: Scheme, leaf: str, tensor: torch.Tensor) -> bool:
                                  (scheme.method == "compressed-tensors" and compressed.is_quantized_weight(tensor)))
 
 
-def load(model: DecoderLM, path: Path, scheme: Scheme, keep: bool) -> None:
+def load(model: DecoderLM, path: Path, scheme: Scheme, keep: bool, backend: str = "core") -> None:
     """Every checkpoint tensor into `model`: dense ones as usual, each quantized linear unpacked and installed
-    quantized (`keep`) or as its exact dense weights."""
+    quantized (`keep`; on the core, or `backend` "triton": the GPU's symmetric dequant-GEMM) or as its exact
+    dense weights."""
     from ironlm.model import weights
     from ironlm.model.loader import iter_weights, weight_files
 
@@ -128,4 +135,4 @@ def load(model: DecoderLM, path: Path, scheme: Scheme, keep: bool) -> None:
         logger.warning("FP8 weights of %s rounded to %s (dtype); float32 holds them exactly", path, model.dtype)
     model.finish_loading()
     if keep and parts:
-        install(model, parts)
+        install(model, parts, backend, scheme.bits)
