@@ -78,8 +78,6 @@ class TritonAttention:
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:
-            raise ValueError("the triton attention backend has no logit soft-capping yet; use the torch backend")
         d = q.shape[-1]
         if d < 16 or d & (d - 1):
             raise ValueError(f"the triton attention backend needs a power-of-two head_dim >= 16, got {d}; "
@@ -97,12 +95,12 @@ class TritonAttention:
             paged_decode_attention(
                 q, k_cache, v_cache, out, plan.decode_ids, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, plan.decode_max_seq_len, block_n=self.decode_block_n, num_splits=self.decode_num_splits,
-                num_sms=self._sms(q.device), window=window,
+                num_sms=self._sms(q.device), window=window, softcap=softcap,
             )
         if plan.prefill_ids.numel():
             paged_prefill_attention(
                 q, k_cache, v_cache, out, plan.prefill_ids, meta.query_start_loc, meta.seq_lens,
                 meta.block_tables, scale, plan.prefill_max_query_len, block_m=self.prefill_block_m,
-                block_n=self.prefill_block_n, window=window,
+                block_n=self.prefill_block_n, window=window, softcap=softcap,
             )
         return out
