@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from family_parity import MAX_NEW, check_engine_greedy, hf_greedy, shared_prefix_prompts
 from gguf_convert import convert_many
+from ironlm.distributed.group import TPGroup
 from ironlm.model import load_model
 from ironlm.model.gguf import GGUFFile
 from tiny_families import FAMILY_VARIANTS, longrope, make_family_model
@@ -126,3 +127,32 @@ def test_q8_0_gguf_keeps_split_blocks(phi3, phi3_gguf, tmp_path):
     oracle = _dequantized_hf_folder(path, q8, tmp_path / "dequantized")
     expected = [t for t, _ in hf_greedy(oracle, prompts, max_new=MAX_NEW)]
     check_engine_greedy(q8, prompts, expected, "cpu", quantization="none")
+
+
+def _rank(rank: int, world: int) -> TPGroup:
+    """A TPGroup that only shards (loading reads `bind` / `shard`; no collective runs), as test_tensor_parallel."""
+    group = TPGroup.__new__(TPGroup)
+    group.rank, group.world, group._shard, group.device = rank, world, None, torch.device("cpu")
+    return group
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf-f32", "gguf-q8_0"])
+def test_tensor_parallel_ranks_get_slices_of_the_fused_tensors(phi3, phi3_gguf, source):
+    """Under TP=2 each rank takes its heads of q, k, v and its half of gate and up out of the fused checkpoint
+    tensors (HF: split then sharded; GGUF: row slices of the fused tensor, q8_0 blocks kept)."""
+    path = {"safetensors": phi3[0], "gguf-f32": phi3_gguf[0], "gguf-q8_0": phi3_gguf[1]}[source]
+    full = load_model(str(path), dtype="float32", quantization="none").model.layers[0]
+    ranks = [load_model(str(path), dtype="float32", quantization="auto", tp=_rank(r, 2)).model.layers[0]
+             for r in (0, 1)]
+
+    def dense(lin) -> torch.Tensor:  # [in, out]
+        return torch.from_numpy(lin.matrix.dequantize()).t() if hasattr(lin, "matrix") else lin.weight
+
+    q, kv, inter = 128, 64, 192  # per rank: 2 of 4 query heads, 1 of 2 KV heads (head_dim 64), half the MLP
+    qkv, gate_up = dense(full.qkv), dense(full.gate_up)
+    for r, layer in enumerate(ranks):
+        want_qkv = torch.cat([qkv[:, r * q:(r + 1) * q], qkv[:, 256 + r * kv:256 + (r + 1) * kv],
+                              qkv[:, 384 + r * kv:384 + (r + 1) * kv]], dim=1)
+        want_gu = torch.cat([gate_up[:, r * inter:(r + 1) * inter], gate_up[:, 384 + r * inter:384 + (r + 1) * inter]],
+                            dim=1)
+        assert torch.equal(dense(layer.qkv), want_qkv) and torch.equal(dense(layer.gate_up), want_gu)

@@ -114,7 +114,8 @@ def load_weight(model: Any, name: str, tensor: Any, shape: tuple[int, ...] | Non
     name = canonical(cfg, name)
     split = registry.by_model_type(cfg.architecture).split
     if split is not None:
-        parts = split(cfg, name, tensor[:] if shape is not None else tensor)
+        whole = cfg if model.tp is None else model.tp.shard.config  # a fused tensor holds every rank's rows
+        parts = split(whole, name, tensor[:] if shape is not None else tensor)
         if parts is not None:
             return any([_copy(model, n, t, None) for n, t in parts])  # noqa: C419 - copy every part
     return _copy(model, name, tensor, shape)
