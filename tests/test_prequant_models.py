@@ -190,3 +190,34 @@ def test_unsupported_fields_are_named(built, tmp_path, field, value, case):
     (qdir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match=f"quantization_config.{field}="):
         load_model(qdir, device="cpu", quantization="auto")
+
+
+# FP8 checkpoints on the GPU path (Fp8Linear, run here through torch's CPU _scaled_mm): the e4m3 weights are the
+# file's, the difference is Fp8Linear's dynamic per-row e4m3 activations (3 mantissa bits); measured 0.64 (per-channel
+# scales) and 0.73 (per-tensor),
+# under test_quant_model's FP8_BOUND for the same activation rounding.
+FP8_LINEAR_BOUND = 2.0
+
+
+def test_fp8_checkpoint_keeps_e4m3_in_fp8_linear(built):
+    from types import SimpleNamespace
+
+    from ironlm.model import prequant
+    from ironlm.model.linear_gpu import Fp8Linear
+    from ironlm.model.llama import DecoderLM
+    from ironlm.model.loader import load_hf_config
+
+    b = built("ct-fp8-channel")
+    config = load_hf_config(b.qdir)
+    scheme = prequant.detect(b.qdir, "auto")
+    net = DecoderLM(config, dtype=torch.float32, device="cpu")
+    prequant.load(net, b.qdir, scheme, keep=True, backend="fp8")
+    layer = net.layers[0]
+    assert all(isinstance(lin, Fp8Linear) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert layer.qkv.weight.dtype == torch.float8_e4m3fn and layer.qkv_weight.numel() == 0
+    worst = _run_and_compare(SimpleNamespace(model=net, config=config), load_hf_reference(b.refdir), 4)
+    assert worst < FP8_LINEAR_BOUND, worst
+    blocks = built("fp8-block128")
+    net = DecoderLM(config, dtype=torch.float32, device="cpu")
+    with pytest.raises(UnsupportedModelError, match="block scales"):
+        prequant.load(net, blocks.qdir, prequant.detect(blocks.qdir, "auto"), keep=True, backend="fp8")

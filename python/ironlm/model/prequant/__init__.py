@@ -22,7 +22,7 @@ import torch
 from ironlm.exceptions import InvalidArgumentError, UnsupportedModelError
 from ironlm.model.prequant import awq, compressed, fp8, gptq
 from ironlm.model.prequant.bits import Unpacked
-from ironlm.model.prequant.install import install
+from ironlm.model.prequant.install import install, install_fp8
 from ironlm.model.prequant.scheme import METHODS, Scheme, parse
 from ironlm.model.quantize import QuantSpec
 
@@ -68,8 +68,10 @@ def spec_for(scheme: Scheme, quantization: str, device: torch.device, tp: TPGrou
     if device.type != "cpu":
         # The Triton dequant-GEMM is symmetric (w = s q, q signed): it takes sym integer checkpoints exactly.
         if scheme.method == "fp8" or scheme.fmt == "float-quantized":
-            raise UnsupportedModelError(f"{scheme.method} FP8 checkpoints on device={device}: not wired to the "
-                                        "GPU's Fp8Linear yet (CPU: exact f32; --quantization none: dense)")
+            if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+                raise UnsupportedModelError(f"{scheme.method} FP8 checkpoints on device={device}: the GPU path "
+                                            "needs FP8 tensor cores (sm_89+); the CPU loads them as exact f32")
+            return QuantSpec(bits=8, source=scheme.method, backend="fp8")
         if not scheme.sym:
             raise UnsupportedModelError(
                 f"quantization_config: {scheme.method} with zero points (asymmetric) on device={device}: the GPU "
@@ -98,8 +100,8 @@ def _collects(scheme: Scheme, leaf: str, tensor: torch.Tensor) -> bool:
 
 def load(model: DecoderLM, path: Path, scheme: Scheme, keep: bool, backend: str = "core") -> None:
     """Every checkpoint tensor into `model`: dense ones as usual, each quantized linear unpacked and installed
-    quantized (`keep`; on the core, or `backend` "triton": the GPU's symmetric dequant-GEMM) or as its exact
-    dense weights."""
+    quantized (`keep`; on the core, or `backend` "triton": the GPU's symmetric dequant-GEMM, "fp8": FP8 weights
+    kept e4m3 in Fp8Linear) or as its exact dense weights."""
     from ironlm.model import weights
     from ironlm.model.loader import iter_weights, weight_files
 
@@ -111,6 +113,7 @@ def load(model: DecoderLM, path: Path, scheme: Scheme, keep: bool, backend: str 
         else:
             model.load_weight(name, tensor)
     parts: dict[str, Unpacked] = {}
+    fp8_parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     dense_fp8 = False
     for prefix, tensors in groups.items():
         name = weights.canonical(model.config, prefix + ".weight")
@@ -122,6 +125,13 @@ def load(model: DecoderLM, path: Path, scheme: Scheme, keep: bool, backend: str 
             continue  # a module ironlm does not use
         if "weight" not in tensors and not any(k in tensors for k in ("qweight", "weight_packed")):
             raise UnsupportedModelError(f"{prefix}: quantization tensors {sorted(tensors)} without the weights")
+        if backend == "fp8":  # e4m3 kept for the GPU's Fp8Linear
+            weight = tensors["weight"]
+            if weight.dtype != torch.float8_e4m3fn:
+                raise UnsupportedModelError(f"{name}: {weight.dtype} weight in an FP8 checkpoint")
+            fp8_parts[name] = (weight, fp8.row_scales(name, weight, fp8.scale_of(name, tensors)))
+            model.mark_loaded(name)
+            continue
         w = read(name, tensors, scheme)
         if isinstance(w, torch.Tensor):
             model.load_weight(name, w)
@@ -136,3 +146,5 @@ def load(model: DecoderLM, path: Path, scheme: Scheme, keep: bool, backend: str 
     model.finish_loading()
     if keep and parts:
         install(model, parts, backend, scheme.bits)
+    if fp8_parts:
+        install_fp8(model, fp8_parts)

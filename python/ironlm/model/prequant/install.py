@@ -116,3 +116,41 @@ def install(model: DecoderLM, parts: dict[str, Unpacked], backend: str = "core",
             raise UnsupportedModelError("lm_head: act-order (g_idx) on the LM head")
         model.head = make([head], "lm_head")
         model.lm_head = empty()
+
+
+def install_fp8(model: DecoderLM, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """e4m3 weights with one f32 scale per row into `Fp8Linear`s (q|k|v and gate|up concatenated by rows: their
+    scales are per row, so nothing is rescaled)."""
+    from ironlm.model.linear_gpu import Fp8Linear
+
+    dev = model.device
+
+    def make(names: list[str], what: str, bias: torch.Tensor | None = None) -> Fp8Linear | None:
+        have = [n in parts for n in names]
+        if not any(have):
+            return None
+        if not all(have):
+            raise UnsupportedModelError(f"{what}: only some of {', '.join(names)} are FP8 (ironlm fuses them)")
+        w = torch.cat([parts[n][0] for n in names]).to(dev).contiguous()
+        s = torch.cat([parts[n][1] for n in names]).to(dev)
+        return Fp8Linear(w, s, bias)
+
+    def empty() -> nn.Parameter:
+        return nn.Parameter(torch.empty((0,), dtype=model.dtype, device=dev), requires_grad=False)
+
+    for i, module in enumerate(model.layers):
+        layer: DecoderLayer = module  # type: ignore[assignment]
+        p = f"model.layers.{i}."
+        for attr, names, bias in (
+                ("qkv", [p + f"self_attn.{x}_proj.weight" for x in "qkv"], layer.qkv_bias),
+                ("o", [p + "self_attn.o_proj.weight"], layer.o_bias),
+                ("gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None),
+                ("down", [p + "mlp.down_proj.weight"], None)):
+            lin = make(names, p + attr, bias)
+            if lin is not None:
+                setattr(layer, attr, lin)
+                setattr(layer, attr + "_weight", empty())
+    head = make(["lm_head.weight"], "lm_head")
+    if head is not None:
+        model.head = head
+        model.lm_head = empty()
