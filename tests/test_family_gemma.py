@@ -128,3 +128,25 @@ def test_greedy_with_prefix_cache_chunked_prefill_and_preemption(family, backend
         assert set(seen) == ({1.5} if arch == "gemma2" else {None})  # Gemma 2 caps every layer
     else:
         assert not seen
+
+
+def test_gguf_from_llama_cpp_converter(tmp_path, monkeypatch):
+    """Gemma 3 through llama.cpp's own converter (f32): the file's norms hold 1 + w already, its local layers
+    name their RoPE base (rope.freq_base_swa), the 5:1 pattern is llama.cpp's; ironlm's greedy tokens equal the HF
+    folder's through prefix caching + chunked prefill + preemption. The GGUF keeps no query_pre_attn_scalar
+    (llama.cpp scales by head_dim ** -0.5), so the source model uses head_dim. Gemma 2's converter needs a
+    sentencepiece tokenizer.model, which the tiny byte-level BPE models do not have: no Gemma 2 file here."""
+    from family_parity import check_engine_greedy, hf_greedy, shared_prefix_prompts
+    from gguf_convert import convert
+
+    monkeypatch.setenv("IRONLM_CACHE_DIR", str(tmp_path / "cache"))  # the GGUF tokenizer cache
+    hf_dir = make_tiny_model(tmp_path, arch="gemma3_text", num_hidden_layers=6, sliding_window=WINDOW,
+                             query_pre_attn_scalar=64, tie_word_embeddings=True)
+    path = convert(hf_dir, tmp_path / "gguf", "f32")
+    cfg = load_model(path, dtype=torch.float32, device="cpu").config
+    assert (cfg.architecture, cfg.source, cfg.norm_offset, cfg.qk_norm) == ("gemma3_text", "gguf", 0.0, True)
+    assert cfg.layer_windows == [WINDOW] * 5 + [None]
+    assert cfg.local_rope is not None and cfg.local_rope["rope_theta"] == 10000.0 and cfg.rope_theta == 1e6
+    prompts = shared_prefix_prompts(cfg.vocab_size)
+    expected = [t for t, _ in hf_greedy(hf_dir, prompts, max_new=8)]
+    check_engine_greedy(path, prompts, expected, backend="cpu", max_new=8)

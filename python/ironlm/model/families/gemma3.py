@@ -30,9 +30,10 @@ def _hf(hf_config: Any) -> dict[str, Any]:
 
 
 def _gguf(meta: Any, gf: Any) -> dict[str, Any]:
-    # llama.cpp runs the local layers at base 10000 without the global layers' scaling
+    # llama.cpp runs the local layers at their own base (10000 unless the file says) without the global scaling
+    theta = float(meta("rope.freq_base_swa", 10_000.0))
     return {**gemma_gguf_fields(meta, gf, 6), "qk_norm": True, "attn_softcap": None,
-            "local_rope": {"rope_type": "default", "rope_theta": 10_000.0}}
+            "local_rope": {"rope_type": "default", "rope_theta": theta}}
 
 
 GEMMA3 = register(Family(
