@@ -164,6 +164,25 @@ def _awq(w: torch.Tensor, case: Case) -> tuple[dict[str, torch.Tensor], torch.Te
     return t, ref
 
 
+def _awq_gemv(w: torch.Tensor, case: Case) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """AutoAWQ's GEMV layout: along the input dimension in plain nibble order, zero points and scales along the
+    groups padded to its calculate_zeros_width (groups / 8 rounded up, then to a multiple of 128 / group)."""
+    q, s, z = rtn(w, 4, case.group, False)
+    ref = dequant(q, s, z, None, case.group)
+    out, cols = w.shape
+    groups = cols // case.group
+    width = -(-groups // 8)
+    mult = max(1, 128 // case.group)
+    width = -(-width // mult) * mult
+    zp = np.zeros((out, width * 8), dtype=np.int64)
+    zp[:, :groups] = z.numpy()
+    scales = torch.zeros(out, width * 8, dtype=torch.float16)
+    scales[:, :groups] = s
+    t = {"qweight": _i32(np.ascontiguousarray(pack_gptq_rows(q.t().numpy(), 4).T)),
+         "qzeros": _i32(np.ascontiguousarray(pack_gptq_rows(zp.T, 4).T)), "scales": scales}
+    return t, ref
+
+
 def _ct_scheme(case: Case) -> Any:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -224,7 +243,8 @@ def _fp8_block(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 
 def quantization_config(case: Case) -> dict[str, Any]:
     if case.method == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": case.group, "zero_point": True, "version": "gemm"}
+        version = "gemv" if case.fmt == "gemv" else "gemm"
+        return {"quant_method": "awq", "bits": 4, "group_size": case.group, "zero_point": True, "version": version}
     if case.method == "gptq":
         return {"quant_method": "gptq", "bits": case.bits, "group_size": case.group or -1, "sym": case.sym,
                 "desc_act": case.act_order, "checkpoint_format": case.fmt}
@@ -259,7 +279,7 @@ def make_prequant(tmp_path: Path, case: Case, seed: int = 0, **overrides: Any) -
                 orders[key] = torch.randperm(w.shape[1], generator=rng)
             parts, ref = _gptq(w, case, orders.get(key))
         elif case.method == "awq":
-            parts, ref = _awq(w, case)
+            parts, ref = _awq_gemv(w, case) if case.fmt == "gemv" else _awq(w, case)
         elif case.method == "fp8":
             parts, ref = _fp8_block(w)
         else:

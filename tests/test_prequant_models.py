@@ -30,6 +30,7 @@ from tiny_models import load_hf_reference, make_tiny_model
 
 CASES = {
     "awq-g128": Case("awq"),
+    "awq-gemv-g64": Case("awq", group=64, fmt="gemv"),
     "gptq4-sym-g128": Case("gptq", 4, 128, sym=True),
     "gptq3-asym-actorder": Case("gptq", 3, 128, act_order=True),
     "gptq8-g128": Case("gptq", 8, 128),
@@ -174,7 +175,7 @@ def test_quantization_flag_against_the_checkpoint(built, tmp_path):
 
 
 @pytest.mark.parametrize(("field", "value", "case"), [
-    ("version", "gemv", "awq-g128"), ("bits", 3, "awq-g128"), ("zero_point", False, "awq-g128"),
+    ("version", "marlin", "awq-g128"), ("bits", 3, "awq-g128"), ("zero_point", False, "awq-g128"),
     ("group_size", 16, "gptq4-sym-g128"), ("bits", 16, "gptq4-sym-g128"),
     ("checkpoint_format", "marlin", "gptq4-sym-g128"), ("format", "nvfp4-pack-quantized", "ct-w4a16-asym-g128"),
     ("quant_method", "bitsandbytes", "gptq4-sym-g128"),

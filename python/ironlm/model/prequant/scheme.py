@@ -60,8 +60,8 @@ def parse(qcfg: dict[str, Any]) -> Scheme:
     method = str(qcfg.get("quant_method", "")).lower().replace("_", "-")
     if method == "awq":
         version = str(qcfg.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise _bad("version", version, "ironlm reads AWQ's GEMM layout only")
+        if version not in ("gemm", "gemv"):
+            raise _bad("version", version, "ironlm reads AWQ's GEMM and GEMV layouts")
         if not qcfg.get("zero_point", True):
             raise _bad("zero_point", False, "ironlm reads AWQ checkpoints with zero points only")
         bits = _bits("bits", qcfg.get("bits", qcfg.get("w_bit", 4)))
