@@ -19,7 +19,7 @@ from test_model_hf import TOL, _run_and_compare
 from tiny_models import make_tiny_model, tiny_hf_config
 
 WINDOW = 8
-MAX_NEW = 10
+MAX_NEW = 8
 # Caps small enough to bend the logits the random weights give (|attention logit| reaches ~5, final ~8)
 FEATURES = {
     "gemma2": {"sliding_window": WINDOW, "query_pre_attn_scalar": 32, "attn_logit_softcapping": 1.5,
@@ -41,6 +41,21 @@ def family(request, tmp_path_factory):
     arch = request.param
     path = make_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, **FEATURES[arch])
     return arch, path, _reference(path)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    shared = rng.integers(6, vocab, size=13).tolist()  # > the window, so cached blocks hold slid-out keys
+    prompts = [shared + rng.integers(6, vocab, size=n).tolist() for n in (3, 11, 6, 19)]
+    return [*prompts, rng.integers(6, vocab, size=2).tolist()]
+
+
+@pytest.fixture(scope="module")
+def greedy(family):
+    """The prompts and transformers' greedy tokens for them (once per family, shared by both backends)."""
+    _, _, hf = family
+    prompts = _prompts(hf.config.vocab_size)
+    return prompts, [_hf_greedy(hf, p) for p in prompts]
 
 
 def test_config_reads_every_feature():
@@ -89,23 +104,18 @@ def test_soft_capping_and_local_rope_change_the_result(family):
 def _hf_greedy(hf, prompt: list[int]) -> list[int]:
     tokens: list[int] = []
     with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        for _ in range(MAX_NEW):  # no KV cache: the plainest possible oracle
-            tok = int(hf(ids).logits[0, -1].argmax())
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(MAX_NEW):
+            tok = int(out.logits[0, -1].argmax())
             tokens.append(tok)
-            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+            out = hf(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_greedy_with_prefix_cache_chunked_prefill_and_preemption(family, backend, monkeypatch):
-    arch, path, hf = family
-    rng = np.random.default_rng(3)
-    vocab = hf.config.vocab_size
-    shared = rng.integers(6, vocab, size=13).tolist()  # > the window, so cached blocks hold slid-out keys
-    prompts = [shared + rng.integers(6, vocab, size=n).tolist() for n in (3, 11, 6, 19)]
-    prompts.append(rng.integers(6, vocab, size=2).tolist())
-    expected = [_hf_greedy(hf, p) for p in prompts]
+def test_greedy_with_prefix_cache_chunked_prefill_and_preemption(family, greedy, backend, monkeypatch):
+    arch, path, _ = family
+    prompts, expected = greedy
 
     seen: list[object] = []
     real = _core.paged_decode_attention
@@ -115,7 +125,7 @@ def test_greedy_with_prefix_cache_chunked_prefill_and_preemption(family, backend
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_core, "paged_decode_attention", spy)
-    # 15 blocks of 4 for five sequences of up to 42 tokens: preemption; batches of 8 tokens: chunked prefill
+    # 15 blocks of 4 for five sequences of up to 40 tokens: preemption; batches of 8 tokens: chunked prefill
     llm = LLM(str(path), attention_backend=backend, dtype="float32", num_kv_blocks=15, block_size=4,
               max_num_batched_tokens=8, max_num_seqs=4, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
