@@ -38,7 +38,8 @@ def test_greedy_matches_transformers(granite, backend):
     check_engine_greedy(path, prompts, expected, backend)
 
 
-def test_gguf_from_llama_cpp_converter(granite, tmp_path):
+def test_gguf_from_llama_cpp_converter(granite, tmp_path, monkeypatch):
+    monkeypatch.setenv("IRONLM_NO_TOKENIZER_CACHE", "1")  # files in tmp paths: keep the user cache clean
     path, prompts, expected = granite
     gguf_path = convert(path, tmp_path, "f32")
     cfg = load_model(gguf_path, dtype=torch.float32, device="cpu").config

@@ -62,7 +62,8 @@ def phi3_gguf(phi3, tmp_path_factory):
     return f32, q8
 
 
-def test_gguf_from_llama_cpp_converter(phi3, phi3_gguf):
+def test_gguf_from_llama_cpp_converter(phi3, phi3_gguf, monkeypatch):
+    monkeypatch.setenv("IRONLM_NO_TOKENIZER_CACHE", "1")  # files in tmp paths: keep the user cache clean
     _, prompts, expected = phi3
     gguf_path = phi3_gguf[0]
     gf = GGUFFile(gguf_path)
@@ -110,11 +111,12 @@ def _dequantized_hf_folder(hf_dir, gguf_path, out):
     return out
 
 
-def test_q8_0_gguf_keeps_split_blocks(phi3, phi3_gguf, tmp_path):
+def test_q8_0_gguf_keeps_split_blocks(phi3, phi3_gguf, tmp_path, monkeypatch):
     """q8_0: the fused attn_qkv / ffn_up are cut into row slices that keep their blocks; dequantized or kept
     quantized, the weights are the file's exactly, and the dequantized load's greedy tokens equal transformers
     running the file's dequantized weights. (The kept blocks' kernels quantize activations to int8, as
     llama.cpp's do, so their tokens may part from the fp32 oracle at a near tie: their weights are checked.)"""
+    monkeypatch.setenv("IRONLM_NO_TOKENIZER_CACHE", "1")  # files in tmp paths: keep the user cache clean
     path, prompts, _ = phi3
     q8 = phi3_gguf[1]
     qkv, gate_up = _fused_reference(q8, "blk.1.attn_qkv.weight"), _fused_reference(q8, "blk.1.ffn_up.weight")

@@ -37,7 +37,8 @@ def test_greedy_matches_transformers(smollm3, backend):
     check_engine_greedy(path, prompts, expected, backend)
 
 
-def test_gguf_from_llama_cpp_converter(tmp_path):
+def test_gguf_from_llama_cpp_converter(tmp_path, monkeypatch):
+    monkeypatch.setenv("IRONLM_NO_TOKENIZER_CACHE", "1")  # files in tmp paths: keep the user cache clean
     path = make_family_model(tmp_path, "smollm3", num_hidden_layers=4)  # layer 3 is NoPE, as llama.cpp assumes
     prompts = shared_prefix_prompts(len(tiny_vocab()[0]), seed=2)
     expected = [t for t, _ in hf_greedy(path, prompts, max_new=MAX_NEW)]
