@@ -44,10 +44,10 @@ def test_unsupported_config_object():
 
     with pytest.raises(UnsupportedModelError, match="supports: LlamaForCausalLM"):
         ModelConfig.from_hf(GPT2Config())
-    with pytest.raises(UnsupportedModelError, match="unsupported rope scaling 'longrope'"):
+    with pytest.raises(UnsupportedModelError, match="unsupported rope scaling 'dynamic'"):
         ModelConfig(architecture="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=16,
-                    rope_scaling={"rope_type": "longrope"})
+                    rope_scaling={"rope_type": "dynamic"})
 
 
 def test_missing_paths(tmp_path):
