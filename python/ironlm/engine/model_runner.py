@@ -28,7 +28,7 @@ from ironlm.config import EngineConfig
 from ironlm.distributed.plan_codec import StepArrays
 from ironlm.engine.kv_cache import KVCaches, allocate_kv_caches, copy_blocks, num_kv_blocks
 from ironlm.exceptions import InvalidArgumentError
-from ironlm.model import invariant, load_model, resolve_device
+from ironlm.model import load_model, resolve_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -74,7 +74,6 @@ class ModelRunner:
         self.tp = tp
         self.device = resolve_device(config.device) if tp is None else tp.device
         torch.manual_seed(config.seed)
-        invariant.set_enabled(config.batch_invariant)
         try:
             loaded = load_model(config.model, dtype=config.dtype, device=self.device,
                                 attn_backend=get_backend(config.attention_backend, self.device),
@@ -83,6 +82,7 @@ class ModelRunner:
         except BaseException:
             self.shutdown()
             raise
+        loaded.model.batch_invariant = config.batch_invariant  # read by its forward (ironlm.model.invariant)
         self.dtype = loaded.model.dtype  # auto resolves with the weights' storage (see load_model)
         self.model: CausalLM = loaded.model
         self.model_config: ModelConfig = loaded.config
