@@ -299,6 +299,7 @@ fn bench_attention(c: &mut Criterion) {
         seq_lens: &lens,
         scale: 0.125,
         window: None,
+        softcap: None,
     };
     let mut out = vec![0.0f32; q.len()];
     let mut g = c.benchmark_group("attention");

@@ -5,7 +5,7 @@ one [BLOCK_G, D] tile, so every K/V tile is loaded once for the whole group (tl.
 multiply for MHA). A split covers a contiguous slice of the sequence's context with an online softmax; with
 one split it writes the final output, otherwise (flash-decoding) it writes the normalised partial output and its
 log-sum-exp, and stage 2 merges the splits. With a sliding window only the last `window` positions are split and
-read.
+read. With soft-capping (Gemma 2) each scaled logit x becomes softcap * tanh(x / softcap) before the softmax.
 """
 
 from __future__ import annotations
@@ -27,12 +27,23 @@ def load_kv_tile(
 
 
 @triton.jit
+def capped_logits(qk, scale, softcap, SOFTCAP: tl.constexpr):
+    """Scaled logits in log2 units (exp2 softmax): qk * scale, soft-capped first when SOFTCAP."""
+    if SOFTCAP:
+        # tanh(y) = 2 sigmoid(2y) - 1: in every Triton version, saturating cleanly for large |y|
+        x = qk * (scale / softcap)
+        return (2.0 * tl.sigmoid(2.0 * x) - 1.0) * (softcap * 1.4426950408889634)
+    return qk * (scale * 1.4426950408889634)  # exp2 instead of exp: log2(e) folded into the scale
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     seq_ids_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
     scale,
     num_splits,
     window,  # sliding window: keys in (seq_len - 1 - window, seq_len - 1]; NO_WINDOW = the whole context
+    softcap,  # logit soft-cap (read when SOFTCAP)
     stride_qt, stride_qh,
     stride_ot, stride_oh, stride_os,  # out: [T, Hq, D] rows (final) or partials [Bd, Hq, S, D]
     stride_lb, stride_lh,  # lse partials [Bd, Hq, S]
@@ -48,6 +59,7 @@ def decode_attention_kernel(
     COMPUTE_F32: tl.constexpr,  # upcast after load: fp32 dots (interpreter, where bf16 arithmetic is wrong)
     DOT_PRECISION: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,  # True: write (normalised acc, lse) per split for stage 2
+    SOFTCAP: tl.constexpr = False,
 ):
     pid_b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,7 +84,6 @@ def decode_attention_kernel(
                 other=0.0)
     if COMPUTE_F32:
         q = q.to(tl.float32)
-    qk_scale = scale * 1.4426950408889634  # exp2 instead of exp: fold log2(e) into the scale once
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
@@ -92,7 +103,7 @@ def decode_attention_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         else:
             qk = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+        qk = tl.where(mask_n[None, :], capped_logits(qk, scale, softcap, SOFTCAP), float("-inf"))
         # Every tile holds at least one real token (start < end), so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -195,12 +206,14 @@ def paged_decode_attention(
     compute_f32: bool | None = None,
     num_sms: int = 132,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """out[query_start_loc[s]] = attention of that query row over sequence s's paged context, for s in seq_ids.
 
     q/out [T, Hq, D]; caches [num_blocks, page, Hkv, D]; seq_ids int32 [Bd] (the sequences to decode, each
     with one query row). `max_seq_len` (a host int: no device sync) only sizes the split count. With `window`
-    (sliding-window attention) only each sequence's last `window` positions are attended.
+    (sliding-window attention) only each sequence's last `window` positions are attended; with `softcap` the
+    logits are soft-capped.
     """
     num = seq_ids.shape[0]
     if num == 0:
@@ -217,12 +230,14 @@ def paged_decode_attention(
     win = NO_WINDOW if window is None else window
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_N": block_n, "PAGE_SIZE": page,
-              "USE_DOT": use_dot, "COMPUTE_F32": compute_f32, "DOT_PRECISION": precision}
+              "USE_DOT": use_dot, "COMPUTE_F32": compute_f32, "DOT_PRECISION": precision,
+              "SOFTCAP": softcap is not None}
+    cap = 1.0 if softcap is None else float(softcap)
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     if num_splits == 1:
         decode_attention_kernel[(num, hkv, 1)](
-            q, k_cache, v_cache, out, out, seq_ids, query_start_loc, seq_lens, block_tables, scale, 1, win,
+            q, k_cache, v_cache, out, out, seq_ids, query_start_loc, seq_lens, block_tables, scale, 1, win, cap,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *kv_strides,
             WRITE_PARTIAL=False, **common,
         )
@@ -230,7 +245,7 @@ def paged_decode_attention(
     part = torch.empty(num, hq, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(num, hq, num_splits, dtype=torch.float32, device=q.device)
     decode_attention_kernel[(num, hkv, num_splits)](
-        q, k_cache, v_cache, part, lse, seq_ids, query_start_loc, seq_lens, block_tables, scale, num_splits, win,
+        q, k_cache, v_cache, part, lse, seq_ids, query_start_loc, seq_lens, block_tables, scale, num_splits, win, cap,
         q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         *kv_strides, WRITE_PARTIAL=True, **common,
     )

@@ -4,7 +4,8 @@ Sequence s contributes rows query_start_loc[s] .. query_start_loc[s+1] (its chun
 the cache after this step's write, so the chunk's row j sits at absolute position context_len + j and attends
 causally to positions 0 ..= context_len + j: the cached prefix (prefix-cache hits, earlier chunks of a chunked
 prefill) and itself, all read through the block table; with a sliding window only positions
-(context_len + j - window, context_len + j], and tiles wholly before the tile's first row's window are not read.
+(context_len + j - window, context_len + j], and tiles wholly before the tile's first row's window are not read;
+with soft-capping each scaled logit x becomes softcap * tanh(x / softcap) before the mask and the softmax.
 Grid: (query tiles, query heads, sequences); programs whose tile lies past their sequence's chunk exit at once.
 """
 
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ironlm.kernels.decode_attention import NO_WINDOW, default_compute_f32, load_kv_tile
+from ironlm.kernels.decode_attention import NO_WINDOW, capped_logits, default_compute_f32, load_kv_tile
 
 
 @triton.jit
@@ -23,6 +24,7 @@ def prefill_attention_kernel(
     seq_ids_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
     scale,
     window,  # sliding window (NO_WINDOW = full causal)
+    softcap,  # logit soft-cap (read when SOFTCAP)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -35,6 +37,7 @@ def prefill_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -56,7 +59,6 @@ def prefill_attention_kernel(
                 other=0.0)
     if COMPUTE_F32:
         q = q.to(tl.float32)
-    qk_scale = scale * 1.4426950408889634
     pos_m = ctx_len + offs_m  # absolute positions of this tile's query rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -79,7 +81,7 @@ def prefill_attention_kernel(
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         visible = (offs_n[None, :] <= pos_m[:, None]) & (offs_n[None, :] > pos_m[:, None] - window) & mask_n[None, :]
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        qk = tl.where(visible, capped_logits(qk, scale, softcap, SOFTCAP), float("-inf"))
         # A tile can hide every key from a row (the first tile, or under a window a padding row past q_len):
         # m_new is then -inf and the guard keeps exp2 finite; every real row sees at least itself.
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -113,9 +115,11 @@ def paged_prefill_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention of each chunk in seq_ids (int32 [Bp]) over its paged context, written into out's rows;
-    with `window` (sliding-window attention) row j of a chunk sees only positions (ctx + j - window, ctx + j].
+    with `window` (sliding-window attention) row j of a chunk sees only positions (ctx + j - window, ctx + j];
+    with `softcap` the logits are soft-capped.
 
     `max_query_len` (a host int) sizes the tile dimension of the grid; the new K/V rows must already be in the
     cache (reshape_and_cache runs first).
@@ -135,9 +139,9 @@ def paged_prefill_attention(
         extra["num_stages"] = num_stages
     prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, seq_ids, query_start_loc, seq_lens, block_tables, scale,
-        NO_WINDOW if window is None else window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        NO_WINDOW if window is None else window, 1.0 if softcap is None else float(softcap), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page, COMPUTE_F32=compute_f32,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **extra,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None, **extra,
     )

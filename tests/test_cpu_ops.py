@@ -151,7 +151,8 @@ def test_lean_decode_step_matches_the_layer_by_layer_path(tmp_path, monkeypatch,
     """Small CPU decode batches run through preallocated buffers and one core call per fused op; the logits
     equal the general path's (f32: same kernels and matmuls, only the attention's summation grouping differs)."""
     from ironlm.attention import AttentionMetadata
-    from ironlm.model import llama, load_model
+    from ironlm.model import lean as lean_mod
+    from ironlm.model import load_model
     from tiny_models import make_tiny_model
 
     model = load_model(make_tiny_model(tmp_path, arch=arch), dtype=dtype, device="cpu").model
@@ -161,7 +162,7 @@ def test_lean_decode_step_matches_the_layer_by_layer_path(tmp_path, monkeypatch,
     table = np.arange(15, dtype=np.int32).reshape(3, 5)
 
     def run(lean: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        monkeypatch.setattr(llama, "LEAN_MAX_TOKENS", 8 if lean else 0)
+        monkeypatch.setattr(lean_mod, "LEAN_MAX_TOKENS", 8 if lean else 0)
         gen = torch.Generator().manual_seed(0)
         caches = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
                   for _ in range(cfg.num_layers)]

@@ -203,6 +203,33 @@ def test_sliding_window(kernels: SimpleNamespace, dtype: torch.dtype, window: in
         torch.testing.assert_close(out[:-1].double(), windowed_reference(case, window)[:-1], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap,window,splits", [(0.5, None, 1), (2.0, None, 3), (1.0, 7, 2)])
+def test_soft_capping(kernels: SimpleNamespace, dtype: torch.dtype, softcap: float, window: int | None,
+                      splits: int) -> None:
+    """Gemma 2's logit soft-capping in both kernels (decode with and without splits, prefill chunks fresh and
+    over cached context, with and without a window) against the torch backend's explicit cap * tanh(x / cap);
+    the scale makes logits of several units, so the cap bends them (checked: the uncapped output differs)."""
+    from test_sliding_window import WINDOW_CASE
+
+    case = make_case(*WINDOW_CASE, hq=6, hkv=2, d=64, block_size=8, dtype=dtype, seed=splits, pad_rows=1)
+    case["scale"] = 0.6
+    tc = to_device(case)
+    kc, vc = tc["k_cache"].clone(), tc["v_cache"].clone()
+    tri = kernels.TritonAttention(**{**SMALL, "decode_num_splits": splits})
+    out = tri.forward(tc["q"], tc["k"], tc["v"], kc, vc, tc["meta"], tc["scale"], window=window,
+                      softcap=softcap).cpu()
+    torch_backend = get_backend("torch")
+
+    def ref(cap: float | None) -> torch.Tensor:
+        return torch_backend.forward(case["q"], case["k"], case["v"], case["k_cache"].clone(),
+                                     case["v_cache"].clone(), case["meta"], case["scale"], window=window,
+                                     softcap=cap)
+
+    assert_close(out, ref(softcap), dtype)
+    assert (out.float() - ref(None).float()).abs().max() > 10 * TOL[dtype]
+
+
 def test_llm_greedy_identical_on_both_backends(kernels: SimpleNamespace, tmp_path) -> None:
     """Through the real model and scheduler: chunked prefill (a 17-token prompt in 16-token steps), mixed
     decode + prefill steps; greedy tokens from the Triton backend equal the torch backend's."""

@@ -47,7 +47,7 @@ def compile_one(fn, dtype, constexprs, ptr_types=None, options=None):
         elif name.endswith("_ptr"):
             sig[name] = (ptr_types or {}).get(name) or INT_PTRS.get(name) or TY[dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "scale":
+        elif name in ("scale", "softcap"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -74,13 +74,28 @@ for cfg in json.loads(sys.argv[1]):
                 results.append(compile_one(da.decode_attention_kernel, dtype, {
                     "GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_N": 64, "PAGE_SIZE": 16,
                     "USE_DOT": use_dot, "COMPUTE_F32": False,
-                    "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "WRITE_PARTIAL": partial}, ptrs))
+                    "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "WRITE_PARTIAL": partial,
+                    "SOFTCAP": False}, ptrs))
         results.append(compile_one(da.decode_reduce_kernel, dtype, {"HEAD_DIM": d, "BLOCK_S": 32},
                                    {"part_ptr": "*fp32", "lse_ptr": "*fp32"}))
         for group in (1, cfg["groups"][-1]):
             results.append(compile_one(pa.prefill_attention_kernel, dtype, {
                 "GROUP": group, "HEAD_DIM": d, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE_SIZE": 16,
-                "COMPUTE_F32": False, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}))
+                "COMPUTE_F32": False, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "SOFTCAP": False}))
+    # Soft-capped logits (Gemma 2): both attention kernels once per dtype, largest head_dim and group
+    d, group = max(cfg["head_dims"]), cfg["groups"][-1]
+    block_g, use_dot = da.decode_block_g(group)
+    for dtype in cfg["dtypes"]:
+        precision = "ieee" if dtype == "fp32" else "tf32"
+        for partial in (False, True):
+            ptrs = {"out_ptr": "*fp32", "lse_ptr": "*fp32"} if partial else {"lse_ptr": TY[dtype]}
+            results.append(compile_one(da.decode_attention_kernel, dtype, {
+                "GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_N": 64, "PAGE_SIZE": 16,
+                "USE_DOT": use_dot, "COMPUTE_F32": False, "DOT_PRECISION": precision, "WRITE_PARTIAL": partial,
+                "SOFTCAP": True}, ptrs))
+        results.append(compile_one(pa.prefill_attention_kernel, dtype, {
+            "GROUP": group, "HEAD_DIM": d, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE_SIZE": 16,
+            "COMPUTE_F32": False, "DOT_PRECISION": precision, "SOFTCAP": True}))
 # The weight-only GEMM: int8 per channel and int4 in groups of 32 / 128, decode (16-row) and prefill (64-row) tiles.
 for dtype in ("fp16", "bf16"):
     for bits, group in ((8, 0), (4, 32), (4, 128)):
@@ -122,6 +137,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 def test_every_kernel_compiles_for_sm90(compiled: list[dict]) -> None:
     expected = sum(len(c["dtypes"]) * len(c["head_dims"]) * (2 + 2 * len(c["groups"]) + 1 + 2) for c in CONFIGS)
+    expected += sum(3 * len(c["dtypes"]) for c in CONFIGS)  # the soft-capped decode (x2) and prefill kernels
     assert len(compiled) == expected + 2 * 3 * 2  # + quant_matmul: 2 dtypes x 3 formats x 2 tile shapes
     kinds = {(r["kernel"], r["dtype"], r.get("HEAD_DIM", "")) for r in compiled}
     for dtype in ("fp16", "bf16"):
@@ -129,6 +145,7 @@ def test_every_kernel_compiles_for_sm90(compiled: list[dict]) -> None:
             for kernel in ("decode_attention_kernel", "decode_reduce_kernel", "prefill_attention_kernel"):
                 assert (kernel, dtype, d) in kinds
         assert ("quant_matmul_kernel", dtype, "") in kinds
+    assert {r["dtype"] for r in compiled if r.get("SOFTCAP") == "True"} == {"fp16", "bf16", "fp32"}
     for r in compiled:
         assert r["cubin_bytes"] > 0, r
 

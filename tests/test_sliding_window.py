@@ -11,7 +11,7 @@ import torch
 
 from ironlm import LLM, SamplingParams, _core
 from ironlm.attention import get_backend
-from ironlm.model import llama, load_model
+from ironlm.model import lean, load_model
 from ironlm.model.config import ModelConfig
 from tiny_models import PagedSequences, load_hf_reference, make_kv_caches, make_tiny_model, tiny_hf_config
 
@@ -155,7 +155,7 @@ def test_paged_steps_match_transformers(model, backend, monkeypatch):
     for name in ("paged_decode_attention", "decode_attention_qkv"):
         monkeypatch.setattr(_core, name, spy(name))
     if backend == "cpu-no-lean":
-        monkeypatch.setattr(llama, "LEAN_MAX_TOKENS", 0)
+        monkeypatch.setattr(lean, "LEAN_MAX_TOKENS", 0)
     assert _paged_worst(lm, hf) < TOL
     expected_windows = set(lm.config.layer_windows)
     if backend == "torch":

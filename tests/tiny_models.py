@@ -6,8 +6,8 @@
     build_metadata(...)                                            # AttentionMetadata for a flat token batch
     TINY_VARIANTS                                                  # named configs covering the model features
 
-Archs: llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k norm). Overrides are HF config fields (hidden_size,
-num_attention_heads, num_key_value_heads, head_dim, tie_word_embeddings, rope_parameters, ...) plus:
+Archs: llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k norm), gemma2, gemma3_text. Overrides are HF config fields
+(hidden_size, num_attention_heads, num_key_value_heads, head_dim, tie_word_embeddings, rope_parameters, ...) plus:
     seed (0)                 torch seed for the random weights
     max_shard_size (None)    e.g. "100KB": save sharded safetensors with model.safetensors.index.json
     perturb (True)           random norm weights / biases (HF initialises them to 1 / 0, which hides loading bugs)
@@ -126,13 +126,27 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None},
     "qwen2": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2},
     "qwen3": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128},
+    "gemma2": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+               "tie_word_embeddings": True},
+    "gemma3_text": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                    "tie_word_embeddings": True,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
 }
 
 
 def tiny_hf_config(arch: str = "llama", **overrides: Any) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+               "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}
     if arch not in classes:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {sorted(classes)}")
     vocab_size = len(tiny_vocab()[0])

@@ -122,6 +122,7 @@ def paged_decode_attention(
     v: _Floats | None = None,
     slot_mapping: npt.NDArray[np.int64] | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Decode attention on the CPU, reading the paged cache in place (the ``cpu`` attention backend).
 
@@ -131,7 +132,8 @@ def paged_decode_attention(
     ``h // (Hq // Hkv)``. ``dtype`` is float32, bfloat16 or float16 for every float array; the math is f32.
     With ``k``/``v`` (``[n, Hkv, D]``, rows may be strided) and ``slot_mapping`` (-1 = skip) those rows are first
     written into the caches. With ``window`` (sliding-window attention) sequence ``i`` attends only its last
-    ``window`` positions. Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
+    ``window`` positions. With ``softcap`` each logit ``x`` becomes ``softcap * tanh(x / softcap)`` before the
+    softmax (Gemma 2). Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
     torch is loaded). Raises ``InvalidArgumentError`` naming the argument for any shape, dtype, block id or
     length it cannot follow."""
 
@@ -196,6 +198,13 @@ class QuantMatrix:
     def from_float(weight: npt.NDArray[np.float32], bits: int = 8, group_size: int = 0) -> QuantMatrix:
         """Round-to-nearest: 8 bits symmetric, 4 bits asymmetric, one scale per ``group_size`` weights of a row (a
         multiple of 32 dividing ``cols``; 0 = per output channel)."""
+    @staticmethod
+    def from_parts(
+        q: npt.NDArray[np.uint8], scales: npt.NDArray[np.float32], mins: npt.NDArray[np.float32], bits: int
+    ) -> QuantMatrix:
+        """From already-quantized parts (pre-quantized checkpoints, unpacked): ``q`` ``[rows, cols]`` (``<= 15`` for
+        ``bits`` 4, any uint8 for 8), ``scales`` and ``mins`` ``[rows, cols / 32]``: ``w = scale * q + min`` per
+        32-block, stored exactly (f16 scales and mins when all are f16s, else f32)."""
     @staticmethod
     def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
         """The rows of ``parts`` stacked (q, k, v into one qkv matrix; gate and up into one): one matmul then

@@ -72,8 +72,21 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
     add_generate_parser(sub)
     add_chat_parser(sub)
+    models = sub.add_parser("models", help="the model architectures ironlm runs, with each family's features")
+    models.set_defaults(func=cmd_models)
     _add_bench(sub, load=bool(argv) and argv[0] == "bench")
     return parser
+
+
+def cmd_models(_: argparse.Namespace) -> int:
+    from ironlm.model import registry
+
+    for f in registry.families():
+        gguf = ", ".join(f.gguf_archs) or "-"
+        print(f"{'/'.join(f.hf_classes)}  (model_type {', '.join(f.model_types)}; GGUF {gguf})")
+        if f.features:
+            print(f"    {', '.join(f.features)}")
+    return 0
 
 
 def _add_bench(sub: Any, load: bool) -> None:

@@ -23,7 +23,7 @@ PREEMPTION_MODES = ("aggressive", "conservative")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DISTRIBUTED_BACKENDS = ("mp", "torchrun")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors")
 QUANT_GROUP_SIZES = (32, 64, 128)
 # ironlm.structured.tool_parsers.PARSERS' names (tests check they agree); here so the CLI needs no import.
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
@@ -124,7 +124,9 @@ class EngineConfig:
     quantization: str = _opt(
         "auto", "weight storage: auto = keep what the file has (a GGUF's quantized blocks stay quantized on CPU), "
         "none = dequantize to dtype, int8 / int4 = quantize the linears at load (CPU kernels of the core, a Triton "
-        "kernel on GPU), fp8 = e4m3 weights on GPUs with FP8 tensor cores (sm_89+)", choices=QUANTIZATIONS)
+        "kernel on GPU), fp8 = e4m3 weights on GPUs with FP8 tensor cores (sm_89+); a checkpoint's own "
+        "quantization_config (AWQ, GPTQ, compressed-tensors, FP8) is kept by auto or its method's name, none "
+        "loads its exact dense weights", choices=QUANTIZATIONS)
     quantization_group_size: int | None = _opt(
         None, "weights per scale for int8/int4 (default: per output channel for int8, 32 for int4)",
         choices=QUANT_GROUP_SIZES)

@@ -20,6 +20,9 @@ from ironlm.config import ATTENTION_BACKENDS
 
 class AttentionBackend(Protocol):
     name: str
+    # Whether the backend has `decode_plan` and the core attends a decode step straight from the fused q|k|v
+    # projection (`_core.decode_attention_qkv`): the capability the model's lean CPU decode step needs.
+    fused_decode_qkv: bool
 
     def forward(
         self,
@@ -31,10 +34,12 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write k/v ([T, Hkv, D]) at meta.slot_mapping into the paged caches ([num_blocks, block_size, Hkv, D],
         one layer), then attend each query row ([T, Hq, D]) causally over its sequence's context: all of it, or
-        with a sliding `window` only the keys at positions (p - window, p] for a query at position p.
+        with a sliding `window` only the keys at positions (p - window, p] for a query at position p. With
+        `softcap` the logits (q k * scale) become softcap * tanh(logits / softcap) before the softmax.
         Returns [T, Hq, D] in q's dtype."""
         ...
 

@@ -10,7 +10,7 @@ decode sequence starts with the same cached blocks (a shared system prompt, n > 
 whole: its cascade attention reads the shared blocks once for all sequences, where the kernel would read them
 once each.
 
-Under batch-invariant numerics (ironlm.model.invariant) every query row goes through the paged kernel, a prefill
+Under batch-invariant numerics (ironlm.invariant) every query row goes through the paged kernel, a prefill
 row at position p as a decode row whose context ends at p: its softmax and weighted sum then run over exactly its
 own keys in one fixed order, whether the row came alone, in a batch, in a chunk of any length, after a cached
 prefix or in a recompute; and no step cascades.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ironlm import _core
+from ironlm import _core, invariant
 from ironlm.attention.metadata import AttentionMetadata
 from ironlm.attention.torch_backend import (
     TorchAttention,
@@ -34,8 +34,7 @@ from ironlm.attention.torch_backend import (
     plan_prefill,
     write_kv_cache,
 )
-from ironlm.model import invariant
-from ironlm.model.layers import CORE_DTYPES, as_numpy
+from ironlm.core_views import CORE_DTYPES, as_numpy
 
 
 @dataclass
@@ -51,6 +50,7 @@ class _CpuPlan:
 
 class CpuAttention(TorchAttention):
     name = "cpu"
+    fused_decode_qkv = True  # decode_plan + _core.decode_attention_qkv: the model's lean decode step (model/lean.py)
 
     def forward(
         self,
@@ -62,22 +62,23 @@ class CpuAttention(TorchAttention):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         dtype = CORE_DTYPES.get(k_cache.dtype)
         if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         if invariant.enabled():
-            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, window, dtype)
+            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, window, softcap, dtype)
         plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0], window)
         if plan is None:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, softcap=softcap)
         threads = torch.get_num_threads()
         kc, vc = as_numpy(k_cache), as_numpy(v_cache)
         if plan.slots is not None:  # all decode: write this step's K/V and attend in one call
             out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads,
-                dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window)
+                dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap)
             return out
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
         out = torch.zeros(q.shape, dtype=q.dtype) if plan.num_tokens < q.shape[0] else torch.empty(q.shape, dtype=q.dtype)
@@ -86,16 +87,16 @@ class CpuAttention(TorchAttention):
             od = out if plan.rows is None else torch.empty(qd.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(qd), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(od), threads, dtype=dtype,
-                window=window)
+                window=window, softcap=softcap)
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:
-            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale)
+            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap)
         return out
 
     def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
-                 dtype: str) -> torch.Tensor:
+                 softcap: float | None, dtype: str) -> torch.Tensor:
         """Every row of q through the paged kernel, each against its own causal context (see the module doc)."""
         if "cpu:rows" not in meta.plan_cache:
             meta.plan_cache["cpu:rows"] = _row_plan(meta, k_cache.shape[1], q.shape[0])
@@ -106,7 +107,7 @@ class CpuAttention(TorchAttention):
             out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads, dtype=dtype,
-                k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window)
+                k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap)
             return out
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, has_padding_slots(meta))
         out = torch.zeros(q.shape, dtype=q.dtype)
@@ -114,7 +115,7 @@ class CpuAttention(TorchAttention):
         if n:
             _core.paged_decode_attention(
                 as_numpy(q[:n]), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out[:n]), threads,
-                dtype=dtype, window=window)
+                dtype=dtype, window=window, softcap=softcap)
         return out
 
     def decode_plan(

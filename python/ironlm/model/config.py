@@ -2,29 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ironlm.exceptions import UnsupportedModelError
+from ironlm.model import registry
 
-# model_type -> the HF class it corresponds to. Everything else is rejected at load time.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+# model_type -> HF class of every registered family (importing the registry's families registers them all)
+SUPPORTED_ARCHITECTURES: dict[str, str] = registry.supported_model_types()
 
 
 def unsupported_architecture(what: str) -> UnsupportedModelError:
-    names = ", ".join(f"{v} ({k})" for k, v in SUPPORTED_ARCHITECTURES.items())
-    return UnsupportedModelError(f"unsupported model architecture {what}; ironlm supports: {names}")
+    return registry.unsupported(what)
 
 
 @dataclass
 class ModelConfig:
-    architecture: str  # model_type: llama | mistral | qwen2 | qwen3
+    architecture: str  # a registered HF model_type (see registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,12 +50,35 @@ class ModelConfig:
     # Labels of a *ForSequenceClassification checkpoint, whose `score.weight` [num_labels, hidden] replaces the LM
     # head (a reranker's relevance head); None for causal LMs.
     num_labels: int | None = None
+    # ---- what families add to a Llama block (see registry.py; defaults = Llama) ---------------------------
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w) (Gemma: 1); HF weights get it added at load
+    activation: str = "silu"  # gated MLP activation: silu | gelu_tanh
+    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    attn_softcap: float | None = None  # attention logits -> cap * tanh(logits / cap)
+    final_softcap: float | None = None  # the LM head's logits, likewise
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    residual_scale: float | None = None  # each block's branch output multiplied by this before the residual add
+    logit_scale: float | None = None  # the LM head's logits divided by this (before soft-capping)
+    pre_attn_norm: bool = True  # input_layernorm
+    post_attn_norm: bool = False  # a norm on the attention output before the residual add
+    pre_mlp_norm: bool = True  # post_attention_layernorm in Llama's naming
+    post_mlp_norm: bool = False  # a norm on the MLP output before the residual add
+    local_rope: dict[str, Any] | None = None  # rope_theta (+ scaling) of the sliding layers when it differs
+    rotary_dim: int | None = None  # rotate only the first rotary_dim dims of each head; None = all
+    rope_layers: list[bool] | None = None  # per layer: False = no positional encoding (NoPE); None = all rotate
+    qk_norm_full: bool = False  # with qk_norm: one RMSNorm over the whole q (k) projection, not per head (OLMo 2)
     source: str = "hf"  # hf | gguf
     hf_config: Any = field(default=None, repr=False, compare=False)  # the transformers config, when there is one
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise unsupported_architecture(repr(self.architecture))
+        family = registry.by_model_type(self.architecture)
+        if self.activation not in family.activations:
+            raise UnsupportedModelError(
+                f"unsupported hidden_act {self.activation!r} for {family.name} (supported: {', '.join(family.activations)})")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
+            raise UnsupportedModelError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_layers} layers")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise UnsupportedModelError(f"rotary_dim must be even and in 1..head_dim, got {self.rotary_dim}")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -70,11 +90,12 @@ class ModelConfig:
                 f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
+        for scaling in (self.rope_scaling, self.local_rope):
+            rope_type = (scaling or {}).get("rope_type", "default")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise UnsupportedModelError(
+                    f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
 
     # ---- derived sizes -------------------------------------------------------------------------------------
     @property
@@ -98,6 +119,29 @@ class ModelConfig:
         flags = self.sliding_layers if self.sliding_layers is not None else [True] * self.num_layers
         return [int(self.sliding_window) if f else None for f in flags]
 
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def plain_block(self) -> bool:
+        """A Llama block (norm, attention, residual, norm, SiLU MLP, residual) with full rotary on every layer and
+        the default scale: what the lean CPU decode step (lean.py) implements."""
+        return (not self.qk_norm and self.activation == "silu" and self.attn_softcap is None
+                and self.pre_attn_norm and self.pre_mlp_norm and not self.post_attn_norm and not self.post_mlp_norm
+                and self.embed_scale is None and self.residual_scale is None and self.attn_scale is None
+                and self.norm_offset == 0.0 and self.local_rope is None and self.rotary_dim is None
+                and self.rope_layers is None)
+
+    def rotary_config(self, layer: int) -> ModelConfig:
+        """The config whose rope fields give layer `layer`'s rotary (the sliding layers' own base, if any)."""
+        if self.local_rope is None or self.layer_windows[layer] is None:
+            return self
+        local = dict(self.local_rope)
+        theta = float(local.pop("rope_theta", self.rope_theta))
+        kind = local.get("rope_type", "default")
+        return replace(self, rope_theta=theta, rope_scaling=None if kind == "default" else local, local_rope=None)
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's K (and V) cache tensor."""
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -108,23 +152,23 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         h, i, n = self.hidden_size, self.intermediate_size, self.num_layers
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        norms = self.pre_attn_norm + self.post_attn_norm + self.pre_mlp_norm + self.post_mlp_norm
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + norms * h
         per_layer += (self.q_size + 2 * self.kv_size) * self.attention_bias + h * self.attention_out_bias
-        per_layer += 2 * self.head_dim * self.qk_norm
+        per_layer += (self.q_size + self.kv_size if self.qk_norm_full else 2 * self.head_dim) * self.qk_norm
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n * per_layer + emb + h
 
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf_config: Any, generation_config: Any = None) -> ModelConfig:
-        """Build from a `transformers` config (and optional `GenerationConfig` for eos ids)."""
+        """Build from a `transformers` config (and optional `GenerationConfig` for eos ids): the fields every
+        family reads alike, then the family's own (`Family.hf_fields`)."""
         model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            archs = getattr(hf_config, "architectures", None) or [model_type]
-            raise unsupported_architecture(f"{'/'.join(map(str, archs))} (model_type={model_type!r})")
+        archs = getattr(hf_config, "architectures", None) or []
+        family = registry.by_model_type(model_type, f"{'/'.join(map(str, archs or [model_type]))} "
+                                                    f"(model_type={model_type!r})")
         act = getattr(hf_config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only silu)")
         if getattr(hf_config, "mlp_bias", False):
             raise UnsupportedModelError("mlp_bias=True is not supported")
         num_heads = hf_config.num_attention_heads
@@ -134,17 +178,8 @@ class ModelConfig:
         rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
         rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise UnsupportedModelError("partial rotary embeddings are not supported")
+        partial = float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
-
-        if model_type == "qwen2":
-            attention_bias = True
-        else:
-            attention_bias = bool(getattr(hf_config, "attention_bias", False))
-
-        sliding, sliding_layers = _sliding_window(hf_config, model_type)
-        archs = getattr(hf_config, "architectures", None) or []
         num_labels = int(hf_config.num_labels) if archs and str(archs[0]).endswith("ForSequenceClassification") else None
 
         eos: list[int] = []
@@ -154,7 +189,7 @@ class ModelConfig:
                 if t is not None and int(t) not in eos:
                     eos.append(int(t))
 
-        return cls(
+        fields: dict[str, Any] = dict(  # noqa: C408 - keyword form, as the dataclass call it feeds
             architecture=model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -169,47 +204,24 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             # A classifier's score head is its own tensor even where the base model ties its LM head.
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and num_labels is None,
-            attention_bias=attention_bias,
-            attention_out_bias=attention_bias and model_type != "qwen2",
-            qk_norm=model_type == "qwen3",
+            activation=registry.ACTIVATIONS.get(act, act),
             eos_token_ids=eos,
             bos_token_id=_first(getattr(generation_config, "bos_token_id", None))
             if generation_config is not None and getattr(generation_config, "bos_token_id", None) is not None
             else _first(getattr(hf_config, "bos_token_id", None)),
             pad_token_id=_first(getattr(hf_config, "pad_token_id", None)),
-            sliding_window=sliding,
-            sliding_layers=sliding_layers,
             num_labels=num_labels,
             source="hf",
             hf_config=hf_config,
         )
+        fields.update(family.hf_fields(hf_config))
+        if partial != 1.0 and fields.get("rotary_dim") is None:  # a family that rotates part of a head says so
+            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not "
+                                        f"supported for {family.name}")
+        return cls(**fields)
 
 
 def _first(value: Any) -> int | None:
     if isinstance(value, (list, tuple)):
         return int(value[0]) if value else None
     return None if value is None else int(value)
-
-
-def _sliding_window(hf_config: Any, model_type: str) -> tuple[int | None, list[bool] | None]:
-    """(window, per-layer flags) as transformers' modeling code applies them; (None, None) without a window."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window:
-        return None, None
-    if model_type == "mistral":  # MistralModel applies the window on every layer and ignores layer_types
-        return int(window), None
-    if model_type == "llama":
-        return None, None
-    # Qwen2/Qwen3: configs keep `sliding_window` even when `use_sliding_window` is off
-    if not getattr(hf_config, "use_sliding_window", True):
-        return None, None
-    n = hf_config.num_hidden_layers
-    types = getattr(hf_config, "layer_types", None)
-    if types is not None:
-        flags = [t == "sliding_attention" for t in types]
-    else:  # transformers' rule when layer_types is absent: layers from max_window_layers on slide
-        first = getattr(hf_config, "max_window_layers", n)
-        flags = [i >= first for i in range(n)]
-    if not any(flags):
-        return None, None
-    return int(window), flags

@@ -27,8 +27,10 @@ import numpy as np
 import torch
 
 from ironlm import _core
-from ironlm.model.config import ModelConfig, UnsupportedModelError, unsupported_architecture
+from ironlm.model import registry
+from ironlm.model.config import ModelConfig, UnsupportedModelError
 from ironlm.model.quantize import GGML_QUANTIZED, QuantSpec, from_float, is_quantized_tensor
+from ironlm.model.weights import gguf_to_hf as hf_name
 
 if TYPE_CHECKING:
     from ironlm.distributed.sharding import ShardSpec
@@ -36,10 +38,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-# GGUF general.architecture -> ironlm model_type
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-# archs whose converter permutes Q/K rows (llama.cpp LlamaModel and its subclasses)
-_PERMUTED_QK = {"llama", "mistral"}
 
 # GGUFValueType -> struct format
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -248,12 +246,7 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 # ---- config -------------------------------------------------------------------------------------------------
 def gguf_config(gf: GGUFFile) -> ModelConfig:
     arch = gf.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise unsupported_architecture(f"{arch!r} (GGUF general.architecture)")
-    model_type = GGUF_ARCHITECTURES[arch]
-    name = str(gf.get("general.name", "") or "")
-    if arch == "llama" and "mistral" in name.lower():
-        model_type = "mistral"  # same math as llama; transformers makes the same distinction
+    family = registry.by_gguf_arch(arch)
 
     def meta(key: str, default: Any = None) -> Any:
         return gf.get(f"{arch}.{key}", default)
@@ -296,8 +289,8 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
             eos.append(int(value))
     bos = gf.get("tokenizer.ggml.bos_token_id")
     pad = gf.get("tokenizer.ggml.padding_token_id")
-    return ModelConfig(
-        architecture=model_type,
+    fields: dict[str, Any] = dict(  # noqa: C408 - keyword form, as the dataclass call it feeds
+        architecture=family.model_types[0],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=scalar(meta("feed_forward_length"), "feed_forward_length"),
@@ -319,44 +312,11 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
         pad_token_id=None if pad is None else int(pad),
         source="gguf",
     )
+    fields.update(family.gguf_fields(meta, gf))
+    return ModelConfig(**fields)
 
 
 # ---- weights ------------------------------------------------------------------------------------------------
-_BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-_BLK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> HF parameter name (None: not a model weight ironlm uses)."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    m = _BLK_RE.match(gguf_name)
-    if m and m.group(2) in _BLK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLK_NAMES[m.group(2)]}"
-    return None
-
-
 def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
                       spec: QuantSpec | None = None) -> dict[str, Any]:
     """Dequantize every tensor straight into its (fused) model parameter, un-permuting Q/K for llama archs; with
@@ -366,7 +326,8 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
     Contiguous fp32 CPU targets are written in place by the numpy kernels; everything else (the transposed
     projection weights) goes through one temporary per tensor.
     """
-    permute = gf.get("general.architecture") in _PERMUTED_QK
+    permute = registry.by_gguf_arch(gf.get("general.architecture")).gguf_permuted_qk
+    split_fused(gf, config)
     parts: dict[str, Any] = {}
     shard: ShardSpec | None = None if model.tp is None else model.tp.shard  # tensor parallel: dequantize, slice
     for name, info in gf.tensors.items():
@@ -403,6 +364,42 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
                 dest.copy_(w)
         model.mark_loaded(target_name)
     return parts
+
+
+def split_fused(gf: GGUFFile, config: ModelConfig) -> None:
+    """Replace fused tensors by row slices under the unfused names (in place, idempotent): ``attn_qkv`` (Phi-3 and
+    others) -> ``attn_q|k|v``, and an ``ffn_up`` twice the MLP width with no ``ffn_gate`` (Phi-3's gate|up) ->
+    ``ffn_gate`` + ``ffn_up``. A slice of whole rows is a tensor of its own in every GGUF type (no block spans
+    two rows), so quantized blocks are kept and every later step (Q/K un-permutation, tensor-parallel slicing,
+    QuantMatrix) sees ordinary tensors."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def cut(info: GGUFTensorInfo, names: list[str], sizes: list[int]) -> None:
+        rows, cols = info.shape
+        if sum(sizes) != rows:
+            raise ValueError(f"GGUF tensor {info.name}: {rows} rows, expected {sum(sizes)} ({'+'.join(map(str, sizes))})")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+        row_bytes = cols // block * type_size
+        del gf.tensors[info.name]  # first: Phi-3's up half keeps the fused tensor's name
+        start = 0
+        for name, n in zip(names, sizes):
+            gf.tensors[name] = GGUFTensorInfo(name, (n, cols), info.ggml_type, info.offset + start * row_bytes,
+                                              n * row_bytes)
+            start += n
+
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    for name, info in list(gf.tensors.items()):
+        m = _BLOCK_RE.match(name)
+        if m is None or len(info.shape) != 2:
+            continue
+        blk = f"blk.{m.group(1)}."
+        if m.group(2) == "attn_qkv.weight":
+            cut(info, [blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"], [q, kv, kv])
+        elif m.group(2) == "ffn_up.weight" and info.shape[0] == 2 * inter and blk + "ffn_gate.weight" not in gf.tensors:
+            cut(info, [blk + "ffn_gate.weight", blk + "ffn_up.weight"], [inter, inter])
+
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def has_quantized_linears(gf: GGUFFile) -> bool:
@@ -472,7 +469,16 @@ def load_gguf_tokenizer(path: str | os.PathLike, *, use_cache: bool = True) -> A
                 return AutoTokenizer.from_pretrained(str(cache_dir))
             except Exception as exc:  # noqa: BLE001 - a stale/corrupt cache entry: convert again
                 logger.warning("ignoring unreadable tokenizer cache %s: %s", cache_dir, exc)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as exc:
+        # AutoTokenizer first rebuilds a transformers config, which it cannot for architectures its GGUF support
+        # lacks (olmo2, smollm3, granite, ...); the tokenizer itself only needs the tokenizer.* metadata.
+        if "architecture" not in str(exc):
+            raise
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     if cache_dir is not None:
         tmp = cache_dir.with_name(f"{cache_dir.name}.tmp{os.getpid()}")
         try:

@@ -1,5 +1,5 @@
 """Building blocks of the decoder: RMSNorm, rotary embeddings (default / linear / llama3 / yarn / GGUF freq
-factors) with a lazily grown cos|sin table, and the fused SiLU-gated MLP activation.
+factors) with a lazily grown cos|sin table, and the gated MLP activations (SiLU fused in the core, GELU-tanh).
 
 On the CPU, RMSNorm, RoPE and SiLU-mul run as single fused kernels of the core (``ironlm._core``) for f32, bf16
 and fp16: at batch 1 the torch op chains they replace cost more in dispatch than the matmuls between them.
@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from ironlm import _core
+from ironlm.core_views import CORE_DTYPES, as_numpy, core_ok
 from ironlm.model.config import ModelConfig, UnsupportedModelError
 
-# Dtypes the core's CPU kernels read; half types cross to numpy as int16 views of their bits.
-CORE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+__all__ = ["CORE_DTYPES", "CoreRope", "RotaryEmbedding", "act_and_mul", "apply_rotary", "as_numpy", "core_ok",
+           "cpu_has_fast_bf16", "rms_norm", "rope_inv_freq", "silu_and_mul"]
 
 
 @functools.cache
@@ -27,16 +28,6 @@ def cpu_has_fast_bf16() -> bool:
     step streams and the matmuls run at least as fast as in fp32; elsewhere torch emulates bf16 and fp32 wins."""
     features = set(_core.cpu_features())
     return "avx512_bf16" in features or "amx_bf16" in features
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy numpy view of a CPU tensor for the core: float32 as is, 16-bit floats as int16 bits."""
-    return t.numpy() if t.dtype == torch.float32 else t.view(torch.int16).numpy()
-
-
-def core_ok(t: torch.Tensor) -> bool:
-    """Whether the core's fused CPU kernels can take `t` (a dense row-major CPU float tensor)."""
-    return t.device.type == "cpu" and t.dtype in CORE_DTYPES and t.is_contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -61,6 +52,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     out = F.silu(gate)
+    out.mul_(up)
+    return out
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up for the config's `activation` (silu | gelu_tanh)."""
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = F.gelu(gate, approximate="tanh")
     out.mul_(up)
     return out
 
@@ -95,6 +96,8 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
         inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config.hf_config, torch.device("cpu"))
         inv_freq = inv_freq.float().cpu()
+    elif rope_type == "longrope":
+        inv_freq, attention_factor = _longrope(config, scaling, dim, base)
     elif rope_type != "default":
         raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}")
     if config.rope_freq_factors is not None:
@@ -104,6 +107,26 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
                 f"rope_freqs has {factors.numel()} entries, expected head_dim/2 = {inv_freq.numel()}"
             )
         inv_freq = inv_freq / factors
+    return inv_freq, float(attention_factor)
+
+
+def _longrope(config: ModelConfig, scaling: dict, dim: int, base: float) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE ('su'): per-frequency divisors, the long set when the model's context exceeds the original
+    one, the short set otherwise. transformers switches per forward call (long once a call's sequence passes
+    original_max_position_embeddings), which would rotate one position differently depending on how its sequence
+    was batched; like llama.cpp (per context size), ironlm fixes the choice per model, so prefix caching, chunked
+    prefill and preemption see one rotation per position. Both agree wherever every sequence is longer than the
+    original context, or the context is not extended."""
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or config.max_position_embeddings / orig
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    key = "long_factor" if config.max_position_embeddings > orig else "short_factor"
+    ext = torch.tensor(scaling[key], dtype=torch.float32)
+    if ext.numel() != dim // 2:
+        raise UnsupportedModelError(f"longrope {key} has {ext.numel()} entries, expected rotary dim / 2 = {dim // 2}")
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return inv_freq, float(attention_factor)
 
 

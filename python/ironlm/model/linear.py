@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ironlm import _core
-from ironlm.model import invariant
+from ironlm import _core, invariant
 from ironlm.model.layers import cpu_has_fast_bf16
 from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear
 
@@ -46,7 +45,7 @@ class DenseLinear:
 
     def _tiled(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """`__call__` in fixed tiles of `invariant.TILE` rows (the last one zero-padded), then bias and residual as
-        separate adds: a row's bits no longer depend on how many rows share the call (see ironlm.model.invariant)."""
+        separate adds: a row's bits no longer depend on how many rows share the call (see ironlm.invariant)."""
         t, m = invariant.TILE, x.shape[0]
         pad = -m % t
         xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x.contiguous()

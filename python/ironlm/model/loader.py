@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ironlm.model import registry, weights
 from ironlm.model.config import ModelConfig
 from ironlm.model.llama import DecoderLM
 
@@ -31,11 +32,9 @@ def load_hf_config(path: Path) -> ModelConfig:
 
     cfg_json = json.loads((path / "config.json").read_text())
     model_type = cfg_json.get("model_type")
-    from ironlm.model.config import SUPPORTED_ARCHITECTURES, unsupported_architecture
-
-    if model_type not in SUPPORTED_ARCHITECTURES:  # fail before transformers tries to build an unknown class
-        archs = cfg_json.get("architectures") or [model_type]
-        raise unsupported_architecture(f"{'/'.join(map(str, archs))} (model_type={model_type!r})")
+    archs = cfg_json.get("architectures") or [model_type]
+    # fail before transformers tries to build an unknown class
+    registry.by_model_type(model_type, f"{'/'.join(map(str, archs))} (model_type={model_type!r})")
     hf_config = AutoConfig.from_pretrained(str(path))
     gen = None
     if (path / "generation_config.json").is_file():
@@ -82,7 +81,8 @@ def iter_weights(files: list[Path]):
 
 def load_hf_weights(model: DecoderLM, path: Path) -> None:
     files = weight_files(path)
-    if model.tp is not None and all(f.suffix == ".safetensors" for f in files):
+    split = registry.by_model_type(model.config.architecture).split is not None  # splitting reads whole tensors
+    if model.tp is not None and not split and all(f.suffix == ".safetensors" for f in files):
         _load_shard(model, files)
     else:
         for name, tensor in iter_weights(files):
@@ -97,7 +97,7 @@ def _load_shard(model: DecoderLM, files: list[Path]) -> None:
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                if model.weight_target(name) is not None:
+                if model.weight_target(weights.canonical(model.config, name)) is not None:
                     part = sf.get_slice(name)
                     model.load_weight(name, part, tuple(part.get_shape()))
 

@@ -51,6 +51,9 @@ def resolve(quantization: str, group_size: int | None, device: torch.device,
     """The storage for one load: `auto` follows the file (`file_quantized`: a GGUF whose linears are quantized
     blocks; None for HF checkpoints) on the CPU and dequantizes on a GPU; int8/int4 run on either; fp8 needs a GPU
     with FP8 tensor cores."""
+    if quantization in ("awq", "gptq", "compressed-tensors"):  # HF folders with a quantization_config: prequant/
+        raise InvalidArgumentError(f"quantization: {quantization} loads an HF checkpoint quantized with it "
+                                   "(config.json quantization_config), not this model", "quantization")
     if quantization == "none" or (quantization == "auto" and (not file_quantized or device.type != "cpu")):
         return QuantSpec()
     if quantization == "auto":

@@ -42,6 +42,9 @@ pub struct DecodeArgs<'a, T: Elem = f32> {
     /// Sliding-window attention: the query (at position `len - 1`) sees only the last `window`
     /// positions, keys in `(len - 1 - window, len - 1]`; `None` = the whole context.
     pub window: Option<usize>,
+    /// Logit soft-capping (Gemma 2): each scaled logit `x` becomes `cap * tanh(x / cap)` before
+    /// the softmax; `None` = plain logits.
+    pub softcap: Option<f32>,
 }
 
 impl<T: Elem> DecodeArgs<'_, T> {
@@ -62,6 +65,14 @@ impl<T: Elem> DecodeArgs<'_, T> {
         }
         if self.window == Some(0) {
             return Err(CoreError::invalid("window", "must be >= 1"));
+        }
+        if let Some(cap) = self.softcap {
+            if !(cap.is_finite() && cap > 0.0) {
+                return Err(CoreError::invalid(
+                    "softcap",
+                    format!("must be > 0, got {cap}"),
+                ));
+            }
         }
         if !s.num_q_heads.is_multiple_of(s.num_kv_heads) {
             let r = format!(
@@ -290,6 +301,9 @@ fn attend<T: Elem>(args: &DecodeArgs<T>, seq: usize, scratch: &mut Scratch, out:
             let kh = &k[h / group * d..(h / group + 1) * d];
             scores[h * span + pos - first] = dot(&q[h * d..(h + 1) * d], kh) * args.scale;
         }
+    }
+    if let Some(cap) = args.softcap {
+        scores.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
     }
     for sc in scores.chunks_exact_mut(span) {
         let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);

@@ -10,6 +10,7 @@ struct Case {
     tables: Vec<i32>,
     lens: Vec<i32>,
     window: Option<usize>,
+    softcap: Option<f32>,
 }
 
 impl Case {
@@ -43,6 +44,7 @@ impl Case {
             tables,
             lens,
             window: None,
+            softcap: None,
         }
     }
 
@@ -57,6 +59,7 @@ impl Case {
             seq_lens: &self.lens,
             scale: 1.0 / (self.shape.head_dim as f32).sqrt(),
             window: self.window,
+            softcap: self.softcap,
         }
     }
 
@@ -86,6 +89,10 @@ impl Case {
                             .map(|i| q[i] as f64 * self.k[at(p) + i] as f64)
                             .sum::<f64>()
                             * scale
+                    })
+                    .map(|x| match self.softcap {
+                        Some(c) => c as f64 * (x / c as f64).tanh(),
+                        None => x,
                     })
                     .collect();
                 let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -229,6 +236,7 @@ fn half_caches_and_strided_queries_match_the_f32_kernel() {
             seq_lens: &case.lens,
             scale: 1.0 / (s.head_dim as f32).sqrt(),
             window: case.window,
+            softcap: case.softcap,
         };
         let mut out = vec![T::store(0.0); case.q.len()];
         paged_decode(&args, &mut out, 2).unwrap();
@@ -297,4 +305,39 @@ fn exp_is_close_to_libm() {
     }
     assert!(worst < 4e-7, "max relative error {worst}");
     assert_eq!(exp(0.0), 1.0);
+}
+
+#[test]
+fn soft_capped_logits_match_reference() {
+    let mut rng = Rng(33);
+    for &(hq, hkv, d, bs) in &[(4, 2, 16, 4), (9, 3, 64, 16)] {
+        for (cap, window) in [(0.5, None), (2.0, Some(3))] {
+            let mut case = Case::random(&mut rng, hq, hkv, d, bs, 4);
+            // Logits of several units, so a cap of 0.5 or 2 bends them far from linear.
+            case.q.iter_mut().for_each(|x| *x *= 8.0);
+            case.softcap = Some(cap);
+            case.window = window;
+            let mut out = vec![0.0; case.q.len()];
+            paged_decode(&case.args(), &mut out, 2).unwrap();
+            let want = case.reference();
+            for (a, b) in out.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b} (cap {cap})");
+            }
+            case.softcap = None;
+            let plain = case.reference();
+            let moved = want
+                .iter()
+                .zip(&plain)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                moved > 1e-2,
+                "the cap must change the result here ({moved})"
+            );
+        }
+    }
+    let mut case = Case::random(&mut rng, 2, 1, 8, 4, 1);
+    case.softcap = Some(0.0);
+    let mut out = vec![0.0; case.q.len()];
+    assert!(paged_decode(&case.args(), &mut out, 1).is_err());
 }

@@ -79,6 +79,7 @@ pub fn decode_from_qkv<T: Elem>(
             seq_lens: step.seq_lens,
             scale: step.scale,
             window: step.window,
+            softcap: None,
         };
         args.validate(out.len())?;
     }
@@ -100,6 +101,7 @@ pub fn decode_from_qkv<T: Elem>(
         seq_lens: step.seq_lens,
         scale: step.scale,
         window: step.window,
+        softcap: None,
     };
     paged_decode(&args, out, threads)
 }
@@ -179,6 +181,7 @@ mod tests {
             seq_lens: &lens,
             scale: 0.3,
             window: Some(5),
+            softcap: None,
         };
         let mut want = vec![0.0f32; n * hq * d];
         paged_decode(&args, &mut want, 1).unwrap();

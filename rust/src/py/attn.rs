@@ -16,10 +16,12 @@ use crate::cpu::decode::{decode_from_qkv, QkvStep};
 /// `[n, max_blocks]` and seq_lens `[n]` (int32). Every float array has `dtype`. With `k`, `v`
 /// (`[n, Hkv, D]`, rows may be strided) and `slot_mapping` (`[n]` int64, -1 = skip), those rows
 /// are first written into the caches: the step's whole attention in one call. With `window`
-/// (sliding-window attention) each query sees only its sequence's last `window` positions.
+/// (sliding-window attention) each query sees only its sequence's last `window` positions. With
+/// `softcap` each logit `x` becomes `softcap * tanh(x / softcap)` before the softmax (Gemma 2).
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, threads = 1, *,
-                    dtype = "float32", k = None, v = None, slot_mapping = None, window = None))]
+                    dtype = "float32", k = None, v = None, slot_mapping = None, window = None,
+                    softcap = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_decode_attention(
     py: Python<'_>,
@@ -36,6 +38,7 @@ pub(crate) fn paged_decode_attention(
     v: Option<&Bound<'_, PyAny>>,
     slot_mapping: Option<PyReadonlyArray1<'_, i64>>,
     window: Option<usize>,
+    softcap: Option<f32>,
 ) -> PyResult<()> {
     let dt = dtype_arg(dtype)?;
     let q = ro(q, "q", dt)?;
@@ -144,6 +147,7 @@ pub(crate) fn paged_decode_attention(
                 seq_lens: lens,
                 scale,
                 window,
+                softcap,
             };
             paged_decode(&args, os, threads)
         })?;

@@ -5,7 +5,7 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMe
 use pyo3::prelude::*;
 
 use super::value_error;
-use crate::cpu::quant::{DequantOut, Isa, MatmulOpts, QMatrix};
+use crate::cpu::quant::{DequantOut, Isa, MatmulOpts, QKind, QMatrix, BLOCK};
 
 #[pyclass(name = "QuantMatrix", module = "ironlm._core", frozen)]
 pub struct PyQuantMatrix {
@@ -27,6 +27,17 @@ fn f32_2d<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyArr
             ),
         )
     })?;
+    if !a.is_c_contiguous() {
+        return Err(value_error(name, "must be C-contiguous"));
+    }
+    Ok(a.clone())
+}
+
+/// `obj` as a C-contiguous 2-D uint8 array, or a `ValueError` naming `name`.
+fn u8_2d<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyArray2<u8>>> {
+    let a = obj
+        .cast::<PyArray2<u8>>()
+        .map_err(|_| value_error(name, "expected a 2-D uint8 numpy array"))?;
     if !a.is_c_contiguous() {
         return Err(value_error(name, "must be C-contiguous"));
     }
@@ -79,6 +90,43 @@ impl PyQuantMatrix {
         let bits = u32::try_from(bits).map_err(|_| value_error("bits", "must be 4 or 8"))?;
         let group = count("group_size", group_size)?;
         let inner = py.detach(|| QMatrix::quantize(data, rows, cols, bits, group))?;
+        Ok(Self { inner })
+    }
+
+    /// From unpacked parts: `q` uint8 `[rows, cols]`, `scales` and `mins` float32
+    /// `[rows, cols / 32]`, `w = scale * q + min` per 32-block; `bits` 4 (q <= 15) or 8.
+    #[staticmethod]
+    #[pyo3(signature = (q, scales, mins, bits))]
+    fn from_parts(
+        py: Python<'_>,
+        q: &Bound<'_, PyAny>,
+        scales: &Bound<'_, PyAny>,
+        mins: &Bound<'_, PyAny>,
+        bits: i64,
+    ) -> PyResult<Self> {
+        let kind = match bits {
+            4 => QKind::Q4,
+            8 => QKind::Q8,
+            _ => return Err(value_error("bits", format!("must be 4 or 8, got {bits}"))),
+        };
+        let q = u8_2d(q, "q")?;
+        let (rows, cols) = (q.shape()[0], q.shape()[1]);
+        let (s, m) = (f32_2d(scales, "scales")?, f32_2d(mins, "mins")?);
+        for (name, a) in [("scales", &s), ("mins", &m)] {
+            if a.shape() != [rows, cols / BLOCK] {
+                let r = format!(
+                    "shape {:?}, expected [rows, cols / {BLOCK}] = [{rows}, {}]",
+                    a.shape(),
+                    cols / BLOCK
+                );
+                return Err(value_error(name, r));
+            }
+        }
+        let (qr, sr, mr) = (q.readonly(), s.readonly(), m.readonly());
+        let qs = qr.as_slice().map_err(|e| value_error("q", e))?;
+        let ss = sr.as_slice().map_err(|e| value_error("scales", e))?;
+        let ms = mr.as_slice().map_err(|e| value_error("mins", e))?;
+        let inner = py.detach(|| QMatrix::from_parts(qs, rows, cols, ss, ms, kind))?;
         Ok(Self { inner })
     }
 

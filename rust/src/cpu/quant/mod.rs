@@ -45,6 +45,7 @@ mod act;
 mod dequant;
 pub mod ggml;
 mod kernel;
+mod parts;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

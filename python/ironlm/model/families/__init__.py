@@ -1,0 +1,11 @@
+"""One module per model family; importing this package registers them all (see ironlm.model.registry for how a
+family is added)."""
+
+from __future__ import annotations
+
+import importlib
+
+FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "smollm3", "granite")
+
+for _name in FAMILY_MODULES:
+    importlib.import_module(f"{__name__}.{_name}")

@@ -1,0 +1,175 @@
+"""Checkpoint weights -> the decoder's parameters: which names a model needs, where each goes, GGUF names.
+
+ironlm names weights as Llama's HF checkpoints do (``model.layers.N.self_attn.q_proj.weight``, ...) plus the two
+norms Llama lacks: ``post_attn_norm.weight`` (on the attention output) and ``post_mlp_norm.weight`` (on the MLP
+output); ``post_attention_layernorm.weight`` is always the norm *before* the MLP. A family whose checkpoints name
+them otherwise renames (`Family.hf_renames`) or splits fused tensors (`Family.split`) on the way in. GGUF tensor
+names (llama.cpp's, one per slot whatever the family) map onto the same names.
+
+Parameters are stored fused and transposed (see llama.py), so a projection's target is a transposed, possibly
+strided view in the checkpoint's own [out, in] shape. A family's ``norm_offset`` (Gemma's ``1 + w``) is added to
+every norm weight of an HF checkpoint as it is copied, computed in fp32 and rounded once into the model dtype:
+exact in fp32, one rounding of ``1 + w`` in 16-bit dtypes (GGUF files hold the sum already).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ironlm.model import registry
+
+if TYPE_CHECKING:
+    from ironlm.model.config import ModelConfig
+
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def canonical(cfg: ModelConfig, name: str) -> str:
+    """A checkpoint's HF name -> ironlm's name for the same weight (the family's renames applied)."""
+    renames = registry.by_model_type(cfg.architecture).hf_renames
+    if not renames:
+        return name
+    m = LAYER_RE.match(name)
+    if m is None or m.group(2) not in renames:
+        return name
+    return f"model.layers.{m.group(1)}.{renames[m.group(2)]}"
+
+
+def expected_weights(cfg: ModelConfig) -> list[str]:
+    """ironlm names of the weights a checkpoint must provide."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("score.weight" if cfg.num_labels else "lm_head.weight")
+    norms = [("input_layernorm", cfg.pre_attn_norm), ("post_attn_norm", cfg.post_attn_norm),
+             ("post_attention_layernorm", cfg.pre_mlp_norm), ("post_mlp_norm", cfg.post_mlp_norm)]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"{n}.weight" for n, present in norms if present]
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if cfg.attention_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if cfg.attention_out_bias:
+            names.append(p + "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names
+
+
+def weight_target(model: Any, name: str) -> torch.Tensor | None:
+    """The view of a parameter the ironlm-named tensor `name` goes into, in the checkpoint's shape; None = not
+    used by ironlm."""
+    cfg = model.config
+    if name == "model.embed_tokens.weight":
+        return model.embed
+    if name == "model.norm.weight":
+        return model.norm
+    if name == "lm_head.weight":
+        return None if cfg.tie_word_embeddings or cfg.num_labels else model.lm_head
+    if name == "score.weight":
+        return model.lm_head if cfg.num_labels else None
+    m = LAYER_RE.match(name)
+    if m is None:
+        return None
+    idx, rest = int(m.group(1)), m.group(2)
+    if idx >= cfg.num_layers:
+        return None
+    layer = model.layers[idx]
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+    if rest.startswith("self_attn.") and rest[11:] in ("_proj.weight", "_proj.bias") and rest[10] in qkv_rows:
+        rows = qkv_rows[rest[10]]
+        if rest.endswith("weight"):
+            return layer.qkv_weight[:, rows].t()
+        return None if layer.qkv_bias is None else layer.qkv_bias[rows]
+    simple = {
+        "input_layernorm.weight": layer.input_norm,
+        "post_attn_norm.weight": layer.attn_out_norm,
+        "post_attention_layernorm.weight": layer.post_norm,
+        "post_mlp_norm.weight": layer.mlp_out_norm,
+        "self_attn.o_proj.weight": layer.o_weight.t(),
+        "self_attn.o_proj.bias": layer.o_bias,
+        "self_attn.q_norm.weight": layer.q_norm,
+        "self_attn.k_norm.weight": layer.k_norm,
+        "mlp.gate_proj.weight": layer.gate_up_weight[:, :inter].t(),
+        "mlp.up_proj.weight": layer.gate_up_weight[:, inter:].t(),
+        "mlp.down_proj.weight": layer.down_weight.t(),
+    }
+    return simple.get(rest)
+
+
+def is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+@torch.no_grad()
+def load_weight(model: Any, name: str, tensor: Any, shape: tuple[int, ...] | None = None) -> bool:
+    """Copy one HF-named checkpoint tensor into place (cast to the model dtype/device); False if ironlm ignores
+    it. Under tensor parallelism `tensor` is the whole weight or a safetensors slice of full `shape`, and only
+    this rank's part is read and copied."""
+    cfg = model.config
+    name = canonical(cfg, name)
+    split = registry.by_model_type(cfg.architecture).split
+    if split is not None:
+        whole = cfg if model.tp is None else model.tp.shard.config  # a fused tensor holds every rank's rows
+        parts = split(whole, name, tensor[:] if shape is not None else tensor)
+        if parts is not None:
+            return any([_copy(model, n, t, None) for n, t in parts])  # noqa: C419 - copy every part
+    return _copy(model, name, tensor, shape)
+
+
+def _copy(model: Any, name: str, tensor: Any, shape: tuple[int, ...] | None) -> bool:
+    target = weight_target(model, name)
+    if target is None:
+        return False
+    if model.tp is not None:
+        tensor = model.tp.shard.take(name, tensor, tuple(tensor.shape) if shape is None else shape)
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+    offset = model.config.norm_offset
+    if offset and is_norm(name) and model.config.source == "hf":
+        tensor = tensor.to(torch.float32) + offset
+    target.copy_(tensor)
+    model.mark_loaded(name)
+    return True
+
+
+# ---- GGUF names ---------------------------------------------------------------------------------------------
+GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attn_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_mlp_norm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def gguf_to_hf(gguf_name: str) -> str | None:
+    """GGUF tensor name -> ironlm's (HF-style) name; None: not a model weight ironlm uses."""
+    if gguf_name in GGUF_TOP_NAMES:
+        return GGUF_TOP_NAMES[gguf_name]
+    m = GGUF_BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"
+    return None
