@@ -222,6 +222,9 @@ class EngineConfig:
         (), "texts prefilled at startup whose whole KV blocks stay on the device for good: a shared prompt start "
         "as the model sees it (for chat, the rendered template up to the end of the system message)",
         nargs="*", metavar="TEXT")
+    batch_invariant: bool = _opt(
+        False, "CPU: every token's logits a function of its sequence alone, whatever shares the step (int8 kernels "
+        "at every batch size, fixed-tile dense GEMMs, per-row attention; see README 'Batch invariance')")
 
     def __post_init__(self) -> None:
         _check_ints(self, ("block_size", "max_num_seqs", "num_kv_blocks", "max_model_len", "max_num_batched_tokens",

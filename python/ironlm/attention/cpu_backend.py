@@ -9,6 +9,11 @@ step's attention is one call per layer. Prefill chunks are matmul-shaped and sta
 decode sequence starts with the same cached blocks (a shared system prompt, n > 1 forks) go to the torch path
 whole: its cascade attention reads the shared blocks once for all sequences, where the kernel would read them
 once each.
+
+Under batch-invariant numerics (ironlm.invariant) every query row goes through the paged kernel, a prefill
+row at position p as a decode row whose context ends at p: its softmax and weighted sum then run over exactly its
+own keys in one fixed order, whether the row came alone, in a batch, in a chunk of any length, after a cached
+prefix or in a recompute; and no step cascades.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ironlm import _core
+from ironlm import _core, invariant
 from ironlm.attention.metadata import AttentionMetadata
 from ironlm.attention.torch_backend import (
     TorchAttention,
@@ -62,6 +67,8 @@ class CpuAttention(TorchAttention):
         dtype = CORE_DTYPES.get(k_cache.dtype)
         if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        if invariant.enabled():
+            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, window, softcap, dtype)
         plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0], window)
         if plan is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, softcap=softcap)
@@ -87,6 +94,29 @@ class CpuAttention(TorchAttention):
             out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap)
         return out
 
+    def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
+                 softcap: float | None, dtype: str) -> torch.Tensor:
+        """Every row of q through the paged kernel, each against its own causal context (see the module doc)."""
+        if "cpu:rows" not in meta.plan_cache:
+            meta.plan_cache["cpu:rows"] = _row_plan(meta, k_cache.shape[1], q.shape[0])
+        plan: _RowPlan = meta.plan_cache["cpu:rows"]
+        threads = torch.get_num_threads()
+        kc, vc = as_numpy(k_cache), as_numpy(v_cache)
+        if plan.slots is not None:  # no padding rows: write this step's K/V and attend in one call
+            out = torch.empty(q.shape, dtype=q.dtype)
+            _core.paged_decode_attention(
+                as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads, dtype=dtype,
+                k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap)
+            return out
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, has_padding_slots(meta))
+        out = torch.zeros(q.shape, dtype=q.dtype)
+        n = len(plan.seq_lens)
+        if n:
+            _core.paged_decode_attention(
+                as_numpy(q[:n]), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out[:n]), threads,
+                dtype=dtype, window=window, softcap=softcap)
+        return out
 
     def decode_plan(
         self, meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None
@@ -99,13 +129,36 @@ class CpuAttention(TorchAttention):
         return meta.plan_cache[key]
 
 
+@dataclass
+class _RowPlan:
+    block_tables: np.ndarray  # [n, max_blocks] int32: each row's sequence's table
+    seq_lens: np.ndarray  # [n] int32: keys row i sees, its position + 1
+    slots: np.ndarray | None  # [n] int64 cache slots when q has no padding rows (else None)
+
+
+def _row_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _RowPlan:
+    """One kernel row per query row: row j of a sequence's chunk sits at position context + j."""
+    qsl = meta.query_start_loc_cpu.astype(np.int64)
+    counts = np.diff(qsl)
+    n = int(qsl[-1])
+    seq = np.repeat(np.arange(len(counts)), counts)
+    first = meta.seq_lens_cpu.astype(np.int64) - counts  # position of each chunk's first row
+    seq_lens = np.ascontiguousarray(first[seq] + np.arange(n) - qsl[:-1][seq] + 1, dtype=np.int32)
+    width = int(-(-seq_lens.max(initial=0) // block_size))
+    tables = np.ascontiguousarray(meta.block_tables.numpy()[seq, :width], dtype=np.int32)
+    slots = None
+    if n == num_rows and meta.slot_mapping.shape[0] == num_rows:
+        slots = np.ascontiguousarray(meta.slot_mapping.numpy(), dtype=np.int64)
+    return _RowPlan(tables, seq_lens, slots)
+
+
 def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None) -> _CpuPlan | None:
     """The step's plan, or None when the torch path's cascade attention serves it better (never under a window,
     where the torch path does not cascade)."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     dec = np.nonzero(np.diff(qsl) == 1)[0]
     block_tables = meta.block_tables.numpy()
-    if window is None and _shared_blocks(block_tables, dec, meta.seq_lens_cpu.astype(np.int64), block_size):
+    if window is None and not invariant.enabled() and _shared_blocks(block_tables, dec, meta.seq_lens_cpu.astype(np.int64), block_size):
         return None
     rows = None if len(dec) == num_rows else torch.from_numpy(qsl[dec])
     seq_lens = np.ascontiguousarray(meta.seq_lens_cpu[dec], dtype=np.int32)

@@ -82,6 +82,7 @@ class ModelRunner:
         except BaseException:
             self.shutdown()
             raise
+        loaded.model.batch_invariant = config.batch_invariant  # read by its forward (ironlm.invariant)
         self.dtype = loaded.model.dtype  # auto resolves with the weights' storage (see load_model)
         self.model: CausalLM = loaded.model
         self.model_config: ModelConfig = loaded.config

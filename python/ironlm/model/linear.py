@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ironlm import _core
+from ironlm import _core, invariant
 from ironlm.model.layers import cpu_has_fast_bf16
 from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear
 
@@ -34,6 +34,8 @@ class DenseLinear:
         self.bias = bias
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if invariant.enabled() and x.device.type == "cpu":
+            return self._tiled(x, residual)
         if residual is not None:  # the residual add fused into the GEMM
             out = torch.addmm(residual, x, self.weight)
             return out if self.bias is None else out.add_(self.bias)
@@ -41,9 +43,28 @@ class DenseLinear:
             return torch.addmm(self.bias, x, self.weight)
         return torch.mm(x, self.weight)
 
+    def _tiled(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """`__call__` in fixed tiles of `invariant.TILE` rows (the last one zero-padded), then bias and residual as
+        separate adds: a row's bits no longer depend on how many rows share the call (see ironlm.invariant)."""
+        t, m = invariant.TILE, x.shape[0]
+        pad = -m % t
+        xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x.contiguous()
+        out = torch.empty(m + pad, self.weight.shape[1], dtype=x.dtype)
+        for i in range(0, m + pad, t):
+            torch.mm(xp[i : i + t], self.weight, out=out[i : i + t])
+        out = out[:m]
+        if self.bias is not None:
+            out += self.bias
+        if residual is not None:
+            out += residual
+        return out
+
     def into(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
              out_np: np.ndarray | None = None) -> None:
         """`out = x @ W (+ bias)` into a preallocated buffer."""
+        if invariant.enabled():
+            out.copy_(self._tiled(x, None))
+            return
         if self.bias is not None:
             torch.addmm(self.bias, x, self.weight, out=out)
         else:
@@ -52,6 +73,9 @@ class DenseLinear:
     def accumulate(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
                    out_np: np.ndarray | None = None) -> None:
         """`out += x @ W (+ bias)`: the residual add."""
+        if invariant.enabled():
+            out.copy_(self._tiled(x, out))
+            return
         out.addmm_(x, self.weight)
         if self.bias is not None:
             out += self.bias
@@ -79,7 +103,7 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
-        if x.shape[0] >= DENSE_MIN_ROWS and cpu_has_fast_bf16():
+        if x.shape[0] >= DENSE_MIN_ROWS and cpu_has_fast_bf16() and not invariant.enabled():
             out = self._dense(x)
             if residual is not None:
                 out += residual
@@ -118,11 +142,9 @@ class QuantLinear:
     def _write(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None, out_np: np.ndarray | None,
                accumulate: bool) -> None:
         if out.dtype != torch.float32 or x.dtype != torch.float32:  # a half-precision model: convert at the edge
-            result = self(x)
-            if accumulate:
-                out += result
-            else:
-                out.copy_(result)
+            # The residual added in f32 and rounded once, as `__call__(x, residual)` does on the full path: adding
+            # the rounded product in bf16 would give a decode row other bits than the same row in a prefill.
+            out.copy_(self(x, residual=out) if accumulate else self(x))
             return
         self.matrix.matmul(x.numpy() if x_np is None else x_np, out.numpy() if out_np is None else out_np,
                            accumulate, self._bias_np, torch.get_num_threads())

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ironlm import _core
+from ironlm import _core, invariant
 from ironlm.exceptions import UnsupportedModelError
 from ironlm.model import lean, weights
 from ironlm.model.config import ModelConfig
@@ -185,6 +185,8 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """Causal LM over a paged KV cache. See the module docstring for the calling convention."""
 
+    batch_invariant = False  # EngineConfig.batch_invariant: each forward runs in ironlm.invariant's scope
+
     def __init__(
         self,
         config: ModelConfig,
@@ -342,7 +344,8 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 -> float32 logits [len(logits_indices), vocab] (or [.., num_labels] for a
         sequence-classification checkpoint)."""
-        return self._logits(self._last_rows(input_ids, positions, kv_caches, meta, logits_indices))
+        with invariant.scope(self.batch_invariant):
+            return self._logits(self._last_rows(input_ids, positions, kv_caches, meta, logits_indices))
 
     @torch.inference_mode()
     def hidden_states(
@@ -355,7 +358,8 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """`forward` up to the final norm: float32 [len(rows), hidden] of the token rows `rows` (what pooling
         models embed; transformers' last_hidden_state)."""
-        h = self._last_rows(input_ids, positions, kv_caches, meta, rows)
+        with invariant.scope(self.batch_invariant):
+            h = self._last_rows(input_ids, positions, kv_caches, meta, rows)
         return rms_norm(h, self.norm, self.config.rms_norm_eps).float()
 
     def _last_rows(

@@ -167,6 +167,13 @@ class Sampler:
         return proc
 
     def _logsumexp(self, x: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-        """Row log-sum-exp given the row max (reused from the greedy max on the fast path)."""
+        """Row log-sum-exp given the row max (reused from the greedy max on the fast path).
+
+        A single CPU row is summed as one of two: torch splits a lone row's sum over its threads (another order
+        than the per-row sum it runs for two rows or more), which gave a request other logprob bits alone than in
+        a batch."""
+        if x.shape[0] == 1 and x.device.type == "cpu":
+            x, row_max = x.expand(2, -1), row_max.expand(2, -1)
+            return self._logsumexp(x, row_max)[:1]
         shifted = torch.sub(x, row_max, out=self._scratch.get("lse", *x.shape))
         return row_max.squeeze(1) + shifted.exp_().sum(-1).log_()
