@@ -77,7 +77,7 @@ def test_request_timeout_is_a_deprecated_alias_of_queue_timeout(capsys):
 
 # String fields with a syntax of their own: a valid non-default value each.
 _STRUCTURED_STRINGS = {"tenant_weights": "a=2,b=1", "score_template": "Q: {query} D: {document}",
-                       "score_tokens": "1,2"}
+                       "score_tokens": "1,2", "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'}
 
 
 def _non_default(f, annotation) -> tuple[list[str], object]:

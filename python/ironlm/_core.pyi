@@ -5,7 +5,7 @@ clock (``ironlm._core.monotonic()``), so Python and Rust agree on time.
 """
 
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -371,6 +371,8 @@ class SchedulerPlan:
     sample_slots: npt.NDArray[np.int64]  # [S] sequence handle receiving each sampled token
     sample_output_lens: npt.NDArray[np.int64]  # [S] tokens each row's sequence generated so far
     sample_ban_stop: npt.NDArray[np.bool_]  # [S] stop token ids must not be sampled yet (min_tokens)
+    # [S] the proposed token this row's sampled token must equal for the sequence's next row to count, or -1
+    sample_draft: npt.NDArray[np.int64]
     # [R] sample rows of grammar-constrained sequences (ascending); row i of take_bitmask()'s bits is mask_rows[i]
     mask_rows: npt.NDArray[np.int64]
     cow_pairs: npt.NDArray[np.int64]  # [K, 2] (src, dst) block copies to run before the forward
@@ -442,6 +444,7 @@ class Scheduler:
         arrival_time: float | None = None,
         grammar: CompiledGrammar | None = None,
         tenant: str | None = None,
+        speculate: bool = True,
     ) -> list[int]:
         """Queue a request; returns its ``n`` sequence slots (stable handles until finished).
 
@@ -530,6 +533,16 @@ class Scheduler:
     def policy(self) -> str: ...
     @property
     def enable_prefix_caching(self) -> bool: ...
+    def emitted(self) -> npt.NDArray[np.bool_]:
+        """Per ``plan.sample_slots`` row of the last ``update``: whether its token was appended."""
+        ...
+    def set_speculation(self, num_speculative_tokens: int | None, prompt_lookup_max: int = 4,
+                        prompt_lookup_min: int = 1, max_batch_tokens: int = 32) -> None:
+        """n-gram speculative decoding for requests added from now (None: off)."""
+        ...
+    def spec_stats(self) -> dict[str, Any]:
+        """``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``."""
+        ...
     def stats(self) -> dict[str, int]:
         """Counters without a scan: num_waiting, num_running, num_preemptions, num_timeouts,
         prefix_queries, prefix_hits, blocks_total, blocks_free, blocks_used, blocks_cached,

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ironlm.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from ironlm.exceptions import InvalidArgumentError
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "deadline", "fair")
@@ -218,6 +220,10 @@ class EngineConfig:
     score_tokens: str = _opt(
         "yes,no", "--runner pooling, score_mode yes_no: the positive and the negative token, each a text that is "
         "one token or a token id", metavar="YES,NO")
+    speculative_config: str | Mapping[str, Any] | None = _opt(
+        None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (n-gram prompt lookup in the core; greedy and seeded "
+        "outputs unchanged; pauses while a step's decode batch exceeds max_batch_tokens, default 32)", metavar="JSON")
     kv_pin_prefix: tuple[str, ...] = _opt(
         (), "texts prefilled at startup whose whole KV blocks stay on the device for good: a shared prompt start "
         "as the model sees it (for chat, the rendered template up to the end of the system message)",
@@ -246,6 +252,7 @@ class EngineConfig:
         if self.preemption not in PREEMPTION_MODES:
             raise _invalid("preemption", f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
         parse_tenant_weights(self.tenant_weights)
+        self.speculation()
         for name in ("fair_input_token_weight", "fair_output_token_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -346,6 +353,10 @@ class EngineConfig:
         if self.kv_offload_memory is not None:
             return parse_bytes(self.kv_offload_memory, "kv_offload_memory") or 0
         return int(self.swap_space * 1024**3)
+
+    def speculation(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (None: off)."""
+        return parse_speculative_config(self.speculative_config)
 
     def tenant_weight_map(self) -> dict[str, float] | None:
         """`tenant_weights` parsed: {tenant: share}."""

@@ -180,6 +180,7 @@ class LLM:
             "kv_waste_perc": stats["kv_waste_perc"],
             "model_weight_bytes": stats["model_weight_bytes"],
             "step_breakdown_s": self.engine.step_breakdown(),
+            **{k: v for k, v in stats.items() if k.startswith("spec_decode_")},
         }
 
 

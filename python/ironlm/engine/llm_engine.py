@@ -33,6 +33,7 @@ from ironlm.engine.prompt_logprobs import PromptLogprobs
 from ironlm.engine.prompt_logprobs import namespace as prompt_logprobs_namespace
 from ironlm.engine.prompts import PromptType, apply_chat_template, encode_prompt
 from ironlm.engine.sequence_table import EngineRequest, SequenceTable
+from ironlm.engine.spec.verify import may_speculate
 from ironlm.engine.timing import StepTimer
 from ironlm.exceptions import EngineDeadError, TensorParallelError
 from ironlm.sampler import Sampler, SamplerOutput
@@ -113,6 +114,10 @@ class LLMEngine:
             max_model_len=runner.max_model_len, tier_blocks=0 if runner.tier is None else runner.tier.num_slots,
             sliding_window=None if None in windows else max(w for w in windows if w is not None)))
         self.kv.attach(self.scheduler)
+        spec = config.speculation()
+        if spec is not None and config.runner != "pooling":  # n-gram proposals: the core's (engine/spec)
+            self.scheduler.set_speculation(spec.num_speculative_tokens, spec.prompt_lookup_max,
+                                           spec.prompt_lookup_min, spec.max_batch_tokens)
         self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
                                seed=config.seed)
         self.table = SequenceTable(self.sampler, runner.tokenizer)
@@ -202,6 +207,7 @@ class LLMEngine:
             ignore_eos=params.ignore_eos, deadline=deadline,
             queue_timeout=queue_timeout if queue_timeout is not None else self.config.queue_timeout,
             namespace=cache_salt, arrival_time=arrival, grammar=grammar, tenant=tenant,
+            speculate=may_speculate(params),
         )
         request = EngineRequest(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival))
         self.table.add(request, slots, self.scheduler.stop_token_ids(slots[0]))
@@ -293,11 +299,15 @@ class LLMEngine:
         logprobs = sampled.logprobs.tolist()
         top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
         top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        self.generation_tokens_total += len(tokens)
+        slots = plan.sample_slots.tolist()
+        # Speculation: a sequence has several rows; the core appended the accepted run only (`emitted`).
+        emitted = self.scheduler.emitted().tolist()
+        last_row = {slot: row for row, slot in enumerate(slots) if emitted[row]}
+        self.generation_tokens_total += sum(emitted)
         failed: set[str] = set()
-        for row, slot in enumerate(plan.sample_slots.tolist()):
+        for row, slot in enumerate(slots):
             seq = self.table.seq(slot)
-            if seq is None or seq.request.request_id in failed:
+            if not emitted[row] or seq is None or seq.request.request_id in failed or seq.stop_reason is not None:
                 continue
             request = seq.request
             if request.metrics.first_token_time is None:
@@ -305,7 +315,7 @@ class LLMEngine:
             request.metrics.last_token_time = now
             top = None if top_ids is None or top_lps is None else (top_ids[row], top_lps[row])
             # A stop token never reaches the text; the last token of a completed grammar (also "stop") does.
-            reason, tok = finished.get(slot, (None, None))
+            reason, tok = finished.get(slot, (None, None)) if row == last_row[slot] else (None, None)
             stop_token = reason == "stop" and (tok is not None or tokens[row] in self._eos_ids)
             try:
                 stop = seq.append(tokens[row], logprobs[row], top, self.tokenizer, stop_token)
@@ -403,6 +413,23 @@ class LLMEngine:
             "kv_waste_perc": 1.0 - s["kv_slots_used"] / allocated if allocated else 0.0,
             "blocks_pinned": s["blocks_pinned"],
             "window_freed_blocks": s["window_freed_blocks"],
+            **self._spec_stats(),
+        }
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding (vLLM's spec_decode_* figures): drafts verified, proposed and accepted tokens,
+        acceptance per proposal position and the mean accepted length (tokens per verification step, bonus
+        token included)."""
+        s = self.scheduler.spec_stats()
+        drafts, proposed, accepted = s["num_drafts"], s["num_draft_tokens"], s["num_accepted_tokens"]
+        return {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": proposed,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "spec_decode_accepted_per_pos": list(s["accepted_per_pos"]),
+            "spec_decode_acceptance_per_pos": [a / drafts for a in s["accepted_per_pos"]] if drafts else [],
         }
 
     def step_breakdown(self) -> dict[str, float]:

@@ -50,6 +50,9 @@ _COUNTERS = (
     ("kv_demotions", "kv_demotions", "KV blocks copied from the device pool down to the tier (evictions, swap-outs)."),
     ("kv_swap_in_blocks", "swap_in_blocks", "KV blocks of preempted requests copied back on resume (--swap-space)."),
     ("kv_swap_out_blocks", "swap_out_blocks", "KV blocks of preempted requests copied to the tier (--swap-space)."),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Sequence-steps that verified speculative proposals."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Speculative tokens proposed."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative tokens accepted."),
 )
 _TIERS = ("device", "host", "disk")
 _TIER_OF_KIND = {"memory": "host", "disk": "disk"}  # LLMEngine.stats()["kv_tier"] -> the tier label
@@ -74,10 +77,23 @@ class _StatsCollector(Collector):
             blocks.add_metric([self._model, state], float(s.get(f"blocks_{state}", 0)))
         yield blocks
         yield from self._kv_tiers(s)
+        yield from self._spec(s)
         up = GaugeMetricFamily("ironlm:engine_healthy", "1 while the engine loop is alive.", labels=["model_name"])
         up.add_metric([self._model], 1.0 if self._healthy() else 0.0)
         yield up
 
+
+    def _spec(self, s: dict) -> Iterator[Metric]:
+        """Speculative decoding: accepted tokens by proposal position, and the mean accepted length."""
+        pos = CounterMetricFamily("ironlm:spec_decode_num_accepted_tokens_per_pos", "Speculative tokens accepted, "
+                                  "by position in the proposal (0 = first).", labels=["model_name", "position"])
+        for i, n in enumerate(s.get("spec_decode_accepted_per_pos", ())):
+            pos.add_metric([self._model, str(i)], float(n))
+        yield pos
+        mean = GaugeMetricFamily("ironlm:spec_decode_mean_acceptance_length", "Tokens per speculative "
+                                 "verification (accepted + the one sampled after them).", labels=["model_name"])
+        mean.add_metric([self._model], float(s.get("spec_decode_mean_acceptance_length", 0.0)))
+        yield mean
 
     def _kv_tiers(self, s: dict) -> Iterator[Metric]:
         """Where cached KV blocks live, and which tier prefix-cache hits were served from."""

@@ -10,6 +10,7 @@ use crate::sched::fair::FairConfig;
 use crate::sched::queue::Policy;
 use crate::sched::scheduler::{Finished, Scheduler, SchedulerConfig, SchedulerOptions};
 use crate::sched::sequence::{RequestParams, Slot};
+use crate::sched::spec::SpecConfig;
 
 /// Steps with at least this many running sequences run with the GIL released. Shorter ones
 /// keep it: giving the GIL away for a few microseconds can cost a whole switch interval to
@@ -43,6 +44,8 @@ pub struct PySchedulerPlan {
     sample_output_lens: Py<PyAny>,
     #[pyo3(get)]
     sample_ban_stop: Py<PyAny>,
+    #[pyo3(get)]
+    sample_draft: Py<PyAny>,
     #[pyo3(get)]
     mask_rows: Py<PyAny>,
     #[pyo3(get)]
@@ -166,6 +169,7 @@ fn build_plan(py: Python<'_>, s: &Scheduler) -> PyResult<PySchedulerPlan> {
         sample_ban_stop: PyArray1::from_slice(py, &p.sample_ban_stop)
             .into_any()
             .unbind(),
+        sample_draft: array_i64(py, &p.sample_draft),
         mask_rows: array_i64(py, &p.mask_rows),
         cow_pairs,
         kv_demote: pairs(py, &p.kv_demote, "kv_demote")?,
@@ -280,6 +284,7 @@ impl PyScheduler {
         arrival_time = None,
         grammar = None,
         tenant = None,
+        speculate = true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -299,6 +304,7 @@ impl PyScheduler {
         arrival_time: Option<f64>,
         grammar: Option<PyRef<'_, PyCompiledGrammar>>,
         tenant: Option<String>,
+        speculate: bool,
     ) -> PyResult<Vec<Slot>> {
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
         let ids = |o: Option<&Bound<'_, PyAny>>, name| match o {
@@ -319,6 +325,7 @@ impl PyScheduler {
             arrival_time: time_arg("arrival_time", arrival_time)?,
             grammar: grammar.map(|g| g.inner.clone()),
             tenant,
+            speculate,
         };
         Ok(self.inner.add_request(request_id, &prompt, params)?)
     }
@@ -410,6 +417,46 @@ impl PyScheduler {
             inner.update(s)?
         };
         finished_list(py, &finished)
+    }
+
+    /// Per ``plan.sample_slots`` row of the last ``update``: whether its token was appended
+    /// (False: a row after a rejected proposal, or of a sequence finished since the plan).
+    fn emitted<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+        PyArray1::from_slice(py, self.inner.emitted()).into_any()
+    }
+
+    /// Turn n-gram speculative decoding on (``num_speculative_tokens`` >= 1) for requests
+    /// added from now; ``None`` turns it off.
+    #[pyo3(signature = (num_speculative_tokens, prompt_lookup_max = 4, prompt_lookup_min = 1, max_batch_tokens = 32))]
+    fn set_speculation(
+        &mut self,
+        num_speculative_tokens: Option<i64>,
+        prompt_lookup_max: i64,
+        prompt_lookup_min: i64,
+        max_batch_tokens: i64,
+    ) -> PyResult<()> {
+        let cfg = match num_speculative_tokens {
+            None => None,
+            Some(k) => Some(SpecConfig {
+                num_speculative_tokens: count_arg("num_speculative_tokens", k, 1)?,
+                prompt_lookup_max: count_arg("prompt_lookup_max", prompt_lookup_max, 1)?,
+                prompt_lookup_min: count_arg("prompt_lookup_min", prompt_lookup_min, 1)?,
+                max_batch_tokens: count_arg("max_batch_tokens", max_batch_tokens, 0)?,
+            }),
+        };
+        Ok(self.inner.set_speculation(cfg)?)
+    }
+
+    /// Speculation counters: ``num_drafts`` (sequence-steps that verified proposals),
+    /// ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos`` (list).
+    fn spec_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.spec_stats();
+        let d = PyDict::new(py);
+        d.set_item("num_drafts", s.num_drafts)?;
+        d.set_item("num_draft_tokens", s.num_draft_tokens)?;
+        d.set_item("num_accepted_tokens", s.num_accepted_tokens)?;
+        d.set_item("accepted_per_pos", s.accepted_per_pos.clone())?;
+        Ok(d)
     }
 
     /// Finish one sequence now (a stop string matched); frees its blocks.

@@ -13,3 +13,4 @@ pub mod queue;
 pub mod radix;
 pub mod scheduler;
 pub mod sequence;
+pub mod spec;

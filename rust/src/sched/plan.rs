@@ -26,6 +26,9 @@ pub struct Plan {
     pub sample_output_lens: Vec<i64>,
     /// Sample rows whose stop tokens must not be sampled yet (min_tokens not reached).
     pub sample_ban_stop: Vec<bool>,
+    /// Per sample row: the proposed token the row's sampled token must equal for the next row
+    /// of the same sequence to count (speculative decoding), or -1 (the run ends there).
+    pub sample_draft: Vec<i64>,
     /// Sample rows of grammar-constrained sequences, ascending: row `i` of the step's token
     /// bitmask (`Scheduler::take_bitmask`) is for sample row `mask_rows[i]`.
     pub mask_rows: Vec<i64>,
@@ -72,6 +75,7 @@ impl Plan {
         self.sample_slots.clear();
         self.sample_output_lens.clear();
         self.sample_ban_stop.clear();
+        self.sample_draft.clear();
         self.mask_rows.clear();
         self.mask_matchers.clear();
         self.cow_pairs.clear();

@@ -11,6 +11,7 @@ use crate::sched::block::BlockId;
 use crate::sched::ord::OrdF64;
 use crate::sched::queue::QueueParams;
 use crate::sched::radix::{NodeId, RadixCache};
+use crate::sched::spec::SpecState;
 
 pub type Slot = u32;
 pub type ReqIdx = u32;
@@ -113,6 +114,9 @@ pub struct RequestParams {
     pub grammar: Option<CompiledGrammar>,
     /// Who it is served for (policy `fair`); None is the tenant "".
     pub tenant: Option<String>,
+    /// Its sequences may speculate when the scheduler has speculation on (off where the
+    /// sampler could not verify proposals exactly, e.g. penalties).
+    pub speculate: bool,
 }
 
 impl Default for RequestParams {
@@ -131,6 +135,7 @@ impl Default for RequestParams {
             arrival_time: None,
             grammar: None,
             tenant: None,
+            speculate: true,
         }
     }
 }
@@ -220,6 +225,8 @@ pub(crate) struct Sequence {
     pub victim_key: VictimKey,
     /// Its grammar state, if its request is constrained; advanced by `update`.
     pub grammar: Option<SeqMatcher>,
+    /// Speculation: may it propose, how many tokens next.
+    pub spec: SpecState,
 }
 
 impl Sequence {
@@ -245,6 +252,7 @@ impl Sequence {
             max_len: 0,
             victim_key: (0, OrdF64(0.0), 0, 0),
             grammar: None,
+            spec: SpecState::default(),
         }
     }
 

@@ -18,6 +18,7 @@ use crate::sched::queue::{monotonic, Policy, QueueParams, RequestQueue};
 use crate::sched::radix::{InsertResult, NodeId, RadixCache, TierStats};
 pub use crate::sched::sequence::Finished;
 use crate::sched::sequence::{ReqIdx, Request, RequestParams, Sequence, Slot, Status, StopTokens};
+use crate::sched::spec::{SpecConfig, SpecStats};
 
 #[cfg(test)]
 mod admit_tests;
@@ -27,6 +28,9 @@ mod fair_tests;
 #[cfg(test)]
 mod harness;
 mod masks;
+mod spec;
+#[cfg(test)]
+mod spec_tests;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -100,6 +104,14 @@ pub struct Scheduler {
     /// `SchedulerOptions::reserve_decode`.
     reserve_decode: bool,
     tier: TierState,
+    /// Speculative decoding (n-gram prompt lookup); None: off.
+    spec: Option<SpecConfig>,
+    spec_stats: SpecStats,
+    /// The proposal being planned (reused buffer).
+    spec_draft: Vec<u32>,
+    /// Per sample row of the last `update`: its token was appended (false: a row after a
+    /// rejected proposal, or of a sequence gone since the plan).
+    emitted: Vec<bool>,
 }
 
 /// Event counters (the rest of `SchedulerStats` is read from the parts that own it).
@@ -168,8 +180,34 @@ impl Scheduler {
             sliding_window: opts.sliding_window,
             reserve_decode: opts.reserve_decode,
             tier: TierState::new(opts.swap),
+            spec: None,
+            spec_stats: SpecStats::default(),
+            spec_draft: Vec::new(),
+            emitted: Vec::new(),
             cfg,
         })
+    }
+
+    /// Turn speculative decoding on (n-gram prompt lookup) or off, for requests added from now.
+    pub fn set_speculation(&mut self, cfg: Option<SpecConfig>) -> CoreResult<()> {
+        if let Some(c) = &cfg {
+            c.validate()?;
+        }
+        self.spec = cfg;
+        Ok(())
+    }
+
+    pub fn speculation(&self) -> Option<&SpecConfig> {
+        self.spec.as_ref()
+    }
+
+    /// Per sample row of the last `update`: whether its token was appended.
+    pub fn emitted(&self) -> &[bool] {
+        &self.emitted
+    }
+
+    pub fn spec_stats(&self) -> &SpecStats {
+        &self.spec_stats
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -350,6 +388,10 @@ impl Scheduler {
             s.max_len = max_len;
             s.victim_key = (prio_key, OrdF64(arrival), add_seq, k as u32);
             s.grammar = params.grammar.as_ref().map(|g| g.new_matcher());
+            // A grammar could reject a proposal mid-run: constrained sequences never speculate.
+            let k = self.spec.as_ref().map_or(0, |c| c.num_speculative_tokens);
+            s.spec
+                .reset(params.speculate && params.grammar.is_none(), k);
             slots.push(slot);
         }
         slots

@@ -42,8 +42,10 @@ impl Scheduler {
             make_room_for_waiting = self.priority_preempt();
         }
 
-        // Running sequences first: a decode token each, or the next prefill chunk.
+        // Running sequences first: a decode token each (plus its proposals), or the next
+        // prefill chunk.
         let mut preempted = false;
+        let mut spec_left = self.spec_allowance();
         let mut i = 0;
         while i < self.running.len() {
             let slot = self.running[i];
@@ -81,8 +83,15 @@ impl Scheduler {
                 preempted = true;
                 continue;
             }
-            self.emit(slot, num_new);
-            budget -= num_new;
+            let mut k = 0;
+            if num_new == 1 && spec_left > 0 {
+                k = self.propose(slot, budget.saturating_sub(reserve + 1).min(spec_left));
+                spec_left -= k;
+            }
+            let draft = std::mem::take(&mut self.spec_draft);
+            self.emit(slot, num_new, &draft[..k]);
+            self.spec_draft = draft;
+            budget -= num_new + k;
             i += 1;
         }
 
@@ -140,6 +149,7 @@ impl Scheduler {
     }
 
     pub fn update_into(&mut self, sampled: &[i64], out: &mut Vec<Finished>) -> CoreResult<()> {
+        self.emitted.clear();
         if self.pending_step == 0 {
             if sampled.is_empty() {
                 return Ok(());
@@ -171,38 +181,74 @@ impl Scheduler {
         self.tier.inflight.slots.clear();
         // Its masks are stale once the matchers advance (the sampler took them, or never will).
         self.discard_masks();
-        for (r, &token) in sampled.iter().enumerate() {
+        self.emitted.resize(expected, false);
+        let n = sampled.len();
+        let mut r = 0;
+        while r < n {
+            // A sequence's rows: one, or its proposals' rows and the one after them.
+            let mut last = r;
+            while self.plan.sample_draft[last] >= 0 {
+                last += 1;
+            }
             let slot = self.plan.sample_slots[r] as Slot;
             let s = &self.seqs[slot as usize];
-            if s.gen != self.plan.sample_gens[r] || s.status != Status::Running {
-                continue; // finished or aborted since the plan was made
-            }
-            if s.insert_pending {
-                self.cache_prefill(slot);
-            }
-            if self.seqs[slot as usize].is_fork_parent {
-                self.fork(slot);
-            }
-            let token = token as u32;
-            let s = &mut self.seqs[slot as usize];
-            let may_stop = s.may_stop();
-            s.tokens.push(token);
-            let mut stop = s.check_stop(token, may_stop);
-            if let Some(g) = &s.grammar {
-                // A complete grammar (or a token it rejects) ends the sequence: "stop",
-                // unless a stop token already said so.
-                if g.advance(token) && !matches!(stop, Some(FinishReason::Stop(_))) {
-                    stop = Some(FinishReason::Stop(None));
+            let live = s.gen == self.plan.sample_gens[r] && s.status == Status::Running;
+            let (before, proposed) = (s.computed, last - r);
+            let mut accepted = 0;
+            // Finished or aborted since the plan was made: nothing to apply.
+            #[allow(clippy::needless_range_loop)] // rows index three parallel arrays
+            for row in r..=last {
+                if !live {
+                    break;
+                }
+                if row > r {
+                    // The proposal this row was computed after is right: its KV is valid.
+                    self.seqs[slot as usize].computed += 1;
+                }
+                let token = sampled[row] as u32;
+                self.emitted[row] = true;
+                let hit = self.plan.sample_draft[row] == token as i64;
+                accepted += hit as usize;
+                if self.apply(slot, token, out) || !hit {
+                    break;
                 }
             }
-            if let Some(reason) = stop {
-                let id = self.req(slot).id.clone();
-                self.finish_seq(slot);
-                self.counts.finished += 1;
-                out.push((id, slot, reason));
+            if live && proposed > 0 {
+                self.settle(slot, proposed, accepted, before);
             }
+            r = last + 1;
         }
         Ok(())
+    }
+
+    /// Append one sampled token to `slot`: cache a completed prefill, fork, advance the
+    /// grammar, apply the stop rules. True if the sequence finished.
+    fn apply(&mut self, slot: Slot, token: u32, out: &mut Vec<Finished>) -> bool {
+        if self.seqs[slot as usize].insert_pending {
+            self.cache_prefill(slot);
+        }
+        if self.seqs[slot as usize].is_fork_parent {
+            self.fork(slot);
+        }
+        let s = &mut self.seqs[slot as usize];
+        let may_stop = s.may_stop();
+        s.tokens.push(token);
+        let mut stop = s.check_stop(token, may_stop);
+        if let Some(g) = &s.grammar {
+            // A complete grammar (or a token it rejects) ends the sequence: "stop",
+            // unless a stop token already said so.
+            if g.advance(token) && !matches!(stop, Some(FinishReason::Stop(_))) {
+                stop = Some(FinishReason::Stop(None));
+            }
+        }
+        let Some(reason) = stop else {
+            return false;
+        };
+        let id = self.req(slot).id.clone();
+        self.finish_seq(slot);
+        self.counts.finished += 1;
+        out.push((id, slot, reason));
+        true
     }
 
     /// Write the last plan's block tables, row-major `num_seqs × block_table_width`, padded
@@ -409,7 +455,7 @@ impl Scheduler {
     }
 
     /// Allocate (and copy-on-write) the blocks for tokens [computed, upto).
-    fn grow(&mut self, slot: Slot, upto: usize) -> bool {
+    pub(super) fn grow(&mut self, slot: Slot, upto: usize) -> bool {
         let bs = self.cfg.block_size;
         let s = &mut self.seqs[slot as usize];
         let mut pos = s.computed;
@@ -431,8 +477,11 @@ impl Scheduler {
         true
     }
 
-    /// Add `num_new` tokens of `slot` (from its computed count on) to the plan.
-    fn emit(&mut self, slot: Slot, num_new: usize) {
+    /// Add `num_new` tokens of `slot` (from its computed count on) to the plan, then the
+    /// proposed tokens `draft` after them (a decode only: `num_new` = 1), each with a row to
+    /// verify. `computed` counts only the known tokens: proposals become computed as `update`
+    /// accepts them.
+    fn emit(&mut self, slot: Slot, num_new: usize, draft: &[u32]) {
         let bs = self.cfg.block_size;
         let step = self.step;
         let caching = self.cfg.enable_prefix_caching;
@@ -441,25 +490,28 @@ impl Scheduler {
         let start = s.computed;
         let end = start + num_new;
         let bsi = bs as i64;
-        for pos in start..end {
-            p.input_ids.push(s.tokens[pos] as i64);
+        let k = draft.len();
+        let tokens = s.tokens[start..end].iter().chain(draft);
+        for (pos, &t) in (start..end + k).zip(tokens) {
+            p.input_ids.push(t as i64);
             p.positions.push(pos as i64);
             p.slot_mapping
                 .push(s.blocks[pos / bs] as i64 * bsi + (pos % bs) as i64);
         }
-        let q_end = p.query_start_loc.last().copied().unwrap_or(0) + num_new as i64;
+        let (q, kv_end) = (num_new + k, end + k);
+        let q_end = p.query_start_loc.last().copied().unwrap_or(0) + q as i64;
         p.query_start_loc.push(q_end);
-        p.seq_lens.push(end as i64);
+        p.seq_lens.push(kv_end as i64);
         p.context_lens.push(start as i64);
         p.seq_slots.push(slot as i64);
         p.row_gens.push(s.gen);
-        p.max_query_len = p.max_query_len.max(num_new);
-        p.max_seq_len = p.max_seq_len.max(end);
-        p.block_table_width = p.block_table_width.max(end.div_ceil(bs));
+        p.max_query_len = p.max_query_len.max(q);
+        p.max_seq_len = p.max_seq_len.max(kv_end);
+        p.block_table_width = p.block_table_width.max(kv_end.div_ceil(bs));
         if s.prefilling {
             p.num_prefill_tokens += num_new;
         } else {
-            p.num_decode_tokens += num_new;
+            p.num_decode_tokens += q;
         }
         s.computed_before = start;
         s.sched_step = step;
@@ -514,17 +566,26 @@ impl Scheduler {
             s.prefilling = false;
             s.insert_pending = caching;
         }
-        let row = p.input_ids.len() as i64 - 1;
-        p.logits_indices.push(row);
+        let row = p.input_ids.len() as i64 - 1 - k as i64;
         let (out_len, ban_stop) = (s.num_generated() as i64, s.ban_stop());
         if let Some(g) = &s.grammar {
             p.mask_rows.push(p.sample_slots.len() as i64);
             p.mask_matchers.push(g.clone());
         }
-        p.sample_slots.push(slot as i64);
-        p.sample_gens.push(s.gen);
-        p.sample_output_lens.push(out_len);
-        p.sample_ban_stop.push(ban_stop);
+        // Row j verifies the proposal draft[j] (and samples the token after the run).
+        for j in 0..=k {
+            p.logits_indices.push(row + j as i64);
+            p.sample_slots.push(slot as i64);
+            p.sample_gens.push(s.gen);
+            p.sample_output_lens.push(out_len + j as i64);
+            let ban = if j == 0 {
+                ban_stop
+            } else {
+                s.tokens.len() + j < s.min_len && s.grammar.is_none()
+            };
+            p.sample_ban_stop.push(ban);
+            p.sample_draft.push(draft.get(j).map_or(-1, |&d| d as i64));
+        }
         // The first token of an n > 1 request: one row per sequence, forked in `update`.
         if s.is_fork_parent {
             let r = self.reqs[s.req as usize].as_ref().expect("live request");
@@ -539,6 +600,7 @@ impl Scheduler {
                 p.sample_gens.push(self.seqs[c as usize].gen);
                 p.sample_output_lens.push(out_len);
                 p.sample_ban_stop.push(ban_stop);
+                p.sample_draft.push(-1);
             }
         }
     }
@@ -665,7 +727,7 @@ impl Scheduler {
         }
         self.plan.num_cached_tokens += cached;
         self.release_window_blocks_of(slot);
-        self.emit(slot, num_new);
+        self.emit(slot, num_new, &[]);
         *budget -= num_new;
         true
     }

@@ -727,6 +727,7 @@ fn random_run(seed: u64, policy: Policy, caching: bool, ops: usize, seen: &mut S
                     grammar: None,
                     // From the id, not the rng: the other policies' runs stay as they were.
                     tenant: (!next_id.is_multiple_of(3)).then(|| format!("t{}", next_id % 3)),
+                    speculate: true,
                 };
                 let min_tokens = p.min_tokens;
                 match s.add_request(&id, &prompt, p) {

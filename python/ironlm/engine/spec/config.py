@@ -1,0 +1,71 @@
+"""`speculative_config`, as vLLM spells it: a dict or its JSON text, e.g.
+`{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ironlm.exceptions import InvalidArgumentError
+
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+           "max_batch_tokens")
+# Decode batches (running sequences + proposals) up to this many tokens cost about one weight pass on a CPU.
+DEFAULT_MAX_BATCH_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    # ironlm's own: speculation pauses while a step's decode rows would exceed this (compute-bound batch).
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+
+
+def _param(name: str) -> str:
+    return f"speculative_config.{name}"
+
+
+def _int(raw: Mapping[str, Any], name: str, default: int | None, low: int) -> int:
+    value = raw.get(name, default)
+    if value is None:
+        raise InvalidArgumentError(f"{_param(name)} is required", _param(name))
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidArgumentError(f"{_param(name)} must be an integer >= {low}, got {value!r}", _param(name))
+    return value
+
+
+def parse_speculative_config(value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+    """None / "" / {}: off. Errors are InvalidArgumentError naming the field."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgumentError(f"speculative_config is not valid JSON: {exc}", "speculative_config") from None
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"speculative_config must be a JSON object, got {type(value).__name__}",
+                                   "speculative_config")
+    unknown = sorted(set(value) - set(_FIELDS))
+    if unknown:
+        raise InvalidArgumentError(f"speculative_config: unknown field {unknown[0]!r} (known: {', '.join(_FIELDS)})",
+                                   _param(unknown[0]))
+    if value.get("model") is not None:
+        raise InvalidArgumentError("speculative_config.model: draft-model speculation is not supported yet; use "
+                                   '{"method": "ngram"}', _param("model"))
+    method = value.get("method", "ngram")
+    if method not in ("ngram", "[ngram]"):
+        raise InvalidArgumentError(f"speculative_config.method must be 'ngram', got {method!r}", _param("method"))
+    k = _int(value, "num_speculative_tokens", None, 1)
+    low = _int(value, "prompt_lookup_min", 1, 1)
+    high = _int(value, "prompt_lookup_max", max(low, 4), 1)
+    if high < low:
+        raise InvalidArgumentError(f"speculative_config.prompt_lookup_max ({high}) must be >= prompt_lookup_min "
+                                   f"({low})", _param("prompt_lookup_max"))
+    cap = _int(value, "max_batch_tokens", DEFAULT_MAX_BATCH_TOKENS, 0)
+    return SpeculativeConfig("ngram", k, high, low, cap)

@@ -1,0 +1,120 @@
+//! The scheduler's half of speculative decoding: propose and reserve lookahead blocks when a
+//! decode is planned, and after verification keep the accepted run and roll the rest back.
+//!
+//! Invariant kept: after `update`, a sequence that speculated holds exactly the blocks a
+//! sequence that decoded the same tokens one at a time would hold, and the radix cache holds
+//! only blocks of verified tokens (proposals are never in `tokens`, so never inserted).
+
+use super::Scheduler;
+use crate::sched::radix::RadixCache;
+use crate::sched::sequence::{Slot, Status};
+use crate::sched::spec::ngram_propose;
+
+impl Scheduler {
+    /// Tokens the step may still spend on proposals: none once the decode batch is past
+    /// `max_batch_tokens` (compute-bound), or with speculation off.
+    pub(super) fn spec_allowance(&self) -> usize {
+        match &self.spec {
+            Some(c) if self.sliding_window.is_none() => {
+                c.max_batch_tokens.saturating_sub(self.running.len())
+            }
+            _ => 0,
+        }
+    }
+
+    /// For a running sequence about to decode one token (its blocks for that token grown):
+    /// propose up to `room` tokens into `spec_draft` and grow its blocks for them without
+    /// evicting or preempting anything. Returns how many were proposed (0: a plain decode).
+    pub(super) fn propose(&mut self, slot: Slot, room: usize) -> usize {
+        self.spec_draft.clear();
+        let Some(c) = &self.spec else {
+            return 0;
+        };
+        let (min_n, max_n, max_k) = (
+            c.prompt_lookup_min,
+            c.prompt_lookup_max,
+            c.num_speculative_tokens,
+        );
+        let s = &mut self.seqs[slot as usize];
+        let len = s.tokens.len();
+        let plain = !s.prefilling && !s.is_fork_parent && s.grammar.is_none();
+        if !s.spec.allowed || !plain || s.computed + 1 != len {
+            return 0;
+        }
+        if s.spec.cooldown > 0 {
+            s.spec.cooldown -= 1;
+            return 0;
+        }
+        // Up to max_len tokens in all: the last sampled one is its own row.
+        let k = s
+            .spec
+            .k
+            .min(max_k)
+            .min(room)
+            .min(s.max_len.saturating_sub(len + 1));
+        if k == 0 {
+            return 0;
+        }
+        ngram_propose(&s.tokens, min_n, max_n, k, &mut self.spec_draft);
+        let bs = self.cfg.block_size;
+        // Only free blocks: a proposal never evicts a cached block or preempts anyone.
+        let held = (s.blocks.len() + self.alloc.num_free()) * bs;
+        let fit = held.saturating_sub(len);
+        self.spec_draft.truncate(fit);
+        let k = self.spec_draft.len();
+        if k > 0 {
+            let ok = self.grow(slot, len + k);
+            debug_assert!(ok, "lookahead grow failed after the free-block check");
+        }
+        k
+    }
+
+    /// `update` verified `proposed` tokens of `slot`, `accepted` of which were right (the
+    /// sequence's `computed` already counts them). Free the lookahead blocks past what its
+    /// verified tokens need, cache blocks the accepted run filled, adapt its proposal length.
+    /// `before`: its `computed` when the run was planned.
+    pub(super) fn settle(&mut self, slot: Slot, proposed: usize, accepted: usize, before: usize) {
+        self.spec_stats.record(proposed, accepted);
+        let max_k = self.spec.as_ref().map_or(1, |c| c.num_speculative_tokens);
+        let bs = self.cfg.block_size;
+        if accepted > 0 && self.seqs[slot as usize].status == Status::Running {
+            let t = self.req(slot).queue.tenant;
+            self.queue.charge(t, 0, accepted);
+        }
+        let s = &mut self.seqs[slot as usize];
+        if s.status != Status::Running {
+            return; // finished inside the run: its blocks are gone already
+        }
+        s.spec.record(proposed, accepted, max_k);
+        let keep = s.computed.div_ceil(bs).max(s.window_freed);
+        if s.blocks.len() > keep {
+            self.alloc.free_all(&s.blocks[keep..]);
+            s.blocks.truncate(keep);
+        }
+        let full = s.computed / bs;
+        let caching = self.cfg.enable_prefix_caching && s.window_freed == 0;
+        if !caching || full <= before / bs {
+            return;
+        }
+        let r = self.reqs[s.req as usize].as_ref().expect("live request");
+        let (ns, prio) = (r.namespace.as_deref(), r.queue.priority);
+        let node = self.radix.extend(
+            &mut self.alloc,
+            s.node,
+            &s.tokens[..full * bs],
+            &s.blocks[..full],
+            ns,
+            prio,
+            None,
+        );
+        if node != s.node {
+            if node != RadixCache::ROOT {
+                self.radix.lock(node);
+            }
+            if s.node != RadixCache::ROOT {
+                self.radix.unlock(s.node);
+            }
+            s.node = node;
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! Speculative decoding in the scheduler: proposals as extra query rows, rollback of rejected
+//! lookahead (blocks and cache), and a randomized run checking every plan against a simulated
+//! KV cache in which proposed positions hold the proposed tokens' KV.
+
+use super::harness::kv_hash;
+use super::*;
+use crate::error::CoreError;
+use crate::sched::plan::Plan;
+use crate::sched::sequence::FinishReason;
+use crate::sched::spec::SpecConfig;
+use crate::test_rng::Rng;
+
+fn spec(k: usize) -> SpecConfig {
+    SpecConfig {
+        num_speculative_tokens: k,
+        prompt_lookup_max: 3,
+        prompt_lookup_min: 1,
+        max_batch_tokens: 64,
+    }
+}
+
+fn sched(num_blocks: usize, bs: usize, k: usize) -> Scheduler {
+    let mut s = Scheduler::new(SchedulerConfig {
+        num_blocks,
+        block_size: bs,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 64,
+        max_model_len: 256,
+        policy: Policy::Fcfs,
+        enable_prefix_caching: true,
+        max_queue_len: None,
+    })
+    .unwrap();
+    s.set_speculation(Some(spec(k))).unwrap();
+    s
+}
+
+fn params(max_tokens: usize) -> RequestParams {
+    RequestParams {
+        arrival_time: Some(0.0),
+        ..RequestParams::new(max_tokens)
+    }
+}
+
+#[test]
+fn a_repeating_prompt_is_verified_in_one_step_and_rejections_roll_back() {
+    let mut s = sched(32, 2, 4);
+    // 1 2 3 4 5 6 7 8 9 1 2: the suffix "1 2" proposes 3 4 5 6.
+    let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2];
+    s.add_request("a", &prompt, params(20)).unwrap();
+    let plan = s.schedule(Some(0.0)).clone();
+    assert_eq!(plan.num_samples(), 1, "a prefill proposes nothing");
+    s.update(&[3]).unwrap();
+    let plan = s.schedule(Some(1.0)).clone();
+    // Row 0 verifies "4" (after 1 2 3), then 5 6 7 ...
+    assert_eq!(plan.input_ids, vec![3, 4, 5, 6, 7]);
+    assert_eq!(plan.positions, vec![11, 12, 13, 14, 15]);
+    assert_eq!(plan.logits_indices, vec![0, 1, 2, 3, 4]);
+    assert_eq!(plan.sample_draft, vec![4, 5, 6, 7, -1]);
+    assert_eq!(plan.sample_output_lens, vec![1, 2, 3, 4, 5]);
+    assert_eq!(plan.seq_lens, vec![16]);
+    assert_eq!(plan.num_decode_tokens, 5);
+    let used = s.stats().blocks.used;
+    // The model agrees on 4 and 5, then says 0 (not 6): 4 5 0 appended, 6 7 rolled back.
+    s.update(&[4, 5, 0, 6, 7]).unwrap();
+    assert_eq!(s.emitted(), &[true, true, true, false, false]);
+    assert_eq!(s.output_token_ids(0).unwrap(), &[3, 4, 5, 0]);
+    let q = &s.seqs[0];
+    assert_eq!(q.computed, 14, "3 4 5 have KV now, 0 does not");
+    assert_eq!(
+        q.blocks.len(),
+        7,
+        "the lookahead block past position 13 is freed"
+    );
+    assert!(s.stats().blocks.used < used);
+    assert_eq!(s.spec_stats().num_draft_tokens, 4);
+    assert_eq!(s.spec_stats().num_accepted_tokens, 2);
+    assert_eq!(s.spec_stats().accepted_per_pos, vec![1, 1, 0, 0]);
+    s.check_invariants();
+    // The next step starts right after the accepted run.
+    let plan = s.schedule(Some(2.0)).clone();
+    assert_eq!(plan.positions[0], 14);
+    assert_eq!(plan.input_ids[0], 0);
+    s.check_invariants();
+}
+
+#[test]
+fn stop_tokens_and_max_tokens_cut_an_accepted_run() {
+    let mut s = sched(32, 4, 4);
+    let prompt = [1, 2, 3, 4, 5, 6, 1, 2];
+    let p = RequestParams {
+        eos_token_ids: vec![5],
+        ..params(20)
+    };
+    s.add_request("a", &prompt, p).unwrap();
+    s.schedule(Some(0.0));
+    s.update(&[3]).unwrap();
+    let plan = s.schedule(Some(1.0)).clone();
+    assert_eq!(plan.sample_draft, vec![4, 5, 6, 1, -1]);
+    // 4 accepted, then 5 is EOS: the run ends there although 5 was the proposal too.
+    let fin = s.update(&[4, 5, 6, 1, 2]).unwrap();
+    assert_eq!(fin.len(), 1);
+    assert_eq!(s.emitted(), &[true, true, false, false, false]);
+    assert_eq!(s.token_ids(0).unwrap().len(), prompt.len() + 3);
+    s.check_invariants();
+
+    // max_tokens 3, one generated: one proposal (2 tokens with the row after it).
+    s.add_request("b", &prompt, params(3)).unwrap();
+    s.schedule(Some(2.0));
+    s.update(&[3]).unwrap();
+    let plan = s.schedule(Some(3.0)).clone();
+    assert_eq!(plan.sample_draft, vec![4, -1]);
+    let fin = s.update(&[4, 5]).unwrap();
+    assert!(matches!(fin[0].2, FinishReason::Length));
+    assert_eq!(s.output_token_ids(fin[0].1).unwrap(), &[3, 4, 5]);
+    s.check_invariants();
+    assert_eq!(
+        s.stats().blocks.used,
+        0,
+        "every block is back (free or cached)"
+    );
+}
+
+#[test]
+fn min_tokens_bans_stop_on_each_verified_row() {
+    let mut s = sched(32, 4, 4);
+    let p = RequestParams {
+        min_tokens: 3,
+        eos_token_ids: vec![9],
+        ..params(20)
+    };
+    s.add_request("a", &[1, 2, 3, 4, 5, 6, 1, 2], p).unwrap();
+    s.schedule(Some(0.0));
+    s.update(&[3]).unwrap();
+    let plan = s.schedule(Some(1.0)).clone();
+    // One token generated; rows sample tokens 2, 3, 4, ...: the first two may not stop.
+    assert_eq!(plan.sample_ban_stop, vec![true, true, false, false, false]);
+}
+
+#[test]
+fn speculation_stays_off_where_it_must() {
+    let mut s = sched(32, 4, 4);
+    let prompt = [1, 2, 3, 4, 1, 2];
+    let off = RequestParams {
+        speculate: false,
+        ..params(8)
+    };
+    s.add_request("off", &prompt, off).unwrap();
+    s.schedule(Some(0.0));
+    s.update(&[3]).unwrap();
+    let plan = s.schedule(Some(1.0)).clone();
+    assert_eq!(plan.sample_draft, vec![-1]);
+    // Past max_batch_tokens running sequences: a compute-bound batch never speculates.
+    let mut s = sched(64, 4, 4);
+    s.set_speculation(Some(SpecConfig {
+        max_batch_tokens: 2,
+        ..spec(4)
+    }))
+    .unwrap();
+    for id in ["a", "b"] {
+        s.add_request(id, &prompt, params(8)).unwrap();
+    }
+    s.schedule(Some(0.0));
+    s.update(&[3, 3]).unwrap();
+    let plan = s.schedule(Some(1.0)).clone();
+    assert_eq!(plan.num_tokens(), 2);
+    assert!(plan.sample_draft.iter().all(|&d| d < 0));
+    // Bad settings name the field.
+    let err = s.set_speculation(Some(SpecConfig {
+        prompt_lookup_min: 5,
+        ..spec(4)
+    }));
+    assert!(matches!(err, Err(CoreError::InvalidArgument { .. })));
+}
+
+/// Writes and checks a plan the way a forward reads it: the context (positions < ctx) must
+/// hold the hashes of the sequence's own verified prefix; query rows write the hash of the
+/// prefix they were given, proposals included (so a rejected proposal's KV is wrong KV).
+fn run_plan(s: &Scheduler, plan: &Plan, kv: &mut [u64], bs: usize) {
+    let bt = s.block_tables();
+    let w = plan.block_table_width;
+    for pair in plan.cow_pairs.chunks(2) {
+        let (src, dst) = (pair[0] as usize * bs, pair[1] as usize * bs);
+        kv.copy_within(src..src + bs, dst);
+    }
+    for b in 0..plan.num_seqs() {
+        let slot = plan.seq_slots[b] as Slot;
+        let tokens = s.token_ids(slot).unwrap();
+        let (q0, q1) = (
+            plan.query_start_loc[b] as usize,
+            plan.query_start_loc[b + 1] as usize,
+        );
+        let ctx = plan.context_lens[b] as usize;
+        let at = |pos: usize| bt[b * w + pos / bs] as usize * bs + pos % bs;
+        let mut h = 1;
+        for (pos, &t) in tokens[..ctx].iter().enumerate() {
+            h = kv_hash(h, t);
+            assert_eq!(
+                kv[at(pos)],
+                h,
+                "slot {slot} pos {pos}: wrong KV in the context"
+            );
+        }
+        for row in q0..q1 {
+            let pos = plan.positions[row] as usize;
+            assert_eq!(pos, ctx + row - q0);
+            assert_eq!(plan.slot_mapping[row] as usize, at(pos));
+            if pos < tokens.len() {
+                assert_eq!(plan.input_ids[row], tokens[pos] as i64);
+            }
+            h = kv_hash(h, plan.input_ids[row] as u32);
+            kv[at(pos)] = h;
+        }
+    }
+}
+
+#[test]
+fn randomized_accept_reject_cycles_keep_blocks_and_cache_exact() {
+    let mut accepted_any = 0;
+    for seed in 0..60u64 {
+        let mut rng = Rng(seed);
+        let bs = [1, 2, 4, 8][rng.index(4)];
+        let num_blocks = 12 + rng.index(40);
+        let mut s = Scheduler::new(SchedulerConfig {
+            num_blocks,
+            block_size: bs,
+            max_num_seqs: 1 + rng.index(6),
+            max_num_batched_tokens: 8 + rng.index(32),
+            max_model_len: 64,
+            policy: Policy::Fcfs,
+            enable_prefix_caching: rng.chance(80),
+            max_queue_len: None,
+        })
+        .unwrap();
+        s.set_speculation(Some(SpecConfig {
+            num_speculative_tokens: 1 + rng.index(6),
+            prompt_lookup_max: 1 + rng.index(3),
+            prompt_lookup_min: 1,
+            max_batch_tokens: 4 + rng.index(40),
+        }))
+        .unwrap();
+        let mut kv = vec![u64::MAX; num_blocks * bs];
+        let base: Vec<u32> = (0..16).map(|_| rng.below(6) as u32).collect();
+        for step in 0..300 {
+            if rng.chance(25) {
+                let mut prompt = base[..1 + rng.index(15)].to_vec();
+                prompt.push(rng.below(6) as u32);
+                let max_tokens = 1 + rng.index(20);
+                let p = RequestParams {
+                    max_tokens,
+                    min_tokens: rng.index(3).min(max_tokens),
+                    n: if rng.chance(15) { 2 } else { 1 },
+                    eos_token_ids: vec![7],
+                    ..params(1)
+                };
+                let id = format!("r{seed}-{step}");
+                match s.add_request(&id, &prompt, p) {
+                    Ok(_) | Err(CoreError::RequestTooLarge(_)) => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            if rng.chance(3) {
+                s.finish(rng.index(s.num_slots().max(1)) as Slot);
+            }
+            let plan = s.schedule(Some(step as f64)).clone();
+            assert!(plan.num_tokens() <= s.config().max_num_batched_tokens);
+            run_plan(&s, &plan, &mut kv, bs);
+            if rng.chance(3) {
+                continue; // never updated: rolled back (preempted) by the next schedule
+            }
+            // The "model" agrees with a proposal most of the time, else says something else
+            // (sometimes EOS), as a verifier would.
+            let sampled: Vec<i64> = plan
+                .sample_draft
+                .iter()
+                .map(|&d| match (d >= 0 && rng.chance(70), rng.chance(5)) {
+                    (true, _) => d,
+                    (false, true) => 7,
+                    _ => rng.below(6) as i64,
+                })
+                .collect();
+            s.update(&sampled).unwrap();
+            // Rows after a rejected proposal are never appended.
+            for (r, &e) in s.emitted().iter().enumerate() {
+                if e && r > 0 && plan.sample_slots[r] == plan.sample_slots[r - 1] {
+                    assert_eq!(sampled[r - 1], plan.sample_draft[r - 1]);
+                }
+            }
+            s.check_invariants();
+            // Blocks held by running sequences are exactly what their verified tokens need.
+            for &slot in &s.running {
+                let q = &s.seqs[slot as usize];
+                if q.status == Status::Running {
+                    assert!(q.blocks.len() <= q.computed.div_ceil(bs), "lookahead kept");
+                }
+            }
+        }
+        accepted_any += s.spec_stats().num_accepted_tokens;
+        // Drain: every block comes back.
+        for _ in 0..500 {
+            if !s.has_unfinished() {
+                break;
+            }
+            let plan = s.schedule(None).clone();
+            run_plan(&s, &plan, &mut kv, bs);
+            let sampled: Vec<i64> = plan.sample_draft.iter().map(|&d| d.max(1)).collect();
+            s.update(&sampled).unwrap();
+            s.check_invariants();
+        }
+        assert!(!s.has_unfinished());
+        assert_eq!(s.stats().blocks.used, 0, "seed {seed}: a block leaked");
+        assert!(s.reset_prefix_cache());
+        assert_eq!(s.stats().blocks.free, num_blocks);
+    }
+    assert!(accepted_any > 100, "the run must actually accept proposals");
+}

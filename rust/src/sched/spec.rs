@@ -1,0 +1,198 @@
+//! Speculative decoding in the core: n-gram prompt lookup proposes tokens, the plan verifies
+//! them as extra query rows of their sequence, `update` keeps the accepted run and rolls the
+//! rest back.
+//!
+//! Everything per request happens here, in Rust: the proposal (a suffix match over the
+//! sequence's own tokens), the adaptive proposal length and the counters.
+
+use crate::error::{CoreError, CoreResult};
+
+/// vLLM's `speculative_config` for `method: ngram`, plus the core's own "never slower" knob.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecConfig {
+    /// Most tokens proposed per sequence per step.
+    pub num_speculative_tokens: usize,
+    /// Longest suffix matched; then shorter ones down to `prompt_lookup_min`.
+    pub prompt_lookup_max: usize,
+    pub prompt_lookup_min: usize,
+    /// Speculate only while at most this many tokens would be in a step's decode batch
+    /// (running sequences plus proposals): past that the batch is compute-bound on a CPU and
+    /// a rejected row costs as much as a useful one.
+    pub max_batch_tokens: usize,
+}
+
+impl SpecConfig {
+    pub fn validate(&self) -> CoreResult<()> {
+        if self.num_speculative_tokens == 0 {
+            return Err(CoreError::invalid("num_speculative_tokens", "must be >= 1"));
+        }
+        if self.prompt_lookup_min == 0 {
+            return Err(CoreError::invalid("prompt_lookup_min", "must be >= 1"));
+        }
+        if self.prompt_lookup_max < self.prompt_lookup_min {
+            return Err(CoreError::invalid(
+                "prompt_lookup_max",
+                format!(
+                    "must be >= prompt_lookup_min ({}), got {}",
+                    self.prompt_lookup_min, self.prompt_lookup_max
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A sequence's adaptive proposal state.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SpecState {
+    /// The request may speculate (no grammar, the sampler can verify its rows).
+    pub allowed: bool,
+    /// Proposal length for the next step.
+    pub k: usize,
+    /// Steps left before it proposes again (after proposals that were all rejected).
+    pub cooldown: u32,
+    /// Consecutive verifications that accepted nothing.
+    pub misses: u32,
+}
+
+impl SpecState {
+    pub fn reset(&mut self, allowed: bool, k: usize) {
+        *self = Self {
+            allowed,
+            k,
+            cooldown: 0,
+            misses: 0,
+        };
+    }
+
+    /// After a verification of `proposed` tokens of which `accepted` were right: grow the
+    /// length on a full hit, shrink it to what was used otherwise, and back off
+    /// exponentially (up to 64 steps) while nothing is accepted.
+    pub fn record(&mut self, proposed: usize, accepted: usize, max_k: usize) {
+        if accepted == proposed {
+            self.k = (self.k + 2).min(max_k);
+        } else {
+            self.k = (accepted + 1).clamp(1, max_k);
+        }
+        if accepted == 0 {
+            self.misses += 1;
+            self.cooldown = (1u32 << self.misses.min(6)) - 1;
+        } else {
+            self.misses = 0;
+        }
+    }
+}
+
+/// Counters for `/metrics` (vLLM's spec_decode_* names).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    /// Sequence-steps that verified at least one proposal.
+    pub num_drafts: u64,
+    pub num_draft_tokens: u64,
+    pub num_accepted_tokens: u64,
+    /// Accepted tokens by position in the proposal (0 = the first proposed token).
+    pub accepted_per_pos: Vec<u64>,
+}
+
+impl SpecStats {
+    pub fn record(&mut self, proposed: usize, accepted: usize) {
+        self.num_drafts += 1;
+        self.num_draft_tokens += proposed as u64;
+        self.num_accepted_tokens += accepted as u64;
+        if self.accepted_per_pos.len() < proposed {
+            self.accepted_per_pos.resize(proposed, 0);
+        }
+        for c in &mut self.accepted_per_pos[..accepted] {
+            *c += 1;
+        }
+    }
+}
+
+/// Prompt lookup: the tokens that followed the latest earlier occurrence of the longest
+/// suffix of `tokens` (of `max_n` down to `min_n` tokens) that occurs earlier, at most `k`.
+/// Written into `out` (cleared first).
+pub fn ngram_propose(tokens: &[u32], min_n: usize, max_n: usize, k: usize, out: &mut Vec<u32>) {
+    out.clear();
+    let len = tokens.len();
+    if k == 0 {
+        return;
+    }
+    for n in (min_n..=max_n.min(len.saturating_sub(1))).rev() {
+        let suffix = &tokens[len - n..];
+        // Latest match first: in a copy it is the one the output is following right now.
+        for start in (0..len - n).rev() {
+            if &tokens[start..start + n] == suffix {
+                let from = start + n;
+                let to = (from + k).min(len);
+                out.extend_from_slice(&tokens[from..to]);
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn propose(t: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        ngram_propose(t, min_n, max_n, k, &mut out);
+        out
+    }
+
+    #[test]
+    fn proposes_what_followed_the_suffix() {
+        // "1 2 3 4 5 ... 1 2" -> 3 4 5
+        assert_eq!(propose(&[1, 2, 3, 4, 5, 9, 1, 2], 1, 3, 3), vec![3, 4, 5]);
+        // Capped by the end of the sequence.
+        assert_eq!(propose(&[7, 8, 7], 1, 2, 5), vec![8, 7]);
+        assert_eq!(propose(&[1, 2, 3], 1, 3, 4), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn longer_suffix_wins_and_latest_match() {
+        // suffix (5, 6) matches at 3 -> 7; the 1-gram 6 alone would match later (-> 9).
+        let t = [0, 0, 0, 5, 6, 7, 6, 9, 5, 6];
+        assert_eq!(propose(&t, 1, 2, 1), vec![7]);
+        assert_eq!(propose(&t, 1, 1, 1), vec![9]);
+        // min_n above any match: nothing.
+        assert_eq!(propose(&[1, 2, 3, 1, 2], 3, 3, 2), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn adaptive_length_backs_off_and_recovers() {
+        let mut s = SpecState::default();
+        s.reset(true, 4);
+        s.record(4, 4, 8);
+        assert_eq!(s.k, 6);
+        s.record(6, 1, 8);
+        assert_eq!((s.k, s.cooldown), (2, 0));
+        s.record(2, 0, 8);
+        s.record(1, 0, 8);
+        assert_eq!((s.k, s.misses, s.cooldown), (1, 2, 3));
+        s.record(1, 1, 8);
+        assert_eq!((s.k, s.misses), (3, 0));
+    }
+
+    #[test]
+    fn config_errors_name_the_field() {
+        let ok = SpecConfig {
+            num_speculative_tokens: 3,
+            prompt_lookup_max: 3,
+            prompt_lookup_min: 1,
+            max_batch_tokens: 32,
+        };
+        assert!(ok.validate().is_ok());
+        let bad = SpecConfig {
+            prompt_lookup_max: 0,
+            ..ok.clone()
+        };
+        assert!(format!("{:?}", bad.validate()).contains("prompt_lookup_max"));
+        let bad = SpecConfig {
+            num_speculative_tokens: 0,
+            ..ok
+        };
+        assert!(format!("{:?}", bad.validate()).contains("num_speculative_tokens"));
+    }
+}
