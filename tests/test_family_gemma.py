@@ -7,16 +7,20 @@ soft-caps). Gemma 3's attention ignores `attn_logit_softcapping` in transformers
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ironlm import LLM, SamplingParams, _core
 from ironlm.model import load_model
 from ironlm.model.config import ModelConfig
+from ironlm.model.gguf import load_gguf_tokenizer
 from test_model_hf import TOL, _run_and_compare
-from tiny_models import make_tiny_model, tiny_hf_config
+from tiny_models import BOS_ID, EOS_ID, PAD_ID, make_tiny_model, tiny_hf_config
 
 WINDOW = 8
 MAX_NEW = 8
@@ -144,8 +148,7 @@ def test_gguf_from_llama_cpp_converter(tmp_path, monkeypatch):
     """Gemma 3 through llama.cpp's own converter (f32): the file's norms hold 1 + w already, its local layers
     name their RoPE base (rope.freq_base_swa), the 5:1 pattern is llama.cpp's; ironlm's greedy tokens equal the HF
     folder's through prefix caching + chunked prefill + preemption. The GGUF keeps no query_pre_attn_scalar
-    (llama.cpp scales by head_dim ** -0.5), so the source model uses head_dim. Gemma 2's converter needs a
-    sentencepiece tokenizer.model, which the tiny byte-level BPE models do not have: no Gemma 2 file here."""
+    (llama.cpp scales by head_dim ** -0.5), so the source model uses head_dim."""
     from family_parity import check_engine_greedy, hf_greedy, shared_prefix_prompts
     from gguf_convert import convert
 
@@ -160,3 +163,54 @@ def test_gguf_from_llama_cpp_converter(tmp_path, monkeypatch):
     prompts = shared_prefix_prompts(cfg.vocab_size)
     expected = [t for t, _ in hf_greedy(hf_dir, prompts, max_new=8)]
     check_engine_greedy(path, prompts, expected, backend="cpu", max_new=8)
+
+
+def _sentencepiece_folder(hf_dir: Path, vocab_size: int) -> None:
+    """Swap the folder's byte-level BPE for a SentencePiece BPE tokenizer.model shaped like Gemma's (byte fallback,
+    identity normalizer, no dummy prefix, <pad> <bos> <eos> <unk> <mask> first), trained in memory on a small text
+    (tens of ms), plus the GemmaTokenizer transformers builds from it."""
+    import sentencepiece as spm
+    from transformers import GemmaTokenizer
+
+    rng = np.random.default_rng(0)
+    words = ["gemma", "local", "global", "window", "token", "cache", "block", "prefix", "layer", "norm", "soft",
+             "cap", "rotary", "head", "the", "of", "a", "to", "in"]
+    text = (" ".join(rng.choice(words, size=12)) for _ in range(200))
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=text, model_writer=proto, vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+        pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=3, pad_piece="<pad>", bos_piece="<bos>",
+        eos_piece="<eos>", unk_piece="<unk>", user_defined_symbols=["<mask>"], minloglevel=2)
+    for f in hf_dir.glob("*"):
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    (hf_dir / "tokenizer.model").write_bytes(proto.getvalue())
+    tok = GemmaTokenizer.from_pretrained(str(hf_dir), add_bos_token=True)  # as Gemma's own tokenizer_config
+    assert len(tok) == vocab_size and (tok.bos_token_id, tok.eos_token_id) == (BOS_ID, EOS_ID)
+    tok.save_pretrained(str(hf_dir))
+
+
+def test_gemma2_gguf_from_llama_cpp_converter(tmp_path, monkeypatch):
+    """Gemma 2 through llama.cpp's converter (f32), from a tiny SentencePiece tokenizer.model (its converter reads
+    no other tokenizer): norms stored as 1 + w, both soft-caps and the window read from the file, every other layer
+    local as llama.cpp's swa pattern; greedy tokens equal the HF folder's (eager, the attention that soft-caps)
+    through prefix caching + chunked prefill + preemption. The converter drops lm_head: Gemma 2 ties it."""
+    from family_parity import check_engine_greedy, shared_prefix_prompts
+    from gguf_convert import convert
+
+    monkeypatch.setenv("IRONLM_CACHE_DIR", str(tmp_path / "cache"))  # the GGUF tokenizer cache
+    vocab = 320
+    feats = {**FEATURES["gemma2"], "query_pre_attn_scalar": 64, "tie_word_embeddings": True}
+    feats.pop("layer_types")  # transformers' own alternation, local first
+    hf_dir = make_tiny_model(tmp_path, arch="gemma2", num_hidden_layers=4, vocab_size=vocab, **feats)
+    _sentencepiece_folder(hf_dir, vocab)
+    path = convert(hf_dir, tmp_path / "gguf", "f32")
+    cfg = load_model(path, dtype=torch.float32, device="cpu").config
+    assert (cfg.architecture, cfg.source, cfg.norm_offset, cfg.vocab_size) == ("gemma2", "gguf", 0.0, vocab)
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.layer_windows) == (1.5, 10.0, [WINDOW, None] * 2)
+    text = "the soft cap of a local window: é, 漢"  # pieces, spaces kept, byte fallback for unseen characters
+    assert load_gguf_tokenizer(path)(text).input_ids == AutoTokenizer.from_pretrained(str(hf_dir))(text).input_ids
+    prompts = shared_prefix_prompts(vocab)
+    hf = _reference(hf_dir)
+    check_engine_greedy(path, prompts, [_hf_greedy(hf, p) for p in prompts], backend="cpu", max_new=MAX_NEW)
