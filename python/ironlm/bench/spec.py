@@ -2,7 +2,7 @@
 greedy, plain decode vs n-gram speculation in one process, decode tok/s (output tokens after the first over the
 time after the first token) and the acceptance figures.
 
-    python -m ironlm.bench.spec [--max-tokens 256] [--k 5] [--json PATH]
+    python -m ironlm.bench.spec [--max-tokens 256] [--k 5] [--batch-invariant] [--json PATH]
 """
 
 from __future__ import annotations
@@ -57,8 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="both engines batch-invariant: speculative greedy output then equals plain bit for bit")
     a = ap.parse_args(argv)
-    kw: dict[str, Any] = {"model": a.model, "kv_cache_memory": "512MiB", "max_model_len": 4096, "seed": 0}
+    kw: dict[str, Any] = {"model": a.model, "kv_cache_memory": "512MiB", "max_model_len": 4096, "seed": 0,
+                          "batch_invariant": a.batch_invariant}
     b0 = _busy()
     plain = LLM(**kw)
     prompts = [chat_prompt(plain.engine.tokenizer, t) for t in load_prompts()]
