@@ -535,14 +535,11 @@ class Scheduler:
     def enable_prefix_caching(self) -> bool: ...
     def emitted(self) -> npt.NDArray[np.bool_]:
         """Per ``plan.sample_slots`` row of the last ``update``: whether its token was appended."""
-        ...
     def set_speculation(self, num_speculative_tokens: int | None, prompt_lookup_max: int = 4,
                         prompt_lookup_min: int = 1, max_batch_tokens: int = 32) -> None:
         """n-gram speculative decoding for requests added from now (None: off)."""
-        ...
     def spec_stats(self) -> dict[str, Any]:
         """``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``."""
-        ...
     def stats(self) -> dict[str, int]:
         """Counters without a scan: num_waiting, num_running, num_preemptions, num_timeouts,
         prefix_queries, prefix_hits, blocks_total, blocks_free, blocks_used, blocks_cached,
