@@ -26,9 +26,8 @@ BASE: dict[str, Any] = {"device": "cpu", "max_model_len": 64, "block_size": 4, "
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
 
 # name -> (dtype, quantization or a GGUF type)
-# (int4 and Q8_0 run the int8 kernels as int8 / Q4_0 do and pass the same checks; left out for the time budget)
 MODELS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"),
-          "q4_0": ("bfloat16", "Q4_0")}
+          "int4": ("bfloat16", "int4"), "q4_0": ("bfloat16", "Q4_0"), "q8_0": ("bfloat16", "Q8_0")}
 
 Result = tuple[tuple[int, ...], tuple[bytes, ...]]
 
