@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ironlm.engine.spec.config import SpeculativeConfig, parse_speculative_config
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.spec_config import SpeculativeConfig, parse_speculative_config
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "deadline", "fair")
 PREEMPTION_MODES = ("aggressive", "conservative")

@@ -1,5 +1,8 @@
 """`speculative_config`, as vLLM spells it: a dict or its JSON text, e.g.
-`{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}`."""
+`{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}`.
+
+Outside ironlm.engine: config.py reads it, and `import ironlm` must not load the engine package.
+"""
 
 from __future__ import annotations
 
