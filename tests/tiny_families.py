@@ -16,7 +16,15 @@ from typing import Any
 
 import torch
 
-from tiny_models import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, make_tiny_tokenizer, tiny_vocab
+from tiny_models import (
+    BOS_ID,
+    EOS_ID,
+    IM_END_ID,
+    PAD_ID,
+    make_tiny_tokenizer,
+    perturb_norms_and_biases,
+    tiny_vocab,
+)
 
 _BASE: dict[str, Any] = {
     "hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -75,13 +83,7 @@ def make_family_model(tmp_path: str | Path, family: str, **overrides: Any) -> Pa
     config = family_hf_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif pname.endswith(".bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    perturb_norms_and_biases(model, seed + 1)
     model.eval()
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID],
                                                pad_token_id=PAD_ID, do_sample=False)

@@ -161,6 +161,18 @@ def tiny_hf_config(arch: str = "llama", **overrides: Any) -> Any:
     return classes[arch](**kwargs)
 
 
+def perturb_norms_and_biases(model: Any, seed: int) -> None:
+    """Norm weights around 1 and biases around 0, drawn from `seed` (HF initialises them to exactly 1 and 0, which
+    hides loading bugs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif pname.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
 def make_tiny_model(tmp_path: str | Path, arch: str = "llama", **overrides: Any) -> Path:
     """Build, randomise and save a tiny HF model folder (config.json, generation_config.json, safetensors,
     tokenizer with chat template). Returns the folder (tmp_path / name, name defaults to f"tiny-{arch}")."""
@@ -178,13 +190,7 @@ def make_tiny_model(tmp_path: str | Path, arch: str = "llama", **overrides: Any)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if perturb:
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "norm" in pname:
-                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-                elif pname.endswith(".bias"):
-                    p.copy_(0.2 * torch.randn(p.shape, generator=g))
+        perturb_norms_and_biases(model, seed + 1)
     model = model.to(dtype).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=eos_ids, pad_token_id=PAD_ID, do_sample=False
