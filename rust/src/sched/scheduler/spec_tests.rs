@@ -20,17 +20,7 @@ fn spec(k: usize) -> SpecConfig {
 }
 
 fn sched(num_blocks: usize, bs: usize, k: usize) -> Scheduler {
-    let mut s = Scheduler::new(SchedulerConfig {
-        num_blocks,
-        block_size: bs,
-        max_num_seqs: 8,
-        max_num_batched_tokens: 64,
-        max_model_len: 256,
-        policy: Policy::Fcfs,
-        enable_prefix_caching: true,
-        max_queue_len: None,
-    })
-    .unwrap();
+    let mut s = Scheduler::new(super::tests::cfg(num_blocks, bs)).unwrap();
     s.set_speculation(Some(spec(k))).unwrap();
     s
 }

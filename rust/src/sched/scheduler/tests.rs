@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use super::*;
 use crate::sched::sequence::FinishReason;
 
-fn cfg(num_blocks: usize, block_size: usize) -> SchedulerConfig {
+pub(super) fn cfg(num_blocks: usize, block_size: usize) -> SchedulerConfig {
     SchedulerConfig {
         num_blocks,
         block_size,
