@@ -47,6 +47,8 @@ class LeanBuffers:
         self.attn, self.attn_np = buf(cfg.q_size)
         self.gate_up, self.gate_up_np = buf(2 * cfg.intermediate_size)
         self.act, self.act_np = buf(cfg.intermediate_size)
+        # rounded to the activation dtype first, as `DecoderLM._embed` (and transformers) does; built once
+        self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=dtype)
 
 
 @dataclass
@@ -122,9 +124,8 @@ def _embed(model: Any, input_ids: torch.Tensor, ws: LeanBuffers) -> None:
         ws.h.copy_(model.embed_q.embed(input_ids))
     else:
         torch.index_select(model.embed, 0, input_ids, out=ws.h)
-    scale = model.config.embed_scale
-    if scale is not None:  # rounded to the activation dtype first, as `_embed` (and transformers) does
-        ws.h.mul_(torch.tensor(scale, dtype=ws.h.dtype))
+    if ws.embed_scale is not None:
+        ws.h.mul_(ws.embed_scale)
 
 
 def _views(layer: Any) -> LayerViews:
