@@ -20,8 +20,8 @@ _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 def run_one(binary: str, gguf: Path, prompt: str, max_tokens: int, k: int, threads: int,
             draft_gguf: Path | None = None, timeout: float = 900.0) -> dict[str, float]:
     """One prompt through `binary` (llama-lookup or llama-speculative): decoded tokens, seconds, drafted, accepted."""
-    cmd = [str(find_binary(binary)), "-m", str(gguf), "-p", prompt, "-n", str(max_tokens), "--draft-max", str(k),
-           "-t", str(threads), "--temp", "0", "-c", "4096", "--no-warmup"]
+    cmd = [str(find_binary(binary)), "-m", str(gguf), "-p", prompt, "-n", str(max_tokens), "--spec-draft-n-max", str(k),
+           "-t", str(threads), "--temp", "0", "-c", "4096"]
     if draft_gguf is not None:
         cmd += ["-md", str(draft_gguf), "-td", str(threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
