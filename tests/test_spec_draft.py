@@ -233,14 +233,15 @@ def _chi2(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> f
 
 
 def test_first_two_tokens_follow_the_target_distribution(models):
-    """1024 seeded requests, k = 1, so the second token is always a verified proposal of the noisy draft (the
-    first comes from the prefill row): the joint histogram of the first two tokens against the target's exact
-    joint distribution. A verifier that keeps proposals too often, or that redraws from p instead of the
-    residual, shifts mass toward the draft's choices and fails this."""
+    """1024 seeded requests, k = 1, so the second token is always a verified proposal of the small random draft
+    (the first comes from the prefill row; about 28 % of proposals are kept): the joint histogram of the first
+    two tokens against the target's exact joint distribution. A verifier that redraws rejected rows from p
+    instead of the residual shifts mass toward the draft's choices and fails this (noncentrality ~127 over ~50
+    bins); the sampler-level test above catches subtler biases with 8192 sequences."""
     prompt = _prompts()[0]
     temperature = 0.7
     spec = LLM(str(models["target"]), num_kv_blocks=2048, max_num_seqs=512,
-               speculative_config=_spec(models["noisy"], 1), **KW)
+               speculative_config=_spec(models["small"], 1), **KW)
     n = 1024
     # max_tokens 3: after the first token, room for one proposal and the row after it.
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
@@ -252,8 +253,8 @@ def test_first_two_tokens_follow_the_target_distribution(models):
     probs = _first_two_probs(models["target"], prompt, temperature)
     V = probs.shape[0]
     counts = np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V).reshape(V, V)
-    assert _chi2(counts, probs) > 1e-3
-    assert _chi2(counts.sum(0), probs.sum(0)) > 1e-3  # the second token alone: the one speculation decides
+    assert _chi2(counts, probs, 20.0) > 1e-3
+    assert _chi2(counts.sum(0), probs.sum(0), 20.0) > 1e-3  # the second token alone: the one speculation decides
 
 
 def test_bad_draft_models_are_refused(models, tmp_path):
