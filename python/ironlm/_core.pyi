@@ -553,8 +553,12 @@ class Scheduler:
     def emitted(self) -> npt.NDArray[np.bool_]:
         """Per ``plan.sample_slots`` row of the last ``update``: whether its token was appended."""
     def set_speculation(self, num_speculative_tokens: int | None, prompt_lookup_max: int = 4,
-                        prompt_lookup_min: int = 1, max_batch_tokens: int = 32) -> None:
-        """n-gram speculative decoding for requests added from now (None: off)."""
+                        prompt_lookup_min: int = 1, max_batch_tokens: int = 32, external: bool = False) -> None:
+        """Speculative decoding for requests added from now (None: off): n-gram proposals, or with `external`
+        rows reserved for proposals handed in by `set_proposals`."""
+    def set_proposals(self, plan: SchedulerPlan, tokens: npt.ArrayLike) -> None:
+        """One token per sample row of `plan` (the last one scheduled) with `sample_draft >= 0`, in row order:
+        written into the core's plan and `plan.input_ids` / `plan.sample_draft`."""
     def spec_stats(self) -> dict[str, Any]:
         """``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``."""
     def stats(self) -> dict[str, int]:
