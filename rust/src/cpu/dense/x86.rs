@@ -328,6 +328,7 @@ unsafe fn nk_avx2<T: Weight>(j: &Job<T>, sink: &Sink<T>, c0: usize, c1: usize) {
 
 /// 16 lanes as two 8-lane halves, so the chains and the final tree match the other paths.
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // `h` picks the half in the weights, x and the accumulators alike
 unsafe fn nk256<T: Weight, const MR: usize, const NR: usize>(
     j: &Job<T>,
     sink: &Sink<T>,
