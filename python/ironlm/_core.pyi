@@ -200,6 +200,17 @@ def quant_isas() -> tuple[str, list[str]]:
     """The SIMD path ``QuantMatrix.matmul`` picks on this CPU, and all paths it can run (``"scalar"``, ``"avx2"``,
     ``"avx_vnni"``, ``"avx512_vnni"``)."""
 
+def dense_matmul(x: _Floats, weight: _Floats, out: _Floats, accumulate: bool = False,
+                 bias: npt.NDArray[np.float32] | None = None, dtype: str = "float32", threads: int = 1,
+                 isa: str | None = None) -> None:
+    """``out = x @ weight (+ bias)`` (``+=`` with ``accumulate``) for ``x [m, k]``, ``weight [k, n]`` either
+    C-contiguous or the transpose of a C-contiguous ``[n, k]``, ``out [m, n]``; f32 accumulation, one rounding to
+    ``dtype``. Each row's result is independent of ``m`` and ``threads``. Streams the weights once: for small m."""
+
+def dense_isas() -> tuple[str, list[str]]:
+    """The SIMD path ``dense_matmul`` picks on this CPU, and all paths it can run (``"scalar"``, ``"avx2"``,
+    ``"avx512"``, ``"avx512_bf16"``)."""
+
 @final
 class QuantMatrix:
     """A weight matrix ``[rows, cols]`` (``[out_features, in_features]``) kept block-quantized: every 32 weights of
