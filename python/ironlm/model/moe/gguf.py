@@ -48,9 +48,11 @@ def gguf_moe(meta: Callable[..., Any], gf: Any, arch: str, num_layers: int) -> M
 
 
 def split_experts(gf: Any, type_sizes: Callable[[int], tuple[int, int]]) -> None:
-    """Each stacked expert tensor -> one 2-D tensor per expert (in place, idempotent); `type_sizes(ggml_type)` is
-    (elements per block, bytes per block)."""
+    """Each stacked expert tensor -> one 2-D tensor per expert (in place, idempotent), and the shared expert's
+    gate [1, hidden] however the file shapes it; `type_sizes(ggml_type)` is (elements per block, bytes per block)."""
     for name, info in list(gf.tensors.items()):
+        if name.endswith(".ffn_gate_inp_shexp.weight") and len(info.shape) == 1:  # llama-quantize writes it 1-D
+            gf.tensors[name] = dataclasses.replace(info, shape=(1, info.shape[0]))
         m = _STACK.match(name)
         if m is None or len(info.shape) != 3:
             continue
