@@ -281,6 +281,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rope_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(ops::silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::gelu_tanh_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::qk_norm_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(ops::cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quant_isas, m)?)?;
     m.add_class::<quant::PyQuantMatrix>()?;
