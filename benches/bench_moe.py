@@ -1,0 +1,166 @@
+"""A random-weight MoE of OLMoE-1B-7B's layer geometry, as GGUF Q8_0 / Q4_0 made by llama.cpp's own tools, run by
+ironlm and by llama-bench on the same file with the same threads: single-stream prefill and decode.
+
+    python benches/bench_moe.py [--layers 8] [--types q8_0,q4_0] [--threads 2] [--prompt 128] [--gen 64]
+
+Geometry (allenai/OLMoE-1B-7B-0924's config.json): hidden 2048, 16 heads (head_dim 128, no GQA), 64 experts of
+1024, top-8, norm_topk_prob false, full-width qk-norm, vocab 50304, rms_norm_eps 1e-5. `--layers` scales the
+depth (16 in the real model; 8 layers: ~3.5B parameters, ~3.7 GB at Q8_0) to fit the machine. Weights are random
+(no hub here); a decode step's cost does not depend on their values, only on which experts are routed, and a
+random router spreads tokens as a trained one roughly does.
+
+Printed per type: ironlm's and llama.cpp's prefill and decode tokens/s, the bytes one decode token reads (the
+attention and head matrices plus top_k of each layer's experts: the active weights) and the read rate that
+implies, and the machine's busy fraction during each run (/proc/stat: other processes' load shows there).
+Files go to --out (made once, reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_gemma_gguf import make_tokenizer, quantize  # benches/ is not a package: found through sys.path
+
+
+def _busy() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    return sum(parts) - parts[3] - parts[4], sum(parts)
+
+
+def _busy_since(start: tuple[int, int]) -> float:
+    b1, t1 = _busy()
+    return (b1 - start[0]) / max(1, t1 - start[1])
+
+
+def make_hf(out: Path, args: argparse.Namespace, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM, OlmoeConfig
+
+    config = OlmoeConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.expert_size,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=False, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.save_pretrained(str(out))
+    make_tokenizer(out, args.vocab)
+    return out
+
+
+def active_bytes(llm: Any) -> int:
+    """Weight bytes one decode token reads: every linear but the experts, plus top_k experts a sparse layer."""
+    net = llm.engine.runner.model
+    total = net.head.nbytes
+    for layer in net.layers:
+        total += layer.qkv.nbytes + layer.o.nbytes
+        if layer.moe is None:
+            total += layer.gate_up.nbytes + layer.down.nbytes
+            continue
+        experts = layer.moe.experts
+        per_expert = sum(m.gate_up.nbytes + m.down.nbytes for m in experts) / len(experts)
+        total += int(layer.moe.spec.top_k * per_expert) + layer.moe.router_weight.numel() * 4
+        if layer.moe.shared is not None:
+            total += layer.moe.shared.gate_up.nbytes + layer.moe.shared.down.nbytes
+    return total
+
+
+def run_ironlm(path: Path, args: argparse.Namespace) -> dict[str, float]:
+    from ironlm import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(str(path), device="cpu", seed=0, max_model_len=args.prompt + args.gen + 16)
+    prompt = {"prompt_token_ids": [(7 * i) % (args.vocab - 10) + 5 for i in range(args.prompt)]}
+
+    def timed(n: int) -> float:
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate([prompt], sp, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(4)  # warm-up: first-call allocations, thread pool start
+    busy = _busy()
+    prefill = min(timed(1) for _ in range(args.reps))
+    full = min(timed(args.gen) for _ in range(args.reps))
+    out = {"prefill_tok_s": args.prompt / prefill, "decode_tok_s": (args.gen - 1) / max(full - prefill, 1e-9),
+           "busy": _busy_since(busy), "active_bytes": float(active_bytes(llm))}
+    out["read_gb_s"] = out["active_bytes"] * out["decode_tok_s"] / 1e9
+    return out
+
+
+def run_llama(path: Path, args: argparse.Namespace) -> dict[str, float]:
+    from ironlm.bench.llama_cpp import run_bench
+
+    busy = _busy()
+    out = run_bench(path, prompt_len=args.prompt, gen_len=args.gen, threads=args.threads)
+    return {**out, "busy": _busy_since(busy)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "bench_out" / "olmoe-random")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--expert-size", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--types", default="q8_0,q4_0")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--skip-llama", action="store_true", help="ironlm only (no llama.cpp build)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gguf_convert import convert_many  # type: ignore[import-not-found]  # tests/ is not a package
+
+    hf = args.out / "hf"
+    if not (hf / "config.json").is_file():
+        make_hf(hf, args)
+    types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
+    files: dict[str, Path] = {}
+    for t in types:
+        dest = args.out / f"olmoe-random.{t.upper()}.gguf"
+        if not dest.is_file():
+            if t == "q4_0":  # llama-quantize makes Q4_0, from bf16 (it refuses to requantize Q8_0)
+                bf16 = args.out / "olmoe-random.BF16.gguf"
+                if not bf16.is_file():
+                    convert_many([(hf, "bf16")], args.out, "gpt-2", [bf16.name])
+                if quantize(bf16, dest, "Q4_0") is None:
+                    print("no llama-quantize binary: Q4_0 skipped")
+                    continue
+            else:
+                convert_many([(hf, t)], args.out, "gpt-2", [dest.name])
+        files[t] = dest
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    for t, path in files.items():
+        row = {"ironlm": run_ironlm(path, args)}
+        if not args.skip_llama:
+            row["llama.cpp"] = run_llama(path, args)
+        results[t] = row
+        print(t.upper(), json.dumps(row, indent=1))
+        if "llama.cpp" in row:
+            a, b = row["ironlm"], row["llama.cpp"]
+            print(f"  {t.upper()}: decode {a['decode_tok_s']:.2f} vs {b['decode_tok_s']:.2f} tok/s "
+                  f"({a['decode_tok_s'] / b['decode_tok_s']:.2f}x), prefill {a['prefill_tok_s']:.1f} vs "
+                  f"{b['prefill_tok_s']:.1f} ({a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x); ironlm reads "
+                  f"{a['active_bytes'] / 1e6:.0f} MB a token = {a['read_gb_s']:.1f} GB/s")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
