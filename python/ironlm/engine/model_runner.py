@@ -156,7 +156,8 @@ class ModelRunner:
 
         config, shard = self.config, self.shard_config
         geometry = TierGeometry(num_layers=shard.num_layers, block_size=config.block_size,
-                                num_kv_heads=shard.num_kv_heads, head_dim=shard.head_dim, dtype=self.dtype)
+                                num_kv_heads=shard.num_kv_heads, head_dim=shard.head_dim, dtype=self.dtype,
+                                planes=shard.kv_planes)
         slots = config.resolve_kv_tier_bytes() // geometry.bytes_per_block
         if self.tp is not None:
             slots = self.tp.min_int(slots)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ironlm.model import registry
+from ironlm.model.mla import LatentAttention
 
 if TYPE_CHECKING:
     from ironlm.model.config import ModelConfig
@@ -48,6 +49,13 @@ def expected_weights(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names += [p + f"{n}.weight" for n, present in norms if present]
+        if cfg.mla:
+            names += [p + "self_attn." + n for n in LatentAttention.weight_names(cfg)]
+            names.append(p + "self_attn.o_proj.weight")
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+            if cfg.attention_out_bias:
+                names.append(p + "self_attn.o_proj.bias")
+            continue
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         if cfg.attention_bias:
@@ -78,6 +86,9 @@ def weight_target(model: Any, name: str) -> torch.Tensor | None:
     if idx >= cfg.num_layers:
         return None
     layer = model.layers[idx]
+    if layer.mla is not None and rest.startswith("self_attn.") and rest != "self_attn.o_proj.weight" \
+            and rest != "self_attn.o_proj.bias":
+        return layer.mla.weight_target(rest[10:])
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
     if rest.startswith("self_attn.") and rest[11:] in ("_proj.weight", "_proj.bias") and rest[10] in qkv_rows:
