@@ -7,6 +7,7 @@ from typing import Any
 
 from ironlm.exceptions import UnsupportedModelError
 from ironlm.model import registry
+from ironlm.model.moe.spec import MoeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -78,6 +79,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the checkpoint rotates interleaved pairs (x0, x1), ...: de-interleaved at load
+    moe: MoeConfig | None = None  # mixture-of-experts MLPs on the layers it marks (see model/moe/)
     source: str = "hf"  # hf | gguf
     hf_config: Any = field(default=None, repr=False, compare=False)  # the transformers config, when there is one
 
@@ -99,6 +101,9 @@ class ModelConfig:
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise UnsupportedModelError(
                 f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise UnsupportedModelError(
+                f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries for {self.num_layers} layers")
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.mla and (int(self.kv_lora_rank or 0) < 1 or self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2
@@ -162,7 +167,7 @@ class ModelConfig:
                 and self.pre_attn_norm and self.pre_mlp_norm and not self.post_attn_norm and not self.post_mlp_norm
                 and self.embed_scale is None and self.residual_scale is None and self.attn_scale is None
                 and self.norm_offset == 0.0 and self.local_rope is None and self.rotary_dim is None
-                and self.rope_layers is None and not self.mla)
+                and self.rope_layers is None and self.moe is None and not self.mla)
 
     def rotary_config(self, layer: int) -> ModelConfig:
         """The config whose rope fields give layer `layer`'s rotary (the sliding layers' own base, if any)."""
@@ -196,7 +201,13 @@ class ModelConfig:
         per_layer += (self.q_size + 2 * self.kv_size) * self.attention_bias + h * self.attention_out_bias
         per_layer += (self.q_size + self.kv_size if self.qk_norm_full else 2 * self.head_dim) * self.qk_norm
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return n * per_layer + emb + h
+        total = n * per_layer + emb + h
+        if self.moe is not None:  # a MoE layer's MLP: router, every expert, the shared expert (not the dense MLP)
+            m = self.moe
+            moe_mlp = h * m.num_experts + 3 * h * (m.num_experts * m.intermediate_size + m.shared_intermediate_size)
+            moe_mlp += h * m.shared_gate
+            total += sum(m.sparse_layers) * (moe_mlp - 3 * h * i)
+        return total
 
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod
