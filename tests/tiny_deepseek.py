@@ -25,7 +25,7 @@ from tiny_models import (
 )
 
 _BASE: dict[str, Any] = {
-    "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 4, "kv_lora_rank": 48, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 24,
     "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "initializer_range": 0.08,
     "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
