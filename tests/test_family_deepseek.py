@@ -1,0 +1,99 @@
+"""DeepSeek-V2 / V3 against transformers: multi-head latent attention over a latent KV cache (absorbed
+up-projections), a dense first layer, then routed + shared experts (V2: softmax, group-limited greedy; V3: sigmoid
+with the score-correction bias over the best groups, renormalised), routed_scaling_factor; q through a low-rank pair
+(V2) or one q_proj (V3). Greedy tokens equal on the torch and cpu backends with prefix caching, chunked prefill and
+preemption in one run, and again with preemption by swap through the KV tier. The cache holds one
+kv_lora_rank + rope row per token per layer: the test checks that in the pool's real tensors and that a long context
+fits in a pool where per-head K/V would not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from family_parity import MAX_NEW, check_engine_greedy, hf_greedy, shared_prefix_prompts
+from ironlm import LLM, SamplingParams
+from ironlm.model import load_model
+from tiny_deepseek import DEEPSEEK_VARIANTS, make_deepseek_model
+from tiny_models import tiny_vocab
+
+FAMILIES = list(DEEPSEEK_VARIANTS)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def deepseek(request, tmp_path_factory):
+    fam, over = DEEPSEEK_VARIANTS[request.param]
+    path = make_deepseek_model(tmp_path_factory.mktemp(request.param), fam, **over)
+    prompts = shared_prefix_prompts(len(tiny_vocab()[0]))
+    return request.param, path, prompts, [t for t, _ in hf_greedy(path, prompts, max_new=MAX_NEW)]
+
+
+def test_config_has_every_feature(deepseek):
+    name, path, _, _ = deepseek
+    lm = load_model(path, dtype=torch.float32, device="cpu")
+    cfg = lm.config
+    assert cfg.mla and cfg.kv_lora_rank == 48 and cfg.qk_rope_head_dim == 16
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 48 + 16)  # the cache's one latent row
+    assert cfg.scale == pytest.approx((32 + 16) ** -0.5)
+    assert (cfg.q_lora_rank is not None) == (name == "deepseek_v2")
+    moe = cfg.moe
+    assert moe is not None and moe.sparse_layers == (False, True)  # first_k_dense_replace = 1
+    assert moe.num_experts == 8 and moe.route.top_k == 2 and moe.route.n_group == 4 and moe.route.topk_group == 2
+    assert moe.shared_intermediate_size == 48 * (2 if name == "deepseek_v2" else 1)
+    assert moe.route.scoring == ("softmax" if name == "deepseek_v2" else "sigmoid")
+    assert moe.correction_bias == (name == "deepseek_v3") and moe.route.renormalize == (name == "deepseek_v3")
+    first, second = lm.model.layers
+    assert first.moe is None and second.moe is not None and first.mla is not None
+    if name == "deepseek_v3":  # the checkpoint's nonzero correction bias arrived
+        assert second.moe.correction is not None and second.moe.correction.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_matches_transformers(deepseek, backend):
+    _, path, prompts, expected = deepseek
+    check_engine_greedy(path, prompts, expected, backend)
+
+
+def test_swap_through_the_tier_keeps_greedy_output(deepseek):
+    """Preempted sequences' latent blocks go to the host tier and come back (one plane per layer)."""
+    _, path, prompts, expected = deepseek
+    llm = check_engine_greedy(path, prompts, expected, "cpu", swap_space=0.001)
+    s = llm.engine.stats()
+    assert s["swap_out_blocks"] > 0 and s["swap_in_blocks"] > 0
+    tier = llm.engine.runner.tier
+    assert tier is not None and tier.geometry.planes == 1
+
+
+def test_kv_cache_holds_one_latent_row_per_token(deepseek):
+    """KV bytes per token: 2 layers x (48 + 16) x 4 bytes = 512, against 2 layers x 4 heads x (32 + 16 + 24) x 4 =
+    2304 with per-head K and V; the pool's tensors (K and V one tensor per layer) hold exactly that."""
+    _, path, _, _ = deepseek
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=10, block_size=4, warmup=False)
+    m = llm.get_metrics()
+    assert (m["kv_bytes_per_token"], m["kv_bytes_per_token_mha"]) == (512, 2304)
+    caches = llm.engine.runner.kv_caches
+    assert all(k is v for k, v in caches)
+    pool = sum(k.numel() * k.element_size() for k, _ in caches)
+    assert pool == 10 * 4 * 512
+
+
+def test_long_context_fits_where_per_head_kv_would_not(tmp_path):
+    """A 9k-token pool budget in bytes: latent rows hold an 8k-token prompt, per-head K/V would hold under 2k."""
+    fam, over = DEEPSEEK_VARIANTS["deepseek_v3"]
+    path = make_deepseek_model(tmp_path, fam, **{**over, "max_position_embeddings": 9216})
+    tokens, bs = 8192 + 64, 16
+    pool = tokens * 512  # bytes: exactly the latent rows of `tokens` tokens
+    assert pool // (2304 * bs) * bs < 2048  # what the same bytes hold as per-head K/V
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=pool, block_size=bs,
+              max_model_len=tokens, max_num_batched_tokens=2048, warmup=False)
+    assert llm.engine.stats()["blocks_total"] * bs == tokens
+    rng = random.Random(5)
+    prompt = [rng.randrange(6, len(tiny_vocab()[0])) for _ in range(8192)]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.engine.stats()["num_preemptions"] == 0
+    # the same prompt as per-head K/V: more than the pool's bytes
+    assert len(prompt) * 2304 > pool
