@@ -97,3 +97,36 @@ def test_long_context_fits_where_per_head_kv_would_not(tmp_path):
     assert llm.engine.stats()["num_preemptions"] == 0
     # the same prompt as per-head K/V: more than the pool's bytes
     assert len(prompt) * 2304 > pool
+
+
+def test_tensor_parallel_2_equals_1(tmp_path):
+    """TP=2 (gloo): each rank holds half the heads of q_b_proj, kv_b_proj and o_proj and the whole latent
+    projection, and caches the whole latent row; greedy tokens equal TP=1's through prefix hits, chunks and
+    preemption. Dense layers only: MoE layers do not run tensor parallel."""
+    from ironlm.distributed.sharding import ShardSpec
+
+    fam, over = DEEPSEEK_VARIANTS["deepseek_v2"]
+    path = make_deepseek_model(tmp_path, fam, **{**over, "first_k_dense_replace": 2})
+    cfg = load_model(path, dtype=torch.float32, device="cpu").config
+    spec = ShardSpec(1, 2, cfg)
+    local = spec.local_config()
+    assert (local.num_heads, local.num_kv_heads, local.head_dim) == (2, 1, 64)
+    assert spec.cut("model.layers.0.self_attn.q_b_proj.weight") == spec.cut("model.layers.0.self_attn.q_proj.weight")
+    assert spec.cut("model.layers.0.self_attn.q_b_proj.weight").start == 2 * (32 + 16)
+    assert spec.cut("model.layers.0.self_attn.kv_b_proj.weight").start == 2 * (32 + 24)
+    assert spec.cut("model.layers.0.self_attn.o_proj.weight").start == 2 * 24
+    assert spec.cut("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") is None
+    prompts = shared_prefix_prompts(len(tiny_vocab()[0]))
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine = {"dtype": "float32", "device": "cpu", "seed": 0, "block_size": 4, "num_kv_blocks": 24,
+              "max_num_batched_tokens": 16, "max_num_seqs": 4}
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    one = [list(o.outputs[0].token_ids) for o in LLM(str(path), **engine).generate(requests, sp, use_tqdm=False)]
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_timeout=60, **engine)
+    try:
+        two = [list(o.outputs[0].token_ids) for o in llm.generate(requests, sp, use_tqdm=False)]
+        s = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    assert two == one
+    assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0
