@@ -36,7 +36,7 @@ _BASE: dict[str, Any] = {
 
 DEEPSEEK_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # low-rank q; group-limited greedy top-2 of 8 (4 groups, best 2) with softmax scores and a scaling factor
-    "deepseek_v2": ("deepseek_v2", {"q_lora_rank": 40, "topk_method": "group_limited_greedy", "n_group": 4,
+    "deepseek_v2": ("deepseek_v2", {"q_lora_rank": 32, "topk_method": "group_limited_greedy", "n_group": 4,
                                     "topk_group": 2, "routed_scaling_factor": 1.5, "n_shared_experts": 2}),
     # one q_proj; sigmoid scores + correction bias, grouped top-2 of 8 (4 groups, best 2), renormalised, scaled
     "deepseek_v3": ("deepseek_v3", {"q_lora_rank": None, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,

@@ -322,6 +322,7 @@ class DecoderLM(nn.Module):
         linears = [self.head, self.embed_q] + [lin for layer in layers
                                                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         linears += [lin for layer in layers if layer.moe is not None for lin in layer.moe.linears()]
+        linears += [lin for layer in layers if layer.mla is not None for lin in layer.mla.linears()]
         seen: set[int] = set()
         total = 0
         for lin in linears:

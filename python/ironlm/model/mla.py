@@ -21,6 +21,7 @@ decoder's rotate-half RoPE applies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 
 from ironlm.model.config import ModelConfig
 from ironlm.model.layers import apply_rotary, rms_norm
+from ironlm.model.linear import DenseLinear, Linear
 
 if TYPE_CHECKING:
     from ironlm.attention import AttentionBackend, AttentionMetadata
@@ -69,6 +71,12 @@ class LatentAttention(nn.Module):
         self.kv_a_bias = _param((self.rank + self.rope,), dtype, device) if bias else None
         self.kv_a_norm = _param((self.rank,), dtype, device)
         self.kv_b_weight = _param((self.rank, heads * (self.nope + self.v_dim)), dtype, device)
+        # The projections as linears, built by finish_loading (quantize_ swaps them for quantized ones); kv_b stays
+        # a dense tensor: its heads' slices are the absorbed W_UK / W_UV of the batched matmuls
+        self.q_proj: Linear | None = None
+        self.q_a_proj: Linear | None = None
+        self.q_b_proj: Linear | None = None
+        self.kv_a_proj: Linear | None = None
 
     # ---- weights ---------------------------------------------------------------------------------------------
     def weight_target(self, rest: str) -> torch.Tensor | None:
@@ -94,6 +102,34 @@ class LatentAttention(nn.Module):
 
     @torch.no_grad()
     def finish_loading(self) -> None:
+        self._deinterleave()
+        if self.kv_a_proj is None:
+            self.kv_a_proj = DenseLinear(self.kv_a_weight, self.kv_a_bias)
+            if self.q_weight is not None:
+                self.q_proj = DenseLinear(self.q_weight)
+            else:
+                assert self.q_a_weight is not None and self.q_b_weight is not None
+                self.q_a_proj = DenseLinear(self.q_a_weight, self.q_a_bias)
+                self.q_b_proj = DenseLinear(self.q_b_weight)
+
+    def quantize_(self, make: Callable[[str, torch.Tensor, torch.Tensor | None], Linear], empty: nn.Parameter) -> None:
+        """The projections (not kv_b) through `make(HF name under self_attn., weight [out, in], bias)`; their dense
+        parameters are replaced by `empty`."""
+        self.kv_a_proj = make("kv_a_proj_with_mqa.weight", self.kv_a_weight.t(), self.kv_a_bias)
+        self.kv_a_weight = empty
+        if self.q_weight is not None:
+            self.q_proj = make("q_proj.weight", self.q_weight.t(), None)
+            self.q_weight = empty
+        else:
+            assert self.q_a_weight is not None and self.q_b_weight is not None
+            self.q_a_proj = make("q_a_proj.weight", self.q_a_weight.t(), self.q_a_bias)
+            self.q_b_proj = make("q_b_proj.weight", self.q_b_weight.t(), None)
+            self.q_a_weight = self.q_b_weight = empty
+
+    def linears(self) -> list[Linear]:
+        return [lin for lin in (self.q_proj, self.q_a_proj, self.q_b_proj, self.kv_a_proj) if lin is not None]
+
+    def _deinterleave(self) -> None:
         if not self.interleaved:
             return
         perm = deinterleave(self.rope).to(self.kv_a_weight.device)
@@ -114,18 +150,14 @@ class LatentAttention(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """x [T, hidden] (normed) -> the heads' attention output [T, heads * v_head_dim], o_proj's input."""
         t, heads, r = x.shape[0], self.heads, self.rank
-        if self.q_weight is not None:
-            q = x @ self.q_weight
+        if self.q_proj is not None:
+            q = self.q_proj(x)
         else:
-            assert self.q_a_weight is not None and self.q_a_norm is not None and self.q_b_weight is not None
-            qa = x @ self.q_a_weight
-            if self.q_a_bias is not None:
-                qa = qa + self.q_a_bias
-            q = rms_norm(qa, self.q_a_norm, LATENT_NORM_EPS) @ self.q_b_weight
+            assert self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_norm, LATENT_NORM_EPS))
         q = q.view(t, heads, self.nope + self.rope)
-        latent = x @ self.kv_a_weight
-        if self.kv_a_bias is not None:
-            latent = latent + self.kv_a_bias
+        assert self.kv_a_proj is not None
+        latent = self.kv_a_proj(x)
         cos, sin = rope
         row = torch.empty((t, 1, r + self.rope), dtype=x.dtype, device=x.device)
         row[:, 0, :r] = rms_norm(latent[:, :r].contiguous(), self.kv_a_norm, LATENT_NORM_EPS)

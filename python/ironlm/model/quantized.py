@@ -30,16 +30,21 @@ def quantize_core(model: Any, spec: QuantSpec, parts: dict[str, _core.QuantMatri
     for i, module in enumerate(model.layers):
         layer = module
         p, inter = f"model.layers.{i}.", cfg.intermediate_size
-        w = layer.qkv_weight.t()  # [q + 2kv, h]
-        q, kv = cfg.q_size, cfg.kv_size
-        qkv = [mat(p + "self_attn.q_proj.weight", w[:q]), mat(p + "self_attn.k_proj.weight", w[q:q + kv]),
-               mat(p + "self_attn.v_proj.weight", w[q + kv:])]
-        gu = layer.gate_up_weight.t()
-        gate_up = [mat(p + "mlp.gate_proj.weight", gu[:inter]), mat(p + "mlp.up_proj.weight", gu[inter:])]
-        layer.qkv = QuantLinear(_core.QuantMatrix.concat(qkv), layer.qkv_bias)
+        if layer.mla is not None:  # latent attention's own projections (mla.py); no fused q|k|v
+            layer.mla.quantize_(lambda name, w, b, p=p: QuantLinear(mat(p + "self_attn." + name, w), b),
+                                _empty(model))
+        else:
+            w = layer.qkv_weight.t()  # [q + 2kv, h]
+            q, kv = cfg.q_size, cfg.kv_size
+            qkv = [mat(p + "self_attn.q_proj.weight", w[:q]), mat(p + "self_attn.k_proj.weight", w[q:q + kv]),
+                   mat(p + "self_attn.v_proj.weight", w[q + kv:])]
+            layer.qkv = QuantLinear(_core.QuantMatrix.concat(qkv), layer.qkv_bias)
         layer.o = QuantLinear(mat(p + "self_attn.o_proj.weight", layer.o_weight.t()), layer.o_bias)
-        layer.gate_up = QuantLinear(_core.QuantMatrix.concat(gate_up))
-        layer.down = QuantLinear(mat(p + "mlp.down_proj.weight", layer.down_weight.t()))
+        if getattr(layer, "moe", None) is None:  # a MoE layer has no dense MLP (its experts stay as loaded)
+            gu = layer.gate_up_weight.t()
+            gate_up = [mat(p + "mlp.gate_proj.weight", gu[:inter]), mat(p + "mlp.up_proj.weight", gu[inter:])]
+            layer.gate_up = QuantLinear(_core.QuantMatrix.concat(gate_up))
+            layer.down = QuantLinear(mat(p + "mlp.down_proj.weight", layer.down_weight.t()))
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
             setattr(layer, name, _empty(model))
     if cfg.tie_word_embeddings:
@@ -65,10 +70,14 @@ def quantize_gpu(model: Any, spec: QuantSpec) -> None:
 
     for module in model.layers:
         layer = module
-        layer.qkv = make(layer.qkv_weight.t(), layer.qkv_bias)
+        if layer.mla is not None:
+            layer.mla.quantize_(lambda _name, w, b: make(w, b), _empty(model))
+        else:
+            layer.qkv = make(layer.qkv_weight.t(), layer.qkv_bias)
         layer.o = make(layer.o_weight.t(), layer.o_bias)
-        layer.gate_up = make(layer.gate_up_weight.t())
-        layer.down = make(layer.down_weight.t())
+        if getattr(layer, "moe", None) is None:
+            layer.gate_up = make(layer.gate_up_weight.t())
+            layer.down = make(layer.down_weight.t())
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
             setattr(layer, name, _empty(model))
     head = make(model.embed if model.config.tie_word_embeddings else model.lm_head)
