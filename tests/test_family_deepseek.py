@@ -8,6 +8,7 @@ fits in a pool where per-head K/V would not."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -157,3 +158,18 @@ def test_int8_latent_projections_stay_close(tmp_path, family):
     assert mla.linears() and all(isinstance(lin, QuantLinear) for lin in mla.linears())
     assert mla.kv_a_weight.numel() == 0  # the dense copy is gone
     assert _run_and_compare(lm, load_hf_reference(path), 4) < 0.6
+
+
+def test_yarn_scaling_matches_transformers(tmp_path):
+    """DeepSeek-V3's YaRN: the rotary's attention factor from mscale / mscale_all_dim, and the softmax scale times
+    mscale_all_dim's mscale squared; logits equal transformers' over the paged steps."""
+    from test_model_hf import _run_and_compare
+    from tiny_models import load_hf_reference
+
+    fam, over = DEEPSEEK_VARIANTS["deepseek_v3"]
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}
+    path = make_deepseek_model(tmp_path, fam, **{**over, "rope_parameters": yarn})
+    lm = load_model(path, dtype="float32", device="cpu")
+    assert lm.config.scale == pytest.approx((32 + 16) ** -0.5 * (0.1 * 1.0 * math.log(8.0) + 1.0) ** 2)
+    assert _run_and_compare(lm, load_hf_reference(path), 4) < 1e-4
