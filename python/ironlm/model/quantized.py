@@ -40,7 +40,12 @@ def quantize_core(model: Any, spec: QuantSpec, parts: dict[str, _core.QuantMatri
                    mat(p + "self_attn.v_proj.weight", w[q + kv:])]
             layer.qkv = QuantLinear(_core.QuantMatrix.concat(qkv), layer.qkv_bias)
         layer.o = QuantLinear(mat(p + "self_attn.o_proj.weight", layer.o_weight.t()), layer.o_bias)
-        if getattr(layer, "moe", None) is None:  # a MoE layer has no dense MLP (its experts stay as loaded)
+        if layer.moe is not None:
+            def make(pieces: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None, p: str = p) -> QuantLinear:
+                return QuantLinear(_core.QuantMatrix.concat([mat(p + n, w) for n, w in pieces]), bias)
+
+            layer.moe.quantize_(make)
+        else:
             gu = layer.gate_up_weight.t()
             gate_up = [mat(p + "mlp.gate_proj.weight", gu[:inter]), mat(p + "mlp.up_proj.weight", gu[inter:])]
             layer.gate_up = QuantLinear(_core.QuantMatrix.concat(gate_up))
@@ -75,7 +80,9 @@ def quantize_gpu(model: Any, spec: QuantSpec) -> None:
         else:
             layer.qkv = make(layer.qkv_weight.t(), layer.qkv_bias)
         layer.o = make(layer.o_weight.t(), layer.o_bias)
-        if getattr(layer, "moe", None) is None:
+        if layer.moe is not None:
+            layer.moe.quantize_(lambda pieces, bias: make(torch.cat([w for _, w in pieces]), bias))
+        else:
             layer.gate_up = make(layer.gate_up_weight.t())
             layer.down = make(layer.down_weight.t())
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
