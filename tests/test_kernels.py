@@ -148,6 +148,22 @@ def test_mixed_batch_with_padding_rows(kernels: SimpleNamespace) -> None:
     assert_close(out, ref, torch.float16)
 
 
+def test_latent_cache_is_both_k_and_v(kernels: SimpleNamespace) -> None:
+    """Multi-head latent attention (model/mla.py) passes ONE cache as k_cache and v_cache (and k as v): decode rows
+    and prefill chunks, with cached prefixes, read each row as key and value; equal to the torch backend over two
+    separate copies of it."""
+    ctx, ql = [9, 0, 20, 4], [1, 6, 1, 3]
+    case = make_case(ctx, ql, hq=4, hkv=1, d=64, block_size=4, dtype=torch.float32, seed=11)
+    ref_k, ref_v = case["k_cache"].clone(), case["k_cache"].clone()
+    ref = get_backend("torch").forward(case["q"], case["k"], case["k"], ref_k, ref_v, case["meta"], case["scale"])
+    tc = to_device(case)
+    one = tc["k_cache"].clone()
+    tri = kernels.TritonAttention(**{**SMALL, "decode_num_splits": 2})
+    out = tri.forward(tc["q"], tc["k"], tc["k"], one, one, tc["meta"], tc["scale"]).cpu()
+    assert torch.equal(one.cpu(), ref_k)
+    assert_close(out, ref, torch.float32)
+
+
 def test_head_dim_128(kernels: SimpleNamespace) -> None:
     case = make_case([0, 11, 5], [1, 1, 4], hq=4, hkv=2, d=128, block_size=16, dtype=torch.float16, seed=11)
     out, ref = run_both(kernels, case, decode_num_splits=2)

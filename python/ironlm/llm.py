@@ -179,6 +179,8 @@ class LLM:
             "swap_out_blocks": stats["swap_out_blocks"],
             "kv_waste_perc": stats["kv_waste_perc"],
             "model_weight_bytes": stats["model_weight_bytes"],
+            "kv_bytes_per_token": stats["kv_bytes_per_token"],
+            "kv_bytes_per_token_mha": stats["kv_bytes_per_token_mha"],
             "step_breakdown_s": self.engine.step_breakdown(),
             **{k: v for k, v in stats.items() if k.startswith("spec_decode_")},
         }

@@ -40,7 +40,10 @@ class AttentionBackend(Protocol):
         one layer), then attend each query row ([T, Hq, D]) causally over its sequence's context: all of it, or
         with a sliding `window` only the keys at positions (p - window, p] for a query at position p. With
         `softcap` the logits (q k * scale) become softcap * tanh(logits / softcap) before the softmax.
-        Returns [T, Hq, D] in q's dtype."""
+        Returns [T, Hq, D] in q's dtype.
+
+        `v_cache` may be `k_cache` itself (and `v` then `k`): multi-head latent attention's one cached row per
+        token is both key and value (model/mla.py); backends write it once and read it as both."""
         ...
 
 

@@ -74,7 +74,8 @@ class CpuAttention(TorchAttention):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, softcap=softcap)
         threads = torch.get_num_threads()
         kc, vc = as_numpy(k_cache), as_numpy(v_cache)
-        if plan.slots is not None:  # all decode: write this step's K/V and attend in one call
+        # One latent cache (v_cache is k_cache) cannot be borrowed writable twice by the fused write: written first
+        if plan.slots is not None and v_cache is not k_cache:  # all decode: write this step's K/V, attend, one call
             out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads,
@@ -103,7 +104,7 @@ class CpuAttention(TorchAttention):
         plan: _RowPlan = meta.plan_cache["cpu:rows"]
         threads = torch.get_num_threads()
         kc, vc = as_numpy(k_cache), as_numpy(v_cache)
-        if plan.slots is not None:  # no padding rows: write this step's K/V and attend in one call
+        if plan.slots is not None and v_cache is not k_cache:  # no padding rows: write K/V and attend, one call
             out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads, dtype=dtype,

@@ -118,9 +118,10 @@ def write_kv_cache(
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     kc = k_cache.view(-1, *k_cache.shape[2:])
-    vc = v_cache.view(-1, *v_cache.shape[2:])
     kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
-    vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+    if v_cache is not k_cache:  # one latent cache (see AttentionBackend.forward): its rows are written once
+        vc = v_cache.view(-1, *v_cache.shape[2:])
+        vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
 
 
 class TorchAttention:
@@ -280,7 +281,8 @@ def _shared_prefix(
     # Every query row of a KV head (N sequences x G heads) sees the same keys: one [N*G, L] problem per head.
     qs = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(1, hkv, n * g, d).to(ct)
     ks = _gather_blocks(k_cache, shared.blocks, "ks").view(1, length, hkv, d).transpose(1, 2).to(ct)
-    vs = _gather_blocks(v_cache, shared.blocks, "vs").view(1, length, hkv, d).transpose(1, 2).to(ct)
+    vs = ks if v_cache is k_cache else _gather_blocks(v_cache, shared.blocks, "vs").view(
+        1, length, hkv, d).transpose(1, 2).to(ct)
     out, lse = _sdpa_with_lse(qs, ks, vs, None, scale)
     out = out.view(hkv, n, g, d).permute(1, 0, 2, 3)
     return out, lse.view(hkv, n, g).permute(1, 0, 2)
@@ -324,7 +326,8 @@ def _decode_chunk(
     bias = chunk.bias.to(ct)
     # [n, Hkv, L, D] as a strided view of the gathered blocks; SDPA's CPU kernel reads it in place.
     kg = _gather_blocks(k_cache, chunk.blocks, "k").view(n, length, hkv, d).transpose(1, 2).to(ct)
-    vg = _gather_blocks(v_cache, chunk.blocks, "v").view(n, length, hkv, d).transpose(1, 2).to(ct)
+    vg = kg if v_cache is k_cache else _gather_blocks(v_cache, chunk.blocks, "v").view(
+        n, length, hkv, d).transpose(1, 2).to(ct)
     if softcap is not None:  # never cascaded (see TorchAttention.forward)
         out = capped_attention(qg, kg, vg, bias.view(n, 1, 1, length), scale, softcap)
         return out.reshape(n, hq, d).to(q.dtype)
@@ -354,7 +357,7 @@ def _prefill_one(
         ks, vs = k[s.start : s.end], v[s.start : s.end]
     else:
         ks = _gather_blocks(k_cache, s.blocks, "k")[: s.seq_len]
-        vs = _gather_blocks(v_cache, s.blocks, "v")[: s.seq_len]
+        vs = ks if v_cache is k_cache else _gather_blocks(v_cache, s.blocks, "v")[: s.seq_len]
     compute = _compute_dtype(q.dtype)
     qs = q[s.start : s.end].transpose(0, 1).to(compute)  # [Hq, n, D]
     if softcap is not None:

@@ -108,16 +108,29 @@ class ShardSpec:
             "mlp.gate_proj": Cut(0, i0, i0 + inter),
             "mlp.up_proj": Cut(0, i0, i0 + inter),
         }
+        if self.config.mla:  # latent attention: the latent projections replicate, the per-head ones split
+            cuts.update(self._mla_cuts())
         module = rest.rpartition(".")[0]
         if module in cuts:
             return cuts[module]
         if rest == "self_attn.o_proj.weight":
-            return Cut(1, q0, q0 + self.num_heads * d)
+            v = self.config.v_head_dim if self.config.mla else d
+            return Cut(1, self.rank * self.num_heads * v, (self.rank + 1) * self.num_heads * v)
         if rest == "mlp.down_proj.weight":
             return Cut(1, i0, i0 + inter)
         if rest == "self_attn.o_proj.bias":
             return None if self.rank == 0 else Cut(zero=True)
         return None
+
+    def _mla_cuts(self) -> dict[str, Cut]:
+        """Each rank's heads of q (q_proj or q_b_proj) and of kv_b_proj (their keys' and values' up-projections);
+        kv_a_proj, q_a_proj and their norms make the latent every head reads: whole on every rank, and so is each
+        rank's cache of it."""
+        cfg, n = self.config, self.num_heads
+        qk, kv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+        q = Cut(0, self.rank * n * qk, (self.rank + 1) * n * qk)
+        return {"self_attn.q_proj": q, "self_attn.q_b_proj": q,
+                "self_attn.kv_b_proj": Cut(0, self.rank * n * kv, (self.rank + 1) * n * kv)}
 
     def take(self, name: str, source: Any, shape: tuple[int, ...]) -> torch.Tensor:
         """This rank's slice of weight `name` read from `source` (a tensor, or a safetensors slice: only the shard's

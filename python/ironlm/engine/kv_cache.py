@@ -11,12 +11,14 @@ from ironlm.config import EngineConfig
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.model.config import ModelConfig
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (keys, values) [blocks, block_size, Hkv, D]
+# Per layer: (keys, values) [blocks, block_size, Hkv, D]. Latent attention (ModelConfig.mla) caches one row per
+# token that is both key and value: its pair is the SAME tensor twice (`k is v`), so it costs one plane of bytes.
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
+    return model_config.kv_bytes_per_token(elem) * block_size
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -46,8 +48,11 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.
 def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> KVCaches:
     shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model_config.num_layers)]
+    caches: KVCaches = []
+    for _ in range(model_config.num_layers):
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        caches.append((k, k) if model_config.mla else (k, torch.zeros(shape, dtype=dtype, device=device)))
+    return caches
 
 
 def copy_blocks(kv_caches: KVCaches, pairs: np.ndarray) -> None:
@@ -57,4 +62,5 @@ def copy_blocks(kv_caches: KVCaches, pairs: np.ndarray) -> None:
     dst = torch.from_numpy(np.ascontiguousarray(pairs[:, 1])).to(device)
     for k, v in kv_caches:
         k[dst] = k[src]
-        v[dst] = v[src]
+        if v is not k:
+            v[dst] = v[src]

@@ -426,6 +426,8 @@ class LLMEngine:
             "blocks_cached": s["blocks_cached"],
             "num_steps": self.num_steps,
             "model_weight_bytes": self.runner.weight_bytes,
+            "kv_bytes_per_token": self.runner.kv_bytes_per_token,  # this rank's pool, all layers
+            "kv_bytes_per_token_mha": self.runner.kv_bytes_per_token_mha,  # the same with per-head K/V (MLA: more)
             # The KV hierarchy (core counters; blocks unless named tokens).
             "kv_tier": tier_kind,  # "memory" | "disk" | None
             "tier_blocks_total": s["tier_blocks_total"],

@@ -106,6 +106,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.shard_config, self.num_blocks, config.block_size, self.dtype,
                                             self.device)
         self.max_model_len = self._max_model_len(self.num_blocks * config.block_size)
+        # what one token costs in this rank's pool, and what it would with per-head K/V (differs for latent attention)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = self.shard_config.kv_bytes_per_token(elem)
+        self.kv_bytes_per_token_mha = self.shard_config.mha_kv_bytes_per_token(elem)
         self.startup_timings["kv_cache"] = time.perf_counter() - t0
         self.tier: KVTier | None = None
         if config.kv_tier_kind() is not None:
@@ -157,7 +161,8 @@ class ModelRunner:
 
         config, shard = self.config, self.shard_config
         geometry = TierGeometry(num_layers=shard.num_layers, block_size=config.block_size,
-                                num_kv_heads=shard.num_kv_heads, head_dim=shard.head_dim, dtype=self.dtype)
+                                num_kv_heads=shard.num_kv_heads, head_dim=shard.head_dim, dtype=self.dtype,
+                                planes=shard.kv_planes)
         slots = config.resolve_kv_tier_bytes() // geometry.bytes_per_block
         if self.tp is not None:
             slots = self.tp.min_int(slots)

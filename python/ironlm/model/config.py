@@ -68,6 +68,17 @@ class ModelConfig:
     rotary_dim: int | None = None  # rotate only the first rotary_dim dims of each head; None = all
     rope_layers: list[bool] | None = None  # per layer: False = no positional encoding (NoPE); None = all rotate
     qk_norm_full: bool = False  # with qk_norm: one RMSNorm over the whole q (k) projection, not per head (OLMo 2)
+    # ---- multi-head latent attention (DeepSeek-V2/V3; model/mla.py) ----------------------------------------
+    # With kv_lora_rank set a layer caches ONE row per token: the normed kv_lora_rank latent and the
+    # qk_rope_head_dim rotary key all heads share. The pool, the tier and the backends see it as a single KV head
+    # of that width: the family sets num_kv_heads = 1, head_dim = kv_lora_rank + qk_rope_head_dim,
+    # rotary_dim = qk_rope_head_dim and attn_scale (heads attend with qk_nope_head_dim + qk_rope_head_dim dims).
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None  # q through a low-rank a/b pair with a norm between; None = one q_proj
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint rotates interleaved pairs (x0, x1), ...: de-interleaved at load
     moe: MoeConfig | None = None  # mixture-of-experts MLPs on the layers it marks (see model/moe/)
     source: str = "hf"  # hf | gguf
     hf_config: Any = field(default=None, repr=False, compare=False)  # the transformers config, when there is one
@@ -95,6 +106,11 @@ class ModelConfig:
                 f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries for {self.num_layers} layers")
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.mla and (int(self.kv_lora_rank or 0) < 1 or self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2
+                         or self.v_head_dim < 1 or self.qk_nope_head_dim < 0):
+            raise UnsupportedModelError(
+                f"latent attention needs kv_lora_rank >= 1, an even qk_rope_head_dim and v_head_dim >= 1, got "
+                f"{self.kv_lora_rank}, {self.qk_rope_head_dim}, {self.v_head_dim}")
         for scaling in (self.rope_scaling, self.local_rope):
             rope_type = (scaling or {}).get("rope_type", "default")
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -110,6 +126,21 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention: one latent row per token in the cache (see kv_lora_rank)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def attn_out_size(self) -> int:
+        """Width of the attention output that o_proj takes."""
+        return self.num_heads * self.v_head_dim if self.mla else self.q_size
+
+    @property
+    def kv_planes(self) -> int:
+        """Cache tensors per layer: K and V, or one for latent attention (its rows are both key and value)."""
+        return 1 if self.mla else 2
 
     @property
     def max_model_len(self) -> int:
@@ -133,8 +164,9 @@ class ModelConfig:
         """Whether the lean CPU decode step (lean.py) implements this block: every norm placement, qk-norm (per
         head or over the whole projection), SiLU or GELU-tanh MLPs, attention scale and soft-cap, windows, a RoPE
         base per layer kind, NoPE layers, embedding and residual scales; not partial rotary. A new field that
-        lean.py does not implement must make this False (a MoE layer's MLP, for one)."""
-        return self.rotary_dim is None and self.activation in ("silu", "gelu_tanh") and self.moe is None
+        lean.py does not implement must make this False (a MoE layer's MLP or latent attention, for two)."""
+        return (self.rotary_dim is None and self.activation in ("silu", "gelu_tanh") and self.moe is None
+                and not self.mla)
 
     def rotary_config(self, layer: int) -> ModelConfig:
         """The config whose rope fields give layer `layer`'s rotary (the sliding layers' own base, if any)."""
@@ -150,8 +182,16 @@ class ModelConfig:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """K + V bytes one token occupies over all layers."""
-        return 2 * self.num_layers * self.kv_size * dtype_size
+        """K + V bytes one token occupies over all layers (the latent row for latent attention)."""
+        return self.kv_planes * self.num_layers * self.kv_size * dtype_size
+
+    def mha_kv_bytes_per_token(self, dtype_size: int) -> int:
+        """What one token would occupy with ordinary per-head K and V: for latent attention, every head's expanded
+        key (qk_nope_head_dim + qk_rope_head_dim) and value (v_head_dim), as an engine without MLA caches them."""
+        if not self.mla:
+            return self.kv_bytes_per_token(dtype_size)
+        per_head = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+        return self.num_layers * self.num_heads * per_head * dtype_size
 
     def num_parameters(self) -> int:
         h, i, n = self.hidden_size, self.intermediate_size, self.num_layers

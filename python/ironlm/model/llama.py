@@ -27,6 +27,7 @@ from ironlm.model import lean, weights
 from ironlm.model.config import ModelConfig
 from ironlm.model.layers import CoreRope, RotaryEmbedding, act_and_mul, apply_rotary, rms_norm
 from ironlm.model.linear import QUANTIZED_LINEARS, DenseLinear, Linear, QuantizedLinear
+from ironlm.model.mla import LatentAttention
 from ironlm.model.moe.experts import MoeBlock
 from ironlm.model.quantize import QuantSpec
 from ironlm.model.quantized import quantize_core, quantize_gpu
@@ -67,9 +68,13 @@ class DecoderLayer(nn.Module):
 
         # [in, out] layouts; HF [out, in] tensors are copied into transposed views (see weights.weight_target)
         self.input_norm = norm(cfg.pre_attn_norm)
-        self.qkv_weight = _param((h, q + 2 * kv), dtype, device)
-        self.qkv_bias = _param((q + 2 * kv,), dtype, device) if cfg.attention_bias else None
-        self.o_weight = _param((q, h), dtype, device)
+        # Latent attention (DeepSeek) has its own projections (mla.py); o_proj stays here, over its heads' output
+        self.mla = LatentAttention(cfg, dtype, device) if cfg.mla else None
+        self.attn_out_size = cfg.attn_out_size
+        fused_qkv = 0 if cfg.mla else q + 2 * kv
+        self.qkv_weight = _param((h, fused_qkv), dtype, device)
+        self.qkv_bias = _param((fused_qkv,), dtype, device) if cfg.attention_bias and not cfg.mla else None
+        self.o_weight = _param((cfg.attn_out_size, h), dtype, device)
         self.o_bias = _param((h,), dtype, device) if cfg.attention_out_bias else None
         # qk-norm per head ([head_dim] weights, Qwen3) or over the whole projection (OLMo 2: [q_size], [kv_size])
         self.qk_norm_full = cfg.qk_norm and cfg.qk_norm_full
@@ -103,6 +108,8 @@ class DecoderLayer(nn.Module):
         self.down: Linear | None = None
 
     def finish_loading(self) -> None:
+        if self.mla is not None:
+            self.mla.finish_loading()
         if self.qkv is None:
             self.qkv = DenseLinear(self.qkv_weight, self.qkv_bias)
         if self.o is None:
@@ -195,15 +202,20 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`rope` is the core's in-place RoPE (CPU), the step's (cos, sin) for the torch path, or None (NoPE)."""
         t = h.shape[0]
-        q, k, v = self._qkv(h, rope)
-        k_cache, v_cache = kv_cache
-        extra: dict[str, Any] = {}
-        if self.window is not None:
-            extra["window"] = self.window
-        if self.softcap is not None:
-            extra["softcap"] = self.softcap
-        attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, **extra)
-        attn = attn.reshape(t, self.q_size)
+        if self.mla is not None:
+            assert isinstance(rope, tuple)  # the model hands latent layers the (cos, sin) pair
+            x = h if self.input_norm is None else rms_norm(h, self.input_norm, self.eps)
+            attn = self.mla(x, rope, kv_cache[0], meta, backend)
+        else:
+            q, k, v = self._qkv(h, rope)
+            k_cache, v_cache = kv_cache
+            extra: dict[str, Any] = {}
+            if self.window is not None:
+                extra["window"] = self.window
+            if self.softcap is not None:
+                extra["softcap"] = self.softcap
+            attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, **extra)
+            attn = attn.reshape(t, self.q_size)
         if select is not None:  # last layer: only the rows whose logits are wanted go on
             attn = attn.index_select(0, select)
             h = h.index_select(0, select)
@@ -329,6 +341,7 @@ class DecoderLM(nn.Module):
         linears = [self.head, self.embed_q] + [lin for layer in layers
                                                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         linears += [lin for layer in layers if layer.moe is not None for lin in layer.moe.linears()]
+        linears += [lin for layer in layers if layer.mla is not None for lin in layer.mla.linears()]
         seen: set[int] = set()
         total = 0
         for lin in linears:
@@ -413,8 +426,9 @@ class DecoderLM(nn.Module):
         if rows is not None:
             return rows
         max_len = int(meta.max_seq_len)
-        # The core's in-place RoPE turns whole heads (after the core's qk-norm, if any): not partial rotary
-        core_rope = self.config.rotary_dim is None
+        # The core's in-place RoPE turns whole heads (after the core's qk-norm, if any): not partial rotary, not
+        # latent attention's rope part
+        core_rope = self.config.rotary_dim is None and not self.config.mla
         ropes: list[Rope] = []
         for rotary in self.rotaries:
             fused = rotary.fused(positions, max_len) if core_rope else None

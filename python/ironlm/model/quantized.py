@@ -30,11 +30,15 @@ def quantize_core(model: Any, spec: QuantSpec, parts: dict[str, _core.QuantMatri
     for i, module in enumerate(model.layers):
         layer = module
         p, inter = f"model.layers.{i}.", cfg.intermediate_size
-        w = layer.qkv_weight.t()  # [q + 2kv, h]
-        q, kv = cfg.q_size, cfg.kv_size
-        qkv = [mat(p + "self_attn.q_proj.weight", w[:q]), mat(p + "self_attn.k_proj.weight", w[q:q + kv]),
-               mat(p + "self_attn.v_proj.weight", w[q + kv:])]
-        layer.qkv = QuantLinear(_core.QuantMatrix.concat(qkv), layer.qkv_bias)
+        if layer.mla is not None:  # latent attention's own projections (mla.py); no fused q|k|v
+            layer.mla.quantize_(lambda name, w, b, p=p: QuantLinear(mat(p + "self_attn." + name, w), b),
+                                _empty(model))
+        else:
+            w = layer.qkv_weight.t()  # [q + 2kv, h]
+            q, kv = cfg.q_size, cfg.kv_size
+            qkv = [mat(p + "self_attn.q_proj.weight", w[:q]), mat(p + "self_attn.k_proj.weight", w[q:q + kv]),
+                   mat(p + "self_attn.v_proj.weight", w[q + kv:])]
+            layer.qkv = QuantLinear(_core.QuantMatrix.concat(qkv), layer.qkv_bias)
         layer.o = QuantLinear(mat(p + "self_attn.o_proj.weight", layer.o_weight.t()), layer.o_bias)
         if layer.moe is not None:
             def make(pieces: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None, p: str = p) -> QuantLinear:
@@ -71,7 +75,10 @@ def quantize_gpu(model: Any, spec: QuantSpec) -> None:
 
     for module in model.layers:
         layer = module
-        layer.qkv = make(layer.qkv_weight.t(), layer.qkv_bias)
+        if layer.mla is not None:
+            layer.mla.quantize_(lambda _name, w, b: make(w, b), _empty(model))
+        else:
+            layer.qkv = make(layer.qkv_weight.t(), layer.qkv_bias)
         layer.o = make(layer.o_weight.t(), layer.o_bias)
         if layer.moe is not None:
             layer.moe.quantize_(lambda pieces, bias: make(torch.cat([w for _, w in pieces]), bias))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ironlm.model import registry
+from ironlm.model.mla import LatentAttention
 
 if TYPE_CHECKING:
     from ironlm.model.config import ModelConfig
@@ -48,12 +49,16 @@ def expected_weights(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names += [p + f"{n}.weight" for n, present in norms if present]
-        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        if cfg.mla:
+            names += [p + "self_attn." + n for n in LatentAttention.weight_names(cfg)]
+            names.append(p + "self_attn.o_proj.weight")
+        else:
+            names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
             names += moe_weights(cfg, p)
         else:
             names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-        if cfg.attention_bias:
+        if cfg.attention_bias and not cfg.mla:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if cfg.attention_out_bias:
             names.append(p + "self_attn.o_proj.bias")
@@ -134,6 +139,9 @@ def weight_target(model: Any, name: str) -> torch.Tensor | None:
     if idx >= cfg.num_layers:
         return None
     layer = model.layers[idx]
+    if layer.mla is not None and rest.startswith("self_attn.") and rest != "self_attn.o_proj.weight" \
+            and rest != "self_attn.o_proj.bias":
+        return layer.mla.weight_target(rest[10:])
     if layer.moe is not None and rest.startswith("mlp."):
         return moe_target(layer.moe, rest)
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size

@@ -32,6 +32,8 @@ _GAUGES = (
                                                     "cached-but-evictable blocks are not counted.")),
     ("model_weight_bytes", "model_weight_bytes", ("Resident bytes of the model weights as stored (quantized "
                                                   "blocks or dense tensors).")),
+    ("kv_bytes_per_token", "kv_bytes_per_token", ("KV cache bytes one token occupies over all layers (one latent "
+                                                  "row per layer under multi-head latent attention).")),
     ("result_cache_size", "result_cache_size", "Finished results held by the result cache (--result-cache-size)."),
     ("kv_waste_perc", "kv_waste_perc", ("Internal fragmentation of the running sequences' KV blocks: 1 - token "
                                         "slots filled / token slots held.")),

@@ -2,7 +2,8 @@
 
 The Rust core decides what moves (SchedulerPlan.kv_demote / kv_promote, tier_flush) and which slot holds which
 block; this module only stores bytes and, for the disk tier, persists the core's index of them. Layout is one tensor
-[num_slots, num_layers, 2, block_size, num_kv_heads, head_dim]: slot-major, so one slot is one contiguous byte range
+[num_slots, num_layers, planes, block_size, num_kv_heads, head_dim] (planes: K and V, or the one latent plane of
+multi-head latent attention, whose K and V caches are one tensor): slot-major, so one slot is one contiguous byte range
 (a per-slot checksum is one pass over it, a slot's pages are local in the file, and one DMA moves it on GPU).
 """
 
@@ -53,8 +54,11 @@ class TierGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    planes: int = 2  # K and V; 1 = latent attention (the pool's K and V are one tensor)
 
     def __post_init__(self) -> None:
+        if self.planes not in (1, 2):
+            raise InvalidArgumentError(f"planes must be 1 or 2, got {self.planes!r}", param="planes")
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -68,7 +72,7 @@ class TierGeometry:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+        return self.planes * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
 
     @property
     def dtype_name(self) -> str:
@@ -77,6 +81,8 @@ class TierGeometry:
     def to_json(self) -> dict[str, object]:
         fields = asdict(self)
         fields["dtype"] = self.dtype_name
+        if self.planes == 2:  # the layout before latent attention existed: its disk tiers keep their fingerprints
+            del fields["planes"]
         return fields
 
 
@@ -185,7 +191,7 @@ class KVTier:
     @property
     def shape(self) -> tuple[int, ...]:
         g = self.geometry
-        return (self.num_slots, g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim)
+        return (self.num_slots, g.num_layers, g.planes, g.block_size, g.num_kv_heads, g.head_dim)
 
     @property
     def data_path(self) -> str | None:
@@ -204,7 +210,7 @@ class KVTier:
         """Host memory, pinned when the pool is on CUDA so that copies are DMA and overlap the forward."""
         _check_slots(num_slots)
         pin = device.type == "cuda" and torch.cuda.is_available()
-        shape = (num_slots, geometry.num_layers, 2, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
+        shape = (num_slots, geometry.num_layers, geometry.planes, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
         # empty, not zeros: zeroing many GiB costs seconds, and the core never loads a slot it has not stored.
         data = torch.empty(shape, dtype=geometry.dtype, pin_memory=pin)
         return cls("memory", geometry, num_slots, data)
@@ -272,7 +278,7 @@ class KVTier:
             raise
         # numpy has no bf16: map bytes, reinterpret in torch (the last dim is contiguous, so view(dtype) is free).
         data = torch.from_numpy(raw).view(geometry.dtype).view(
-            num_slots, geometry.num_layers, 2, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
+            num_slots, geometry.num_layers, geometry.planes, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
         return cls("disk", geometry, num_slots, data, raw=raw, directory=directory if fingerprint else None,
                    fingerprint=fingerprint, lock_fd=fd)
 
@@ -288,7 +294,8 @@ class KVTier:
             dst = torch.from_numpy(slots)
             for layer, (k, v) in enumerate(kv_caches):
                 self._data[:, layer, 0].index_copy_(0, dst, k.index_select(0, src))
-                self._data[:, layer, 1].index_copy_(0, dst, v.index_select(0, src))
+                if v is not k:
+                    self._data[:, layer, 1].index_copy_(0, dst, v.index_select(0, src))
         else:
             self._store_runs(kv_caches, blocks, slots)
 
@@ -302,7 +309,8 @@ class KVTier:
             dst = torch.from_numpy(blocks)
             for layer, (k, v) in enumerate(kv_caches):
                 k.index_copy_(0, dst, self._data[:, layer, 0].index_select(0, src))
-                v.index_copy_(0, dst, self._data[:, layer, 1].index_select(0, src))
+                if v is not k:
+                    v.index_copy_(0, dst, self._data[:, layer, 1].index_select(0, src))
         else:
             self._load_runs(kv_caches, blocks, slots)
 
@@ -320,7 +328,8 @@ class KVTier:
         staged = torch.empty((len(slots), *self.shape[1:]), dtype=self.geometry.dtype, device=device)
         for layer, (k, v) in enumerate(kv_caches):
             staged[:, layer, 0] = k.index_select(0, index)
-            staged[:, layer, 1] = v.index_select(0, index)
+            if v is not k:
+                staged[:, layer, 1] = v.index_select(0, index)
         pinned = self._data.is_pinned()
         for start, end in _runs(slots):
             first = int(slots[start])
@@ -339,7 +348,8 @@ class KVTier:
         index = torch.from_numpy(blocks).to(device)
         for layer, (k, v) in enumerate(kv_caches):
             k.index_copy_(0, index, staged[:, layer, 0])
-            v.index_copy_(0, index, staged[:, layer, 1])
+            if v is not k:
+                v.index_copy_(0, index, staged[:, layer, 1])
 
     def _check(self, kv_caches: KVCaches, pairs: np.ndarray, block_col: int) -> tuple[np.ndarray, np.ndarray]:
         """(device blocks, slots) as contiguous int64 arrays, after range checks: an index torch does not bound
@@ -358,6 +368,9 @@ class KVTier:
             raise InvalidArgumentError(f"kv_caches has {len(kv_caches)} layers, the tier {g.num_layers}",
                                        param="kv_caches")
         k0 = kv_caches[0][0]
+        if g.planes == 1 and kv_caches[0][1] is not k0:
+            raise InvalidArgumentError("a one-plane (latent attention) tier needs caches whose K and V are one "
+                                       "tensor", param="kv_caches")
         if tuple(k0.shape[1:]) != (g.block_size, g.num_kv_heads, g.head_dim) or k0.dtype != g.dtype:
             raise InvalidArgumentError(f"kv_caches blocks are {k0.dtype} {tuple(k0.shape[1:])}, the tier's "
                                        f"{g.dtype} {(g.block_size, g.num_kv_heads, g.head_dim)}",
