@@ -80,6 +80,7 @@ pub fn decode_from_qkv<T: Elem>(
             scale: step.scale,
             window: step.window,
             softcap: None,
+            sinks: None,
         };
         args.validate(out.len())?;
     }
@@ -102,6 +103,7 @@ pub fn decode_from_qkv<T: Elem>(
         scale: step.scale,
         window: step.window,
         softcap: None,
+        sinks: None,
     };
     paged_decode(&args, out, threads)
 }
@@ -182,6 +184,7 @@ mod tests {
             scale: 0.3,
             window: Some(5),
             softcap: None,
+            sinks: None,
         };
         let mut want = vec![0.0f32; n * hq * d];
         paged_decode(&args, &mut want, 1).unwrap();
