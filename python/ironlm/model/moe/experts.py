@@ -1,0 +1,110 @@
+"""A MoE layer's MLP: the router, the routed experts (only those some token of the step chose run), an optional
+shared expert (every token; Qwen2-MoE gates it with a sigmoid, DeepSeek adds it as is).
+
+Experts are stored stacked in ironlm's `[in, out]` layout (gate_up `[E, hidden, 2I]` gate|up, down `[E, I, hidden]`)
+and each runs through a `Linear` over its slice, so load-time quantization or a GGUF file's blocks swap those for
+the core's `QuantLinear` per expert without the block caring (quantized.py). A step's token-expert pairs are sorted
+by expert: each routed expert multiplies one contiguous run of rows, and an expert no token chose is never read.
+
+Families with another gated activation (gpt-oss's clamped, interleaved SwiGLU) pass `act`: `[n, 2I]` gate_up
+output -> `[n, I]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ironlm.model.layers import act_and_mul
+from ironlm.model.linear import DenseLinear, Linear
+from ironlm.model.moe.route import route
+from ironlm.model.moe.spec import MoeConfig
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class ExpertMLP:
+    """One gated MLP: `down(act(gate_up(x)))`."""
+
+    def __init__(self, gate_up: Linear, down: Linear, act: Act) -> None:
+        self.gate_up = gate_up
+        self.down = down
+        self.act = act
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate_up(x)))
+
+
+class MoeBlock(nn.Module):
+    def __init__(self, hidden: int, cfg: MoeConfig, dtype: torch.dtype, device: torch.device,
+                 activation: str = "silu", act: Act | None = None) -> None:
+        super().__init__()
+        e, inter, shared = cfg.num_experts, cfg.intermediate_size, cfg.shared_intermediate_size
+        self.cfg = cfg
+        self.spec = cfg.route
+        self.act: Act = act if act is not None else (lambda gu: act_and_mul(gu, activation))
+        self.router_weight = _param((hidden, e), dtype, device)
+        self.router_bias = _param((e,), dtype, device) if cfg.router_bias else None
+        # selection-only, kept in fp32 as DeepSeek-V3 keeps it: bf16 would tie experts the bias tells apart
+        self.correction = _param((e,), torch.float32, device) if cfg.correction_bias else None
+        self.gate_up_weight = _param((e, hidden, 2 * inter), dtype, device)
+        self.down_weight = _param((e, inter, hidden), dtype, device)
+        self.gate_up_bias = _param((e, 2 * inter), dtype, device) if cfg.expert_bias else None
+        self.down_bias = _param((e, hidden), dtype, device) if cfg.expert_bias else None
+        self.shared_gate_up_weight = _param((hidden, 2 * shared), dtype, device) if shared else None
+        self.shared_down_weight = _param((shared, hidden), dtype, device) if shared else None
+        self.shared_gate_weight = _param((hidden, 1), dtype, device) if shared and cfg.shared_gate else None
+        # built by finish_loading over the parameters unless a quantizing loader set them
+        self.experts: list[ExpertMLP] | None = None
+        self.shared: ExpertMLP | None = None
+
+    def finish_loading(self) -> None:
+        if self.experts is None:
+            self.experts = [ExpertMLP(DenseLinear(self.gate_up_weight[i], self._bias(self.gate_up_bias, i)),
+                                      DenseLinear(self.down_weight[i], self._bias(self.down_bias, i)), self.act)
+                            for i in range(self.cfg.num_experts)]
+        if self.shared is None and self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
+            self.shared = ExpertMLP(DenseLinear(self.shared_gate_up_weight), DenseLinear(self.shared_down_weight),
+                                    self.act)
+
+    @staticmethod
+    def _bias(bias: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        return None if bias is None else bias[i]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (normed) -> the MLP branch [T, hidden] (the caller adds the residual)."""
+        logits = torch.mm(x, self.router_weight)
+        weights, ids = route(logits, self.spec, self.router_bias, self.correction)
+        out = self.run_experts(x, weights, ids)
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate_weight is not None:
+                s = s * torch.sigmoid(torch.mm(x, self.shared_gate_weight))
+            out += s
+        return out
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * expert[ids[t, j]](x[t]) for each token t, touching only the chosen experts."""
+        assert self.experts is not None
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
+        rows = order // k  # the token of each (token, choice) pair, in expert order
+        xs = x.index_select(0, rows)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start:start + n] = self.experts[e](xs[start:start + n])
+                start += n
+        ys.mul_(weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype))
+        out = torch.zeros_like(x)
+        out.index_add_(0, rows, ys)
+        return out
