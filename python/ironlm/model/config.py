@@ -7,6 +7,7 @@ from typing import Any
 
 from ironlm.exceptions import UnsupportedModelError
 from ironlm.model import registry
+from ironlm.model.moe.spec import MoeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -67,6 +68,7 @@ class ModelConfig:
     rotary_dim: int | None = None  # rotate only the first rotary_dim dims of each head; None = all
     rope_layers: list[bool] | None = None  # per layer: False = no positional encoding (NoPE); None = all rotate
     qk_norm_full: bool = False  # with qk_norm: one RMSNorm over the whole q (k) projection, not per head (OLMo 2)
+    moe: MoeConfig | None = None  # mixture-of-experts MLPs on the layers it marks (see model/moe/)
     source: str = "hf"  # hf | gguf
     hf_config: Any = field(default=None, repr=False, compare=False)  # the transformers config, when there is one
 
@@ -88,6 +90,9 @@ class ModelConfig:
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
             raise UnsupportedModelError(
                 f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise UnsupportedModelError(
+                f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries for {self.num_layers} layers")
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         for scaling in (self.rope_scaling, self.local_rope):
@@ -131,7 +136,7 @@ class ModelConfig:
                 and self.pre_attn_norm and self.pre_mlp_norm and not self.post_attn_norm and not self.post_mlp_norm
                 and self.embed_scale is None and self.residual_scale is None and self.attn_scale is None
                 and self.norm_offset == 0.0 and self.local_rope is None and self.rotary_dim is None
-                and self.rope_layers is None)
+                and self.rope_layers is None and self.moe is None)
 
     def rotary_config(self, layer: int) -> ModelConfig:
         """The config whose rope fields give layer `layer`'s rotary (the sliding layers' own base, if any)."""
@@ -157,7 +162,13 @@ class ModelConfig:
         per_layer += (self.q_size + 2 * self.kv_size) * self.attention_bias + h * self.attention_out_bias
         per_layer += (self.q_size + self.kv_size if self.qk_norm_full else 2 * self.head_dim) * self.qk_norm
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return n * per_layer + emb + h
+        total = n * per_layer + emb + h
+        if self.moe is not None:  # a MoE layer's MLP: router, every expert, the shared expert (not the dense MLP)
+            m = self.moe
+            moe_mlp = h * m.num_experts + 3 * h * (m.num_experts * m.intermediate_size + m.shared_intermediate_size)
+            moe_mlp += h * m.shared_gate
+            total += sum(m.sparse_layers) * (moe_mlp - 3 * h * i)
+        return total
 
     # ---- construction --------------------------------------------------------------------------------------
     @classmethod

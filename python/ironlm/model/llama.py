@@ -26,6 +26,7 @@ from ironlm.model import lean, weights
 from ironlm.model.config import ModelConfig
 from ironlm.model.layers import CoreRope, RotaryEmbedding, act_and_mul, apply_rotary, rms_norm
 from ironlm.model.linear import QUANTIZED_LINEARS, DenseLinear, Linear, QuantizedLinear
+from ironlm.model.moe.experts import MoeBlock
 from ironlm.model.quantize import QuantSpec
 from ironlm.model.quantized import quantize_core, quantize_gpu
 
@@ -81,6 +82,13 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = norm(cfg.post_attn_norm)
         self.post_norm = norm(cfg.pre_mlp_norm)  # before the MLP (Llama's post_attention_layernorm)
         self.mlp_out_norm = norm(cfg.post_mlp_norm)
+        # A MoE layer's MLP is the block (its experts, router, shared expert); the dense MLP weights stay empty
+        self.moe: MoeBlock | None = None
+        if cfg.moe is not None and cfg.moe.sparse_layers[index]:
+            if tp is not None:
+                raise UnsupportedModelError("mixture-of-experts layers do not run tensor parallel")
+            self.moe = MoeBlock(h, cfg.moe, dtype, device, cfg.activation)
+            inter = 0
         self.gate_up_weight = _param((h, 2 * inter), dtype, device)
         self.down_weight = _param((inter, h), dtype, device)
         # The residual add goes into the o / down GEMMs unless the branch is normed or scaled before it
@@ -101,6 +109,8 @@ class DecoderLayer(nn.Module):
             self.gate_up = DenseLinear(self.gate_up_weight)
         if self.down is None:
             self.down = DenseLinear(self.down_weight)
+        if self.moe is not None:
+            self.moe.finish_loading()
         if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_full:
             self.qk_norm_weight = torch.cat(
                 [self.q_norm.expand(self.num_heads, -1), self.k_norm.expand(self.num_kv_heads, -1)]
@@ -143,7 +153,10 @@ class DecoderLayer(nn.Module):
             if self.tp is not None:
                 self.tp.all_reduce(h)
             return h
-        branch = out(x)
+        return self._add(h, out(x), norm)
+
+    def _add(self, h: torch.Tensor, branch: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """h + [residual_scale *] [norm(] branch [)], for a branch whose residual add could not be fused."""
         if self.tp is not None:  # the norm needs the whole sum; the residual is added once, after it
             self.tp.all_reduce(branch)
         if norm is not None:
@@ -178,6 +191,8 @@ class DecoderLayer(nn.Module):
         assert self.o is not None and self.gate_up is not None and self.down is not None
         h = self._residual(h, self.o, attn, self.fuse_attn_residual, self.attn_out_norm)
         x = h if self.post_norm is None else rms_norm(h, self.post_norm, self.eps)
+        if self.moe is not None:
+            return self._add(h, self.moe(x), self.mlp_out_norm)
         x = act_and_mul(self.gate_up(x), self.activation)
         return self._residual(h, self.down, x, self.fuse_mlp_residual, self.mlp_out_norm)
 
@@ -294,6 +309,7 @@ class DecoderLM(nn.Module):
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         linears = [self.head, self.embed_q] + [lin for layer in layers
                                                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears += [lin for layer in layers if layer.moe is not None for lin in layer.moe.linears()]
         seen: set[int] = set()
         total = 0
         for lin in linears:

@@ -49,7 +49,10 @@ def expected_weights(cfg: ModelConfig) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + f"{n}.weight" for n, present in norms if present]
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            names += moe_weights(cfg, p)
+        else:
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         if cfg.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if cfg.attention_out_bias:
@@ -57,6 +60,59 @@ def expected_weights(cfg: ModelConfig) -> list[str]:
         if cfg.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return names
+
+
+def moe_weights(cfg: ModelConfig, p: str) -> list[str]:
+    """A MoE layer's MLP weights (prefix `p` = model.layers.N.): the router, each expert's projections, the shared
+    expert and its gate, biases where the family has them."""
+    m = cfg.moe
+    assert m is not None
+    names = [p + "mlp.gate.weight"] + [p + f"mlp.experts.{e}.{x}_proj.weight" for e in range(m.num_experts)
+                                       for x in ("gate", "up", "down")]
+    if m.router_bias:
+        names.append(p + "mlp.gate.bias")
+    if m.correction_bias:
+        names.append(p + "mlp.gate.e_score_correction_bias")
+    if m.expert_bias:
+        names += [p + f"mlp.experts.{e}.{x}_proj.bias" for e in range(m.num_experts) for x in ("gate", "up", "down")]
+    if m.shared_intermediate_size:
+        names += [p + f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+    if m.shared_gate:
+        names.append(p + "mlp.shared_expert_gate.weight")
+    return names
+
+
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|bias)$")
+
+
+def moe_target(block: Any, rest: str) -> torch.Tensor | None:
+    """The view of a MoeBlock parameter the layer-relative name `rest` goes into, in the checkpoint's shape."""
+    inter = block.cfg.intermediate_size
+    m = _EXPERT_RE.match(rest)
+    if m is not None:
+        e, x, kind = int(m.group(1)), m.group(2), m.group(3)
+        if e >= block.cfg.num_experts:
+            return None
+        cols = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
+        if kind == "weight":
+            return block.down_weight[e].t() if x == "down" else block.gate_up_weight[e][:, cols[x]].t()
+        if block.gate_up_bias is None:
+            return None
+        return block.down_bias[e] if x == "down" else block.gate_up_bias[e][cols[x]]
+    shared = block.cfg.shared_intermediate_size
+    simple = {
+        "mlp.gate.weight": block.router_weight.t(),
+        "mlp.gate.bias": block.router_bias,
+        "mlp.gate.e_score_correction_bias": block.correction,
+        "mlp.shared_expert_gate.weight": None if block.shared_gate_weight is None else block.shared_gate_weight.t(),
+    }
+    if shared:
+        simple.update({
+            "mlp.shared_expert.gate_proj.weight": block.shared_gate_up_weight[:, :shared].t(),
+            "mlp.shared_expert.up_proj.weight": block.shared_gate_up_weight[:, shared:].t(),
+            "mlp.shared_expert.down_proj.weight": block.shared_down_weight.t(),
+        })
+    return simple.get(rest)
 
 
 def weight_target(model: Any, name: str) -> torch.Tensor | None:
@@ -78,6 +134,8 @@ def weight_target(model: Any, name: str) -> torch.Tensor | None:
     if idx >= cfg.num_layers:
         return None
     layer = model.layers[idx]
+    if layer.moe is not None and rest.startswith("mlp."):
+        return moe_target(layer.moe, rest)
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
     if rest.startswith("self_attn.") and rest[11:] in ("_proj.weight", "_proj.bias") and rest[10] in qkv_rows:

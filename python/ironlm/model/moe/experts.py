@@ -73,6 +73,11 @@ class MoeBlock(nn.Module):
             self.shared = ExpertMLP(DenseLinear(self.shared_gate_up_weight), DenseLinear(self.shared_down_weight),
                                     self.act)
 
+    def linears(self) -> list[Linear]:
+        """Every expert's (and the shared expert's) linears, as built."""
+        mlps = (self.experts or []) + ([self.shared] if self.shared is not None else [])
+        return [lin for mlp in mlps for lin in (mlp.gate_up, mlp.down)]
+
     @staticmethod
     def _bias(bias: torch.Tensor | None, i: int) -> torch.Tensor | None:
         return None if bias is None else bias[i]
