@@ -69,6 +69,9 @@ class ModelConfig:
     rope_layers: list[bool] | None = None  # per layer: False = no positional encoding (NoPE); None = all rotate
     qk_norm_full: bool = False  # with qk_norm: one RMSNorm over the whole q (k) projection, not per head (OLMo 2)
     moe: MoeConfig | None = None  # mixture-of-experts MLPs on the layers it marks (see model/moe/)
+    attn_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
+    # gpt-oss's experts: (alpha, limit) of (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    swiglu_clamp: tuple[float, float] | None = None
     source: str = "hf"  # hf | gguf
     hf_config: Any = field(default=None, repr=False, compare=False)  # the transformers config, when there is one
 
@@ -136,7 +139,8 @@ class ModelConfig:
                 and self.pre_attn_norm and self.pre_mlp_norm and not self.post_attn_norm and not self.post_mlp_norm
                 and self.embed_scale is None and self.residual_scale is None and self.attn_scale is None
                 and self.norm_offset == 0.0 and self.local_rope is None and self.rotary_dim is None
-                and self.rope_layers is None and self.moe is None)
+                and self.rope_layers is None and self.moe is None and not self.attn_sinks
+                and self.swiglu_clamp is None)
 
     def rotary_config(self, layer: int) -> ModelConfig:
         """The config whose rope fields give layer `layer`'s rotary (the sliding layers' own base, if any)."""
@@ -162,11 +166,12 @@ class ModelConfig:
         per_layer += (self.q_size + 2 * self.kv_size) * self.attention_bias + h * self.attention_out_bias
         per_layer += (self.q_size + self.kv_size if self.qk_norm_full else 2 * self.head_dim) * self.qk_norm
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        total = n * per_layer + emb + h
+        total = n * (per_layer + self.num_heads * self.attn_sinks) + emb + h
         if self.moe is not None:  # a MoE layer's MLP: router, every expert, the shared expert (not the dense MLP)
             m = self.moe
             moe_mlp = h * m.num_experts + 3 * h * (m.num_experts * m.intermediate_size + m.shared_intermediate_size)
-            moe_mlp += h * m.shared_gate
+            moe_mlp += h * m.shared_gate + m.num_experts * m.router_bias
+            moe_mlp += m.num_experts * (2 * m.intermediate_size + h) * m.expert_bias
             total += sum(m.sparse_layers) * (moe_mlp - 3 * h * i)
         return total
 
