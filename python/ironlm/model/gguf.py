@@ -29,6 +29,7 @@ import torch
 from ironlm import _core
 from ironlm.model import registry
 from ironlm.model.config import ModelConfig, UnsupportedModelError
+from ironlm.model.moe.gguf import gguf_moe, split_experts
 from ironlm.model.quantize import GGML_QUANTIZED, QuantSpec, from_float, is_quantized_tensor
 from ironlm.model.weights import gguf_to_hf as hf_name
 
@@ -311,6 +312,7 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         pad_token_id=None if pad is None else int(pad),
         source="gguf",
+        moe=gguf_moe(meta, gf, arch, int(meta("block_count"))),
     )
     fields.update(family.gguf_fields(meta, gf))
     return ModelConfig(**fields)
@@ -387,6 +389,7 @@ def split_fused(gf: GGUFFile, config: ModelConfig) -> None:
                                               n * row_bytes)
             start += n
 
+    split_experts(gf, lambda t: GGML_QUANT_SIZES[GGMLQuantizationType(t)])
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
     for name, info in list(gf.tensors.items()):
         m = _BLOCK_RE.match(name)

@@ -15,6 +15,7 @@ read from the LM head's blocks (`QuantMatrix.gather`), so the table is stored on
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,9 @@ from ironlm.exceptions import InvalidArgumentError
 GGML_QUANTIZED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # GGUF tensor-name suffixes of the linears that stay quantized
 _PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
-                "ffn_up.weight", "ffn_down.weight")
+                "ffn_up.weight", "ffn_down.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                "ffn_down_shexp.weight")
+_EXPERT = re.compile(r"\.ffn_(gate|up|down)_exps(\.\d+)?\.weight$")  # a stack or one of its experts (moe/gguf.py)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ def resolve(quantization: str, group_size: int | None, device: torch.device,
 
 def is_quantized_tensor(gguf_name: str) -> bool:
     """Whether a GGUF tensor is one of the linears a quantized model keeps quantized (embedding included)."""
-    return gguf_name.endswith(_PROJECTIONS) or gguf_name in ("token_embd.weight", "output.weight")
+    return (gguf_name.endswith(_PROJECTIONS) or gguf_name in ("token_embd.weight", "output.weight")
+            or _EXPERT.search(gguf_name) is not None)
 
 
 def from_float(weight: torch.Tensor, spec: QuantSpec) -> _core.QuantMatrix:

@@ -34,12 +34,18 @@ def quantize_core(model: Any, spec: QuantSpec, parts: dict[str, _core.QuantMatri
         q, kv = cfg.q_size, cfg.kv_size
         qkv = [mat(p + "self_attn.q_proj.weight", w[:q]), mat(p + "self_attn.k_proj.weight", w[q:q + kv]),
                mat(p + "self_attn.v_proj.weight", w[q + kv:])]
-        gu = layer.gate_up_weight.t()
-        gate_up = [mat(p + "mlp.gate_proj.weight", gu[:inter]), mat(p + "mlp.up_proj.weight", gu[inter:])]
         layer.qkv = QuantLinear(_core.QuantMatrix.concat(qkv), layer.qkv_bias)
         layer.o = QuantLinear(mat(p + "self_attn.o_proj.weight", layer.o_weight.t()), layer.o_bias)
-        layer.gate_up = QuantLinear(_core.QuantMatrix.concat(gate_up))
-        layer.down = QuantLinear(mat(p + "mlp.down_proj.weight", layer.down_weight.t()))
+        if layer.moe is not None:
+            def make(pieces: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None, p: str = p) -> QuantLinear:
+                return QuantLinear(_core.QuantMatrix.concat([mat(p + n, w) for n, w in pieces]), bias)
+
+            layer.moe.quantize_(make)
+        else:
+            gu = layer.gate_up_weight.t()
+            gate_up = [mat(p + "mlp.gate_proj.weight", gu[:inter]), mat(p + "mlp.up_proj.weight", gu[inter:])]
+            layer.gate_up = QuantLinear(_core.QuantMatrix.concat(gate_up))
+            layer.down = QuantLinear(mat(p + "mlp.down_proj.weight", layer.down_weight.t()))
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
             setattr(layer, name, _empty(model))
     if cfg.tie_word_embeddings:
@@ -67,8 +73,11 @@ def quantize_gpu(model: Any, spec: QuantSpec) -> None:
         layer = module
         layer.qkv = make(layer.qkv_weight.t(), layer.qkv_bias)
         layer.o = make(layer.o_weight.t(), layer.o_bias)
-        layer.gate_up = make(layer.gate_up_weight.t())
-        layer.down = make(layer.down_weight.t())
+        if layer.moe is not None:
+            layer.moe.quantize_(lambda pieces, bias: make(torch.cat([w for _, w in pieces]), bias))
+        else:
+            layer.gate_up = make(layer.gate_up_weight.t())
+            layer.down = make(layer.down_weight.t())
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
             setattr(layer, name, _empty(model))
     head = make(model.embed if model.config.tie_word_embeddings else model.lm_head)

@@ -218,7 +218,14 @@ GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE layer's router; its experts are GGUF_EXPERT_RE's
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# one expert of a stacked ffn_*_exps tensor, as the GGUF loader splits them (model/moe/gguf.py)
+GGUF_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)_exps\.(\d+)\.weight$")
 GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -233,4 +240,7 @@ def gguf_to_hf(gguf_name: str) -> str | None:
     m = GGUF_BLOCK_RE.match(gguf_name)
     if m and m.group(2) in GGUF_LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"
+    e = GGUF_EXPERT_RE.match(m.group(2)) if m else None
+    if m and e:
+        return f"model.layers.{m.group(1)}.mlp.experts.{e.group(2)}.{e.group(1)}_proj.weight"
     return None

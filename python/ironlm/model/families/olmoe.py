@@ -18,6 +18,10 @@ def _hf(hf_config: Any) -> dict[str, Any]:
             "moe": hf_moe(hf_config, expert_size=hf_config.intermediate_size)}
 
 
+def _gguf(meta: Any, gf: Any) -> dict[str, Any]:
+    return {"qk_norm_full": True}
+
+
 OLMOE = register(Family(
     name="olmoe",
     hf_classes=("OlmoeForCausalLM",),
@@ -25,4 +29,5 @@ OLMOE = register(Family(
     gguf_archs=("olmoe",),
     features=("mixture of experts: softmax top-k (norm_topk_prob)", "qk-norm over the whole projection"),
     hf_fields=_hf,
+    gguf_fields=_gguf,
 ))

@@ -23,10 +23,16 @@ from ironlm.model.moe.route import route
 from ironlm.model.moe.spec import MoeConfig
 
 Act = Callable[[torch.Tensor], torch.Tensor]
+# (HF-named [out, in] pieces stacked into one linear, bias) -> the linear (quantized.py's builders)
+Make = Callable[[list[tuple[str, torch.Tensor]], torch.Tensor | None], Linear]
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _empty(like: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(like.new_empty((0,)), requires_grad=False)
 
 
 class ExpertMLP:
@@ -72,6 +78,26 @@ class MoeBlock(nn.Module):
         if self.shared is None and self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
             self.shared = ExpertMLP(DenseLinear(self.shared_gate_up_weight), DenseLinear(self.shared_down_weight),
                                     self.act)
+
+    def quantize_(self, make: Make) -> None:
+        """Every expert's (and the shared expert's) linears built by `make` from their HF-named `[out, in]` pieces
+        (gate and up, or down) and bias; the dense expert weights are dropped. The router stays dense: it is a
+        [hidden, E] matrix every token multiplies, small beside one expert."""
+        inter, shared = self.cfg.intermediate_size, self.cfg.shared_intermediate_size
+
+        def mlp(prefix: str, gu: torch.Tensor, down: torch.Tensor, size: int, gu_bias: torch.Tensor | None,
+                down_bias: torch.Tensor | None) -> ExpertMLP:
+            gate_up = make([(prefix + "gate_proj.weight", gu[:size]), (prefix + "up_proj.weight", gu[size:])], gu_bias)
+            return ExpertMLP(gate_up, make([(prefix + "down_proj.weight", down)], down_bias), self.act)
+
+        self.experts = [mlp(f"mlp.experts.{i}.", self.gate_up_weight[i].t(), self.down_weight[i].t(), inter,
+                            self._bias(self.gate_up_bias, i), self._bias(self.down_bias, i))
+                        for i in range(self.cfg.num_experts)]
+        if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
+            self.shared = mlp("mlp.shared_expert.", self.shared_gate_up_weight.t(), self.shared_down_weight.t(),
+                              shared, None, None)
+            self.shared_gate_up_weight = self.shared_down_weight = _empty(self.router_weight)
+        self.gate_up_weight = self.down_weight = _empty(self.router_weight)
 
     def linears(self) -> list[Linear]:
         """Every expert's (and the shared expert's) linears, as built."""
