@@ -300,6 +300,7 @@ fn bench_attention(c: &mut Criterion) {
         scale: 0.125,
         window: None,
         softcap: None,
+        sinks: None,
     };
     let mut out = vec![0.0f32; q.len()];
     let mut g = c.benchmark_group("attention");

@@ -6,6 +6,8 @@ multiply for MHA). A split covers a contiguous slice of the sequence's context w
 one split it writes the final output, otherwise (flash-decoding) it writes the normalised partial output and its
 log-sum-exp, and stage 2 merges the splits. With a sliding window only the last `window` positions are split and
 read. With soft-capping (Gemma 2) each scaled logit x becomes softcap * tanh(x / softcap) before the softmax.
+With sinks (gpt-oss) each query head's softmax denominator gains exp(sink): with one split the kernel adds it after
+its loop, with several stage 2 adds it once when merging.
 """
 
 from __future__ import annotations
@@ -37,9 +39,19 @@ def capped_logits(qk, scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def add_sink(acc, m_i, l_i, sink):
+    """Fold a sink logit (log2 units) into an online softmax's state: one more denominator term, no value row.
+    Returns (acc, l_i) rescaled to the new max; rows that saw no key (m_i = -inf) get l_i = 1, acc = 0."""
+    m_f = tl.maximum(m_i, sink)
+    r = tl.exp2(m_i - m_f)
+    return acc * r[:, None], l_i * r + tl.exp2(sink - m_f)
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     seq_ids_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    sinks_ptr,  # [Hq] fp32 attention sinks (read when HAS_SINKS and not WRITE_PARTIAL)
     scale,
     num_splits,
     window,  # sliding window: keys in (seq_len - 1 - window, seq_len - 1]; NO_WINDOW = the whole context
@@ -60,6 +72,7 @@ def decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,  # True: write (normalised acc, lse) per split for stage 2
     SOFTCAP: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     pid_b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,6 +128,9 @@ def decode_attention_kernel(
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         m_i = m_new
 
+    if HAS_SINKS and not WRITE_PARTIAL:  # split partials stay sink-free: stage 2 adds the sink once
+        sink = tl.load(sinks_ptr + heads, mask=mask_g, other=0.0) * 1.4426950408889634
+        acc, l_i = add_sink(acc, m_i, l_i, sink)
     # An empty split (short sequence, many splits) has l_i == 0: output 0 with lse -inf, ignored by stage 2.
     nonempty = l_i > 0
     acc = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -131,14 +147,17 @@ def decode_attention_kernel(
 @triton.jit
 def decode_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, seq_ids_ptr, query_start_ptr,
+    sinks_ptr,  # [Hq] fp32 attention sinks (read when HAS_SINKS)
     num_splits,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
+    HAS_SINKS: tl.constexpr = False,
 ):
-    """Stage 2: merge the splits of one (sequence, query head) by their log-sum-exp weights."""
+    """Stage 2: merge the splits of one (sequence, query head) by their log-sum-exp weights (and the head's sink,
+    a split with lse = sink and no value)."""
     pid_b = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(seq_ids_ptr + pid_b)
@@ -148,10 +167,17 @@ def decode_reduce_kernel(
     mask_s = offs_s < num_splits
     lse = tl.load(lse_ptr + pid_b.to(tl.int64) * stride_lb + head * stride_lh + offs_s, mask=mask_s,
                   other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
+    top = tl.max(lse, axis=0)  # split 0 is never empty, so the max is finite
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    w = tl.exp2(lse - top)
+    denom = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - top)
     part = tl.load(part_ptr + pid_b.to(tl.int64) * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps
                    + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / denom
     tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -182,6 +208,11 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: i
     return int(max(1, min(want, by_len, max_splits)))
 
 
+def sink_arg(sinks: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The kernels' sinks pointer: fp32 [Hq] contiguous, or any tensor (never read) when there are none."""
+    return like if sinks is None else sinks.to(device=like.device, dtype=torch.float32).contiguous()
+
+
 def decode_block_g(group: int) -> tuple[int, bool]:
     """(BLOCK_G, USE_DOT): tl.dot needs M >= 16 on the GPU, MHA uses the broadcast-multiply path."""
     use_dot = group > 1
@@ -207,13 +238,14 @@ def paged_decode_attention(
     num_sms: int = 132,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out[query_start_loc[s]] = attention of that query row over sequence s's paged context, for s in seq_ids.
 
     q/out [T, Hq, D]; caches [num_blocks, page, Hkv, D]; seq_ids int32 [Bd] (the sequences to decode, each
     with one query row). `max_seq_len` (a host int: no device sync) only sizes the split count. With `window`
     (sliding-window attention) only each sequence's last `window` positions are attended; with `softcap` the
-    logits are soft-capped.
+    logits are soft-capped; with `sinks` ([Hq], any float dtype) head h's denominator gains exp(sinks[h]).
     """
     num = seq_ids.shape[0]
     if num == 0:
@@ -231,13 +263,14 @@ def paged_decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = {"GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_N": block_n, "PAGE_SIZE": page,
               "USE_DOT": use_dot, "COMPUTE_F32": compute_f32, "DOT_PRECISION": precision,
-              "SOFTCAP": softcap is not None}
+              "SOFTCAP": softcap is not None, "HAS_SINKS": sinks is not None}
     cap = 1.0 if softcap is None else float(softcap)
+    sk = sink_arg(sinks, q)
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     if num_splits == 1:
         decode_attention_kernel[(num, hkv, 1)](
-            q, k_cache, v_cache, out, out, seq_ids, query_start_loc, seq_lens, block_tables, scale, 1, win, cap,
+            q, k_cache, v_cache, out, out, seq_ids, query_start_loc, seq_lens, block_tables, sk, scale, 1, win, cap,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, *kv_strides,
             WRITE_PARTIAL=False, **common,
         )
@@ -245,12 +278,13 @@ def paged_decode_attention(
     part = torch.empty(num, hq, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(num, hq, num_splits, dtype=torch.float32, device=q.device)
     decode_attention_kernel[(num, hkv, num_splits)](
-        q, k_cache, v_cache, part, lse, seq_ids, query_start_loc, seq_lens, block_tables, scale, num_splits, win, cap,
+        q, k_cache, v_cache, part, lse, seq_ids, query_start_loc, seq_lens, block_tables, sk, scale, num_splits, win,
+        cap,
         q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         *kv_strides, WRITE_PARTIAL=True, **common,
     )
     decode_reduce_kernel[(num, hq)](
-        part, lse, out, seq_ids, query_start_loc, num_splits,
+        part, lse, out, seq_ids, query_start_loc, sk, num_splits,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(num_splits),
+        HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
     )

@@ -5,7 +5,8 @@ the cache after this step's write, so the chunk's row j sits at absolute positio
 causally to positions 0 ..= context_len + j: the cached prefix (prefix-cache hits, earlier chunks of a chunked
 prefill) and itself, all read through the block table; with a sliding window only positions
 (context_len + j - window, context_len + j], and tiles wholly before the tile's first row's window are not read;
-with soft-capping each scaled logit x becomes softcap * tanh(x / softcap) before the mask and the softmax.
+with soft-capping each scaled logit x becomes softcap * tanh(x / softcap) before the mask and the softmax; with
+sinks (gpt-oss) each head's softmax denominator gains exp(sink) after the loop.
 Grid: (query tiles, query heads, sequences); programs whose tile lies past their sequence's chunk exit at once.
 """
 
@@ -15,13 +16,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ironlm.kernels.decode_attention import NO_WINDOW, capped_logits, default_compute_f32, load_kv_tile
+from ironlm.kernels.decode_attention import (
+    NO_WINDOW,
+    add_sink,
+    capped_logits,
+    default_compute_f32,
+    load_kv_tile,
+    sink_arg,
+)
 
 
 @triton.jit
 def prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     seq_ids_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    sinks_ptr,  # [Hq] fp32 attention sinks (read when HAS_SINKS)
     scale,
     window,  # sliding window (NO_WINDOW = full causal)
     softcap,  # logit soft-cap (read when SOFTCAP)
@@ -38,6 +47,7 @@ def prefill_attention_kernel(
     COMPUTE_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -92,6 +102,8 @@ def prefill_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS:
+        acc, l_i = add_sink(acc, m_i, l_i, tl.load(sinks_ptr + head) * 1.4426950408889634)
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
@@ -116,10 +128,11 @@ def paged_prefill_attention(
     num_stages: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each chunk in seq_ids (int32 [Bp]) over its paged context, written into out's rows;
     with `window` (sliding-window attention) row j of a chunk sees only positions (ctx + j - window, ctx + j];
-    with `softcap` the logits are soft-capped.
+    with `softcap` the logits are soft-capped; with `sinks` ([Hq]) head h's denominator gains exp(sinks[h]).
 
     `max_query_len` (a host int) sizes the tile dimension of the grid; the new K/V rows must already be in the
     cache (reshape_and_cache runs first).
@@ -138,10 +151,11 @@ def paged_prefill_attention(
     if num_stages is not None:
         extra["num_stages"] = num_stages
     prefill_attention_kernel[grid](
-        q, k_cache, v_cache, out, seq_ids, query_start_loc, seq_lens, block_tables, scale,
+        q, k_cache, v_cache, out, seq_ids, query_start_loc, seq_lens, block_tables, sink_arg(sinks, q), scale,
         NO_WINDOW if window is None else window, 1.0 if softcap is None else float(softcap), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page, COMPUTE_F32=compute_f32,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None, **extra,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None, **extra,
     )

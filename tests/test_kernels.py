@@ -246,6 +246,40 @@ def test_soft_capping(kernels: SimpleNamespace, dtype: torch.dtype, softcap: flo
     assert (out.float() - ref(None).float()).abs().max() > 10 * TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype,window,splits", [(torch.float32, None, 1), (torch.float32, 7, 2),
+                                                (torch.bfloat16, None, 3)])
+def test_attention_sinks(kernels: SimpleNamespace, dtype: torch.dtype, window: int | None, splits: int) -> None:
+    """gpt-oss's sinks in both kernels (decode with one split: added after the loop; with several: once, in
+    stage 2; prefill chunks fresh and over cached context) against the torch backend and, in fp32, the fp64
+    reference of test_attention_sinks; the sinks move the output far beyond the tolerance."""
+    from test_attention_sinks import sink_reference, sink_values
+
+    case = make_case(*WINDOW_CASE_SHORT, hq=6, hkv=2, d=64, block_size=8, dtype=dtype, seed=splits, pad_rows=1)
+    case["scale"] = 0.3
+    sinks = sink_values(6)
+    tc = to_device(case)
+    kc, vc = tc["k_cache"].clone(), tc["v_cache"].clone()
+    tri = kernels.TritonAttention(**{**SMALL, "decode_num_splits": splits})
+    out = tri.forward(tc["q"], tc["k"], tc["v"], kc, vc, tc["meta"], tc["scale"], window=window,
+                      sinks=sinks.to(DEVICE)).cpu()
+    torch_backend = get_backend("torch")
+
+    def ref(sk: torch.Tensor | None) -> torch.Tensor:
+        return torch_backend.forward(case["q"], case["k"], case["v"], case["k_cache"].clone(),
+                                     case["v_cache"].clone(), case["meta"], case["scale"], window=window, sinks=sk)
+
+    assert torch.equal(out[-1:], torch.zeros_like(out[-1:]))  # the padding row
+    assert_close(out, ref(sinks), dtype)
+    assert (out.float() - ref(None).float()).abs().max() > 10 * TOL[dtype]
+    if dtype == torch.float32:
+        torch.testing.assert_close(out[:-1].double(), sink_reference(case, sinks, window)[:-1], atol=2e-5,
+                                   rtol=2e-5)
+
+
+# WINDOW_CASE without its 45-token prompt: the interpreter runs each program in Python
+WINDOW_CASE_SHORT = ([0, 0, 40, 9, 5, 17], [1, 20, 12, 1, 3, 1])
+
+
 def test_llm_greedy_identical_on_both_backends(kernels: SimpleNamespace, tmp_path) -> None:
     """Through the real model and scheduler: chunked prefill (a 17-token prompt in 16-token steps), mixed
     decode + prefill steps; greedy tokens from the Triton backend equal the torch backend's."""

@@ -34,7 +34,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 TY = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 # Pointer args that always hold int32 metadata / fp32 partials; everything else follows the model dtype.
 INT_PTRS = {"slot_ptr": "*i64", "seq_ids_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
-            "block_tables_ptr": "*i32"}
+            "block_tables_ptr": "*i32", "sinks_ptr": "*fp32"}
 # runtime values without a 16-multiple
 NOT_DIV16 = {"stride_bt", "num_splits", "stride_lb", "stride_lh", "M", "N", "K", "stride_sn"}
 
@@ -75,13 +75,15 @@ for cfg in json.loads(sys.argv[1]):
                     "GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_N": 64, "PAGE_SIZE": 16,
                     "USE_DOT": use_dot, "COMPUTE_F32": False,
                     "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "WRITE_PARTIAL": partial,
-                    "SOFTCAP": False}, ptrs))
-        results.append(compile_one(da.decode_reduce_kernel, dtype, {"HEAD_DIM": d, "BLOCK_S": 32},
+                    "SOFTCAP": False, "HAS_SINKS": False}, ptrs))
+        results.append(compile_one(da.decode_reduce_kernel, dtype, {"HEAD_DIM": d, "BLOCK_S": 32,
+                                                                     "HAS_SINKS": False},
                                    {"part_ptr": "*fp32", "lse_ptr": "*fp32"}))
         for group in (1, cfg["groups"][-1]):
             results.append(compile_one(pa.prefill_attention_kernel, dtype, {
                 "GROUP": group, "HEAD_DIM": d, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE_SIZE": 16,
-                "COMPUTE_F32": False, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "SOFTCAP": False}))
+                "COMPUTE_F32": False, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "SOFTCAP": False,
+                "HAS_SINKS": False}))
     # Soft-capped logits (Gemma 2): both attention kernels once per dtype, largest head_dim and group
     d, group = max(cfg["head_dims"]), cfg["groups"][-1]
     block_g, use_dot = da.decode_block_g(group)
@@ -92,10 +94,28 @@ for cfg in json.loads(sys.argv[1]):
             results.append(compile_one(da.decode_attention_kernel, dtype, {
                 "GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": d, "BLOCK_N": 64, "PAGE_SIZE": 16,
                 "USE_DOT": use_dot, "COMPUTE_F32": False, "DOT_PRECISION": precision, "WRITE_PARTIAL": partial,
-                "SOFTCAP": True}, ptrs))
+                "SOFTCAP": True, "HAS_SINKS": False}, ptrs))
         results.append(compile_one(pa.prefill_attention_kernel, dtype, {
             "GROUP": group, "HEAD_DIM": d, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE_SIZE": 16,
-            "COMPUTE_F32": False, "DOT_PRECISION": precision, "SOFTCAP": True}))
+            "COMPUTE_F32": False, "DOT_PRECISION": precision, "SOFTCAP": True, "HAS_SINKS": False}))
+    # Attention sinks (gpt-oss, head_dim 64, GQA 8): both attention kernels and stage 2 once per dtype, with a window
+    # as gpt-oss's sliding layers run them (the window is a runtime value: the same compile serves both)
+    group = cfg["groups"][-1]
+    block_g, use_dot = da.decode_block_g(group)
+    for dtype in cfg["dtypes"]:
+        precision = "ieee" if dtype == "fp32" else "tf32"
+        for partial in (False, True):
+            ptrs = {"out_ptr": "*fp32", "lse_ptr": "*fp32"} if partial else {"lse_ptr": TY[dtype]}
+            results.append(compile_one(da.decode_attention_kernel, dtype, {
+                "GROUP": group, "BLOCK_G": block_g, "HEAD_DIM": 64, "BLOCK_N": 64, "PAGE_SIZE": 16,
+                "USE_DOT": use_dot, "COMPUTE_F32": False, "DOT_PRECISION": precision, "WRITE_PARTIAL": partial,
+                "SOFTCAP": False, "HAS_SINKS": True}, ptrs))
+        results.append(compile_one(da.decode_reduce_kernel, dtype, {"HEAD_DIM": 64, "BLOCK_S": 32,
+                                                                     "HAS_SINKS": True},
+                                   {"part_ptr": "*fp32", "lse_ptr": "*fp32"}))
+        results.append(compile_one(pa.prefill_attention_kernel, dtype, {
+            "GROUP": group, "HEAD_DIM": 64, "BLOCK_M": 64, "BLOCK_N": 64, "PAGE_SIZE": 16,
+            "COMPUTE_F32": False, "DOT_PRECISION": precision, "SOFTCAP": False, "HAS_SINKS": True}))
 # The weight-only GEMM: int8 per channel and int4 in groups of 32 / 128, decode (16-row) and prefill (64-row) tiles.
 for dtype in ("fp16", "bf16"):
     for bits, group in ((8, 0), (4, 32), (4, 128)):
@@ -138,6 +158,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_every_kernel_compiles_for_sm90(compiled: list[dict]) -> None:
     expected = sum(len(c["dtypes"]) * len(c["head_dims"]) * (2 + 2 * len(c["groups"]) + 1 + 2) for c in CONFIGS)
     expected += sum(3 * len(c["dtypes"]) for c in CONFIGS)  # the soft-capped decode (x2) and prefill kernels
+    expected += sum(4 * len(c["dtypes"]) for c in CONFIGS)  # with sinks: decode (x2), stage 2 and prefill
     assert len(compiled) == expected + 2 * 3 * 2  # + quant_matmul: 2 dtypes x 3 formats x 2 tile shapes
     kinds = {(r["kernel"], r["dtype"], r.get("HEAD_DIM", "")) for r in compiled}
     for dtype in ("fp16", "bf16"):
@@ -146,6 +167,9 @@ def test_every_kernel_compiles_for_sm90(compiled: list[dict]) -> None:
                 assert (kernel, dtype, d) in kinds
         assert ("quant_matmul_kernel", dtype, "") in kinds
     assert {r["dtype"] for r in compiled if r.get("SOFTCAP") == "True"} == {"fp16", "bf16", "fp32"}
+    sinks = {(r["kernel"], r["dtype"]) for r in compiled if r.get("HAS_SINKS") == "True"}
+    assert sinks == {(k, t) for k in ("decode_attention_kernel", "decode_reduce_kernel", "prefill_attention_kernel")
+                     for t in ("fp16", "bf16", "fp32")}
     for r in compiled:
         assert r["cubin_bytes"] > 0, r
 

@@ -123,6 +123,7 @@ def paged_decode_attention(
     slot_mapping: npt.NDArray[np.int64] | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: npt.NDArray[np.float32] | None = None,
 ) -> None:
     """Decode attention on the CPU, reading the paged cache in place (the ``cpu`` attention backend).
 
@@ -133,7 +134,8 @@ def paged_decode_attention(
     With ``k``/``v`` (``[n, Hkv, D]``, rows may be strided) and ``slot_mapping`` (-1 = skip) those rows are first
     written into the caches. With ``window`` (sliding-window attention) sequence ``i`` attends only its last
     ``window`` positions. With ``softcap`` each logit ``x`` becomes ``softcap * tanh(x / softcap)`` before the
-    softmax (Gemma 2). Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
+    softmax (Gemma 2). With ``sinks`` (``[Hq]`` float32, gpt-oss's attention sinks) head ``h``'s softmax
+    denominator gains ``exp(sinks[h])``, a term with no value row. Runs with the GIL released on up to ``threads`` threads (torch's OpenMP pool when
     torch is loaded). Raises ``InvalidArgumentError`` naming the argument for any shape, dtype, block id or
     length it cannot follow."""
 

@@ -35,11 +35,14 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write k/v ([T, Hkv, D]) at meta.slot_mapping into the paged caches ([num_blocks, block_size, Hkv, D],
         one layer), then attend each query row ([T, Hq, D]) causally over its sequence's context: all of it, or
         with a sliding `window` only the keys at positions (p - window, p] for a query at position p. With
-        `softcap` the logits (q k * scale) become softcap * tanh(logits / softcap) before the softmax.
+        `softcap` the logits (q k * scale) become softcap * tanh(logits / softcap) before the softmax. With
+        `sinks` (float32 [Hq], gpt-oss's attention sinks) head h's softmax denominator gains exp(sinks[h]), a
+        term with no value row.
         Returns [T, Hq, D] in q's dtype.
 
         `v_cache` may be `k_cache` itself (and `v` then `k`): multi-head latent attention's one cached row per

@@ -63,13 +63,15 @@ class CpuAttention(TorchAttention):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dtype = CORE_DTYPES.get(k_cache.dtype)
         if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        sk = None if sinks is None else _sink_view(sinks)
         if invariant.enabled():
-            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, window, softcap, dtype)
-        plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0], window)
+            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sk, dtype)
+        plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0], window, cascade=sinks is None)
         if plan is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, softcap=softcap)
         threads = torch.get_num_threads()
@@ -79,7 +81,8 @@ class CpuAttention(TorchAttention):
             out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads,
-                dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap)
+                dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap,
+                sinks=sk)
             return out
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
         out = torch.zeros(q.shape, dtype=q.dtype) if plan.num_tokens < q.shape[0] else torch.empty(q.shape, dtype=q.dtype)
@@ -88,16 +91,16 @@ class CpuAttention(TorchAttention):
             od = out if plan.rows is None else torch.empty(qd.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(qd), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(od), threads, dtype=dtype,
-                window=window, softcap=softcap)
+                window=window, softcap=softcap, sinks=sk)
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:
-            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap)
+            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap, sinks)
         return out
 
     def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
-                 softcap: float | None, dtype: str) -> torch.Tensor:
+                 softcap: float | None, sinks: np.ndarray | None, dtype: str) -> torch.Tensor:
         """Every row of q through the paged kernel, each against its own causal context (see the module doc)."""
         if "cpu:rows" not in meta.plan_cache:
             meta.plan_cache["cpu:rows"] = _row_plan(meta, k_cache.shape[1], q.shape[0])
@@ -108,7 +111,7 @@ class CpuAttention(TorchAttention):
             out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads, dtype=dtype,
-                k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap)
+                k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap, sinks=sinks)
             return out
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, has_padding_slots(meta))
         out = torch.zeros(q.shape, dtype=q.dtype)
@@ -116,18 +119,24 @@ class CpuAttention(TorchAttention):
         if n:
             _core.paged_decode_attention(
                 as_numpy(q[:n]), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out[:n]), threads,
-                dtype=dtype, window=window, softcap=softcap)
+                dtype=dtype, window=window, softcap=softcap, sinks=sinks)
         return out
 
     def decode_plan(
-        self, meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None
+        self, meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None,
+        cascade: bool = True,
     ) -> _CpuPlan | None:
         """The step's plan (built by the first layer, memoised in the metadata, one per window size); None = the
-        torch path serves it."""
-        key = "cpu" if window is None else f"cpu:{window}"
+        torch path serves it (its cascade attention; never with `cascade` False, as for layers with sinks)."""
+        key = ("cpu" if window is None else f"cpu:{window}") + ("" if cascade else ":flat")
         if key not in meta.plan_cache:
-            meta.plan_cache[key] = _make_plan(meta, block_size, num_rows, window)
+            meta.plan_cache[key] = _make_plan(meta, block_size, num_rows, window, cascade)
         return meta.plan_cache[key]
+
+
+def _sink_view(sinks: torch.Tensor) -> np.ndarray:
+    """The kernel's f32 [Hq] sinks (a view when the parameter is already f32 and contiguous)."""
+    return np.ascontiguousarray(sinks.detach().to(torch.float32).numpy(), dtype=np.float32)
 
 
 @dataclass
@@ -153,13 +162,14 @@ def _row_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _RowPl
     return _RowPlan(tables, seq_lens, slots)
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None) -> _CpuPlan | None:
+def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None,
+               cascade: bool = True) -> _CpuPlan | None:
     """The step's plan, or None when the torch path's cascade attention serves it better (never under a window,
-    where the torch path does not cascade)."""
+    where the torch path does not cascade, nor without `cascade`)."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     dec = np.nonzero(np.diff(qsl) == 1)[0]
     block_tables = meta.block_tables.numpy()
-    if window is None and not invariant.enabled() and _shared_blocks(block_tables, dec, meta.seq_lens_cpu.astype(np.int64), block_size):
+    if cascade and window is None and not invariant.enabled() and _shared_blocks(block_tables, dec, meta.seq_lens_cpu.astype(np.int64), block_size):
         return None
     rows = None if len(dec) == num_rows else torch.from_numpy(qsl[dec])
     seq_lens = np.ascontiguousarray(meta.seq_lens_cpu[dec], dtype=np.int32)

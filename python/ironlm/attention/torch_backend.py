@@ -126,7 +126,7 @@ def write_kv_cache(
 
 class TorchAttention:
     """AttentionBackend built from gathers, batched matmuls and ``scaled_dot_product_attention`` (explicit
-    matmul + softmax where the logits are soft-capped, which SDPA cannot express)."""
+    matmul + softmax where the logits are soft-capped or the softmax has sinks, which SDPA cannot express)."""
 
     name = "torch"
     fused_decode_qkv = False  # see AttentionBackend
@@ -142,14 +142,16 @@ class TorchAttention:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # One plan per window size: sliding and full layers of one step mask differently. Soft-capped logits
-        # cannot be split into log-sum-exp partitions through SDPA: no cascade for them either.
+        # and sinks take the explicit softmax, which is not split into log-sum-exp partitions: no cascade.
+        eager = softcap is not None or sinks is not None
         key = "torch" if window is None else f"torch:{window}"
-        key += "" if softcap is None else ":capped"
+        key += ":eager" if eager else ""
         plan = meta.plan_cache.get(key)
         if plan is None:
-            plan = _make_plan(meta, k_cache.shape[1], q.device, window, cascade=softcap is None)
+            plan = _make_plan(meta, k_cache.shape[1], q.device, window, cascade=not eager)
             meta.plan_cache[key] = plan
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
 
@@ -158,10 +160,10 @@ class TorchAttention:
         if plan.shared is not None:
             shared = _shared_prefix(q.index_select(0, plan.shared.rows), k_cache, v_cache, plan.shared, scale)
         for chunk in plan.decode:
-            o = _decode_chunk(q.index_select(0, chunk.rows), k_cache, v_cache, chunk, scale, shared, softcap)
+            o = _decode_chunk(q.index_select(0, chunk.rows), k_cache, v_cache, chunk, scale, shared, softcap, sinks)
             out.index_copy_(0, chunk.rows, o)
         for s in plan.prefill:
-            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap)
+            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap, sinks)
         return out
 
 
@@ -300,20 +302,31 @@ def _sdpa_with_lse(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), v), lse
 
 
-def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                     softcap: float) -> torch.Tensor:
-    """softmax(cap * tanh(q k^T * scale / cap) + mask) v: Gemma 2's soft-capped logits (applied before the mask,
-    as transformers does). q [..., n, D], k / v [..., L, D]; mask additive float or bool (True = attend)."""
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap) + mask) v, the matmuls spelled out. Gemma 2's soft-capped logits
+    (applied before the mask, as transformers does); gpt-oss's `sinks`, one logit per query row broadcast to
+    [..., n, 1], join each row's softmax denominator with no value row (the max includes them, so a sink far
+    above the logits cannot overflow). q [..., n, D], k / v [..., L, D]; mask additive float or bool
+    (True = attend)."""
     logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-    logits = torch.tanh(logits / softcap) * softcap
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-    return torch.matmul(torch.softmax(logits, dim=-1), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(logits, dim=-1), v)
+    sink = sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)
+    top = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
+    p = torch.exp(logits - top)
+    denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink - top)
+    return torch.matmul(p, v) / denom
 
 
 def _decode_chunk(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: _DecodeChunk, scale: float,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, Hq, D] (one token per sequence) against each sequence's whole paged context."""
     n, hq, d = q.shape
@@ -328,8 +341,9 @@ def _decode_chunk(
     kg = _gather_blocks(k_cache, chunk.blocks, "k").view(n, length, hkv, d).transpose(1, 2).to(ct)
     vg = kg if v_cache is k_cache else _gather_blocks(v_cache, chunk.blocks, "v").view(
         n, length, hkv, d).transpose(1, 2).to(ct)
-    if softcap is not None:  # never cascaded (see TorchAttention.forward)
-        out = capped_attention(qg, kg, vg, bias.view(n, 1, 1, length), scale, softcap)
+    if softcap is not None or sinks is not None:  # never cascaded (see TorchAttention.forward)
+        sink = None if sinks is None else sinks.view(1, hkv, g, 1)
+        out = eager_attention(qg, kg, vg, bias.view(n, 1, 1, length), scale, softcap, sink)
         return out.reshape(n, hq, d).to(q.dtype)
     if shared is None:
         out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=bias.view(n, 1, 1, length), scale=scale)
@@ -351,6 +365,7 @@ def _prefill_one(
     s: _PrefillSeq,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if s.context_len == 0:
         # Nothing cached before this chunk: its keys are exactly the new rows, no gather needed.
@@ -360,14 +375,15 @@ def _prefill_one(
         vs = ks if v_cache is k_cache else _gather_blocks(v_cache, s.blocks, "v")[: s.seq_len]
     compute = _compute_dtype(q.dtype)
     qs = q[s.start : s.end].transpose(0, 1).to(compute)  # [Hq, n, D]
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         group = qs.shape[0] // ks.shape[1]
         kt = ks.transpose(0, 1).to(compute).repeat_interleave(group, dim=0)
         vt = vs.transpose(0, 1).to(compute).repeat_interleave(group, dim=0)
         mask = s.mask
         if mask is None:
             mask = torch.ones(qs.shape[1], s.seq_len, dtype=torch.bool, device=q.device).tril()
-        return capped_attention(qs, kt, vt, mask, scale, softcap).transpose(0, 1).to(q.dtype)
+        sink = None if sinks is None else sinks.view(-1, 1, 1)
+        return eager_attention(qs, kt, vt, mask, scale, softcap, sink).transpose(0, 1).to(q.dtype)
     out = F.scaled_dot_product_attention(
         qs,
         ks.transpose(0, 1).to(compute),

@@ -77,6 +77,7 @@ class TritonAttention:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         d = q.shape[-1]
         if d < 16 or d & (d - 1):
@@ -95,12 +96,12 @@ class TritonAttention:
             paged_decode_attention(
                 q, k_cache, v_cache, out, plan.decode_ids, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 scale, plan.decode_max_seq_len, block_n=self.decode_block_n, num_splits=self.decode_num_splits,
-                num_sms=self._sms(q.device), window=window, softcap=softcap,
+                num_sms=self._sms(q.device), window=window, softcap=softcap, sinks=sinks,
             )
         if plan.prefill_ids.numel():
             paged_prefill_attention(
                 q, k_cache, v_cache, out, plan.prefill_ids, meta.query_start_loc, meta.seq_lens,
                 meta.block_tables, scale, plan.prefill_max_query_len, block_m=self.prefill_block_m,
-                block_n=self.prefill_block_n, window=window, softcap=softcap,
+                block_n=self.prefill_block_n, window=window, softcap=softcap, sinks=sinks,
             )
         return out

@@ -80,6 +80,9 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False  # the checkpoint rotates interleaved pairs (x0, x1), ...: de-interleaved at load
     moe: MoeConfig | None = None  # mixture-of-experts MLPs on the layers it marks (see model/moe/)
+    attn_sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
+    # gpt-oss's experts: (alpha, limit) of (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    swiglu_clamp: tuple[float, float] | None = None
     source: str = "hf"  # hf | gguf
     hf_config: Any = field(default=None, repr=False, compare=False)  # the transformers config, when there is one
 
@@ -164,9 +167,10 @@ class ModelConfig:
         """Whether the lean CPU decode step (lean.py) implements this block: every norm placement, qk-norm (per
         head or over the whole projection), SiLU or GELU-tanh MLPs, attention scale and soft-cap, windows, a RoPE
         base per layer kind, NoPE layers, embedding and residual scales; not partial rotary. A new field that
-        lean.py does not implement must make this False (a MoE layer's MLP or latent attention, for two)."""
+        lean.py does not implement must make this False (a MoE layer's MLP, latent attention, attention sinks, a
+        clamped SwiGLU)."""
         return (self.rotary_dim is None and self.activation in ("silu", "gelu_tanh") and self.moe is None
-                and not self.mla)
+                and not self.mla and not self.attn_sinks and self.swiglu_clamp is None)
 
     def rotary_config(self, layer: int) -> ModelConfig:
         """The config whose rope fields give layer `layer`'s rotary (the sliding layers' own base, if any)."""
@@ -200,11 +204,12 @@ class ModelConfig:
         per_layer += (self.q_size + 2 * self.kv_size) * self.attention_bias + h * self.attention_out_bias
         per_layer += (self.q_size + self.kv_size if self.qk_norm_full else 2 * self.head_dim) * self.qk_norm
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        total = n * per_layer + emb + h
+        total = n * (per_layer + self.num_heads * self.attn_sinks) + emb + h
         if self.moe is not None:  # a MoE layer's MLP: router, every expert, the shared expert (not the dense MLP)
             m = self.moe
             moe_mlp = h * m.num_experts + 3 * h * (m.num_experts * m.intermediate_size + m.shared_intermediate_size)
-            moe_mlp += h * m.shared_gate
+            moe_mlp += h * m.shared_gate + m.num_experts * m.router_bias
+            moe_mlp += m.num_experts * (2 * m.intermediate_size + h) * m.expert_bias
             total += sum(m.sparse_layers) * (moe_mlp - 3 * h * i)
         return total
 

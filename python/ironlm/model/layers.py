@@ -1,5 +1,6 @@
 """Building blocks of the decoder: RMSNorm, rotary embeddings (default / linear / llama3 / yarn / GGUF freq
-factors) with a lazily grown cos|sin table, and the gated MLP activations (SiLU, GELU-tanh).
+factors) with a lazily grown cos|sin table, and the gated MLP activations (SiLU fused in the core, GELU-tanh,
+gpt-oss's clamped SwiGLU).
 
 On the CPU, RMSNorm, RoPE, SiLU-mul and GELU-tanh-mul run as single fused kernels of the core (``ironlm._core``) for f32, bf16
 and fp16: at batch 1 the torch op chains they replace cost more in dispatch than the matmuls between them.
@@ -18,8 +19,8 @@ from ironlm import _core
 from ironlm.core_views import CORE_DTYPES, as_numpy, core_ok
 from ironlm.model.config import ModelConfig, UnsupportedModelError
 
-__all__ = ["CORE_DTYPES", "CoreRope", "RotaryEmbedding", "act_and_mul", "apply_rotary", "as_numpy", "core_ok",
-           "cpu_has_fast_bf16", "rms_norm", "rope_inv_freq", "silu_and_mul"]
+__all__ = ["CORE_DTYPES", "CoreRope", "RotaryEmbedding", "act_and_mul", "apply_rotary", "as_numpy", "clamped_swiglu",
+           "core_ok", "cpu_has_fast_bf16", "rms_norm", "rope_inv_freq", "silu_and_mul"]
 
 
 @functools.cache
@@ -71,6 +72,16 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return out
 
 
+def clamped_swiglu(alpha: float, limit: float, gate_up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's expert activation on [T, 2I] (gate | up): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+    with g = min(gate, limit), in transformers' order of operations."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu
+
+
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] (fp32) and the cos/sin scale factor, exactly as transformers builds them."""
     dim = config.head_dim
@@ -95,12 +106,7 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         inv_freq = torch.where(is_medium, smoothed, inv_freq_llama)
     elif rope_type == "yarn":
-        if config.hf_config is None:
-            raise UnsupportedModelError("yarn rope scaling is only supported for HF checkpoints")
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config.hf_config, torch.device("cpu"))
-        inv_freq = inv_freq.float().cpu()
+        inv_freq, attention_factor = _yarn(config, scaling, dim, base)
     elif rope_type == "longrope":
         inv_freq, attention_factor = _longrope(config, scaling, dim, base)
     elif rope_type != "default":
@@ -112,6 +118,37 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
                 f"rope_freqs has {factors.numel()} entries, expected head_dim/2 = {inv_freq.numel()}"
             )
         inv_freq = inv_freq / factors
+    return inv_freq, float(attention_factor)
+
+
+def _yarn(config: ModelConfig, scaling: dict, dim: int, base: float) -> tuple[torch.Tensor, float]:
+    """YaRN (NTK-by-parts): frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those turning more than `beta_fast` times are kept, a linear ramp between;
+    cos/sin scaled by the attention factor (0.1 ln(factor) + 1, or DeepSeek's mscale ratio). ``truncate`` False
+    (gpt-oss) keeps the ramp's ends fractional instead of rounding them outwards."""
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or config.max_position_embeddings / orig
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def turns_at(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times in orig
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turns_at(beta_fast), turns_at(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp  # 1 = extrapolate (the original frequency), 0 = interpolate
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
     return inv_freq, float(attention_factor)
 
 

@@ -13,6 +13,7 @@ implements (`ModelConfig.lean_supported`) take the lean step instead of `forward
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from ironlm.core_views import CORE_DTYPES, as_numpy, core_ok
 from ironlm.exceptions import UnsupportedModelError
 from ironlm.model import lean, weights
 from ironlm.model.config import ModelConfig
-from ironlm.model.layers import CoreRope, RotaryEmbedding, act_and_mul, apply_rotary, rms_norm
+from ironlm.model.layers import CoreRope, RotaryEmbedding, act_and_mul, apply_rotary, clamped_swiglu, rms_norm
 from ironlm.model.linear import QUANTIZED_LINEARS, DenseLinear, Linear, QuantizedLinear
 from ironlm.model.mla import LatentAttention
 from ironlm.model.moe.experts import MoeBlock
@@ -76,6 +77,10 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = _param((fused_qkv,), dtype, device) if cfg.attention_bias and not cfg.mla else None
         self.o_weight = _param((cfg.attn_out_size, h), dtype, device)
         self.o_bias = _param((h,), dtype, device) if cfg.attention_out_bias else None
+        # gpt-oss's sinks, one per query head, in fp32 whatever the model dtype: the kernels read them as f32
+        if cfg.attn_sinks and tp is not None:
+            raise UnsupportedModelError("attention sinks do not run tensor parallel")
+        self.sinks = _param((cfg.num_heads,), torch.float32, device) if cfg.attn_sinks else None
         # qk-norm per head ([head_dim] weights, Qwen3) or over the whole projection (OLMo 2: [q_size], [kv_size])
         self.qk_norm_full = cfg.qk_norm and cfg.qk_norm_full
         if self.qk_norm_full and tp is not None:
@@ -94,7 +99,8 @@ class DecoderLayer(nn.Module):
         if cfg.moe is not None and cfg.moe.sparse_layers[index]:
             if tp is not None:
                 raise UnsupportedModelError("mixture-of-experts layers do not run tensor parallel")
-            self.moe = MoeBlock(h, cfg.moe, dtype, device, cfg.activation)
+            act = None if cfg.swiglu_clamp is None else functools.partial(clamped_swiglu, *cfg.swiglu_clamp)
+            self.moe = MoeBlock(h, cfg.moe, dtype, device, cfg.activation, act)
             inter = 0
         self.gate_up_weight = _param((h, 2 * inter), dtype, device)
         self.down_weight = _param((inter, h), dtype, device)
@@ -214,6 +220,8 @@ class DecoderLayer(nn.Module):
                 extra["window"] = self.window
             if self.softcap is not None:
                 extra["softcap"] = self.softcap
+            if self.sinks is not None:
+                extra["sinks"] = self.sinks
             attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, **extra)
             attn = attn.reshape(t, self.q_size)
         if select is not None:  # last layer: only the rows whose logits are wanted go on

@@ -64,6 +64,8 @@ def expected_weights(cfg: ModelConfig) -> list[str]:
             names.append(p + "self_attn.o_proj.bias")
         if cfg.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if cfg.attn_sinks:
+            names.append(p + "self_attn.sinks")
     return names
 
 
@@ -160,6 +162,7 @@ def weight_target(model: Any, name: str) -> torch.Tensor | None:
         "self_attn.o_proj.bias": layer.o_bias,
         "self_attn.q_norm.weight": layer.q_norm,
         "self_attn.k_norm.weight": layer.k_norm,
+        "self_attn.sinks": layer.sinks,
         "mlp.gate_proj.weight": layer.gate_up_weight[:, :inter].t(),
         "mlp.up_proj.weight": layer.gate_up_weight[:, inter:].t(),
         "mlp.down_proj.weight": layer.down_weight.t(),

@@ -10,7 +10,8 @@
 //! Layouts (row-major): `q` `[n, Hq, D]` whose rows may be `q_stride` elements apart (a view
 //! into a fused q|k|v projection), `out` `[n, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]`;
 //! `block_tables` `[n, max_blocks]`. Query head `h` reads KV head `h / (Hq / Hkv)`. Every tensor
-//! is f32, bf16 or f16 (one type for all); logits, softmax and the weighted sum are f32.
+//! is f32, bf16 or f16 (one type for all); logits, softmax and the weighted sum are f32; the
+//! optional per-head sinks are f32 whatever the cache type.
 
 use std::sync::Mutex;
 
@@ -45,6 +46,10 @@ pub struct DecodeArgs<'a, T: Elem = f32> {
     /// Logit soft-capping (Gemma 2): each scaled logit `x` becomes `cap * tanh(x / cap)` before
     /// the softmax; `None` = plain logits.
     pub softcap: Option<f32>,
+    /// Attention sinks (gpt-oss): one learned logit per query head, `[Hq]`, that joins each
+    /// head's softmax denominator (`exp(sink)`) but has no value row: it only takes weight away
+    /// from the keys. `None` = no sinks.
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl<T: Elem> DecodeArgs<'_, T> {
@@ -71,6 +76,22 @@ impl<T: Elem> DecodeArgs<'_, T> {
                 return Err(CoreError::invalid(
                     "softcap",
                     format!("must be > 0, got {cap}"),
+                ));
+            }
+        }
+        if let Some(sinks) = self.sinks {
+            if sinks.len() != s.num_q_heads {
+                let r = format!(
+                    "has {} entries for {} query heads",
+                    sinks.len(),
+                    s.num_q_heads
+                );
+                return Err(CoreError::invalid("sinks", r));
+            }
+            if let Some(x) = sinks.iter().find(|x| !x.is_finite()) {
+                return Err(CoreError::invalid(
+                    "sinks",
+                    format!("must be finite, got {x}"),
                 ));
             }
         }
@@ -305,10 +326,15 @@ fn attend<T: Elem>(args: &DecodeArgs<T>, seq: usize, scratch: &mut Scratch, out:
     if let Some(cap) = args.softcap {
         scores.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
     }
-    for sc in scores.chunks_exact_mut(span) {
-        let max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for (h, sc) in scores.chunks_exact_mut(span).enumerate() {
+        // A sink enters the max too, so a sink far above every logit cannot overflow exp().
+        let sink = args.sinks.map(|sk| sk[h]);
+        let max = sc
+            .iter()
+            .copied()
+            .fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
         sc.iter_mut().for_each(|x| *x = exp(*x - max));
-        let inv = 1.0 / sum(sc);
+        let inv = 1.0 / (sum(sc) + sink.map_or(0.0, |x| exp(x - max)));
         sc.iter_mut().for_each(|x| *x *= inv);
     }
     acc.fill(0.0);

@@ -11,6 +11,7 @@ struct Case {
     lens: Vec<i32>,
     window: Option<usize>,
     softcap: Option<f32>,
+    sinks: Option<Vec<f32>>,
 }
 
 impl Case {
@@ -45,6 +46,7 @@ impl Case {
             lens,
             window: None,
             softcap: None,
+            sinks: None,
         }
     }
 
@@ -60,6 +62,7 @@ impl Case {
             scale: 1.0 / (self.shape.head_dim as f32).sqrt(),
             window: self.window,
             softcap: self.softcap,
+            sinks: self.sinks.as_deref(),
         }
     }
 
@@ -97,7 +100,12 @@ impl Case {
                     .collect();
                 let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let w: Vec<f64> = logits.iter().map(|x| (x - max).exp()).collect();
-                let sum: f64 = w.iter().sum();
+                // A sink is one more softmax term with no value row.
+                let sink = self
+                    .sinks
+                    .as_ref()
+                    .map_or(0.0, |s| (s[qh] as f64 - max).exp());
+                let sum: f64 = w.iter().sum::<f64>() + sink;
                 for i in 0..d {
                     let o: f64 = (first..len)
                         .map(|p| w[p - first] * self.v[at(p) + i] as f64)
@@ -237,6 +245,7 @@ fn half_caches_and_strided_queries_match_the_f32_kernel() {
             scale: 1.0 / (s.head_dim as f32).sqrt(),
             window: case.window,
             softcap: case.softcap,
+            sinks: case.sinks.as_deref(),
         };
         let mut out = vec![T::store(0.0); case.q.len()];
         paged_decode(&args, &mut out, 2).unwrap();
@@ -339,5 +348,45 @@ fn soft_capped_logits_match_reference() {
     let mut case = Case::random(&mut rng, 2, 1, 8, 4, 1);
     case.softcap = Some(0.0);
     let mut out = vec![0.0; case.q.len()];
+    assert!(paged_decode(&case.args(), &mut out, 1).is_err());
+}
+
+#[test]
+fn sinks_join_the_denominator_only() {
+    let mut rng = Rng(41);
+    for &(hq, hkv, d, bs) in &[(4, 2, 16, 4), (8, 1, 32, 8)] {
+        for window in [None, Some(3)] {
+            let mut case = Case::random(&mut rng, hq, hkv, d, bs, 5);
+            // Sinks around the logits' own size (one far above them: weight ~0 left for the keys), and
+            // the whole head range, so a head index off by one shows.
+            let sinks: Vec<f32> = (0..hq)
+                .map(|h| h as f32 - 1.5 + 30.0 * (h == 1) as u8 as f32)
+                .collect();
+            case.sinks = Some(sinks);
+            case.window = window;
+            let mut out = vec![0.0; case.q.len()];
+            paged_decode(&case.args(), &mut out, 3).unwrap();
+            let want = case.reference();
+            for (a, b) in out.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+            }
+            case.sinks = None;
+            let plain = case.reference();
+            let moved = want
+                .iter()
+                .zip(&plain)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                moved > 1e-2,
+                "the sinks must change the result here ({moved})"
+            );
+        }
+    }
+    let mut case = Case::random(&mut rng, 4, 2, 8, 4, 1);
+    case.sinks = Some(vec![0.0; 3]);
+    let mut out = vec![0.0; case.q.len()];
+    assert!(paged_decode(&case.args(), &mut out, 1).is_err());
+    case.sinks = Some(vec![0.0, f32::NAN, 0.0, 0.0]);
     assert!(paged_decode(&case.args(), &mut out, 1).is_err());
 }

@@ -102,6 +102,7 @@ pub fn decode_from_qkv<T: Elem>(
             scale: step.scale,
             window: step.window,
             softcap: step.softcap,
+            sinks: None,
         };
         args.validate(out.len())?;
     }
@@ -124,6 +125,7 @@ pub fn decode_from_qkv<T: Elem>(
         scale: step.scale,
         window: step.window,
         softcap: step.softcap,
+        sinks: None,
     };
     paged_decode(&args, out, threads)
 }
@@ -231,6 +233,7 @@ mod tests {
             scale: 0.3,
             window: Some(5),
             softcap: o.softcap,
+            sinks: None,
         };
         let mut want = vec![0.0f32; n * hq * d];
         paged_decode(&args, &mut want, 1).unwrap();

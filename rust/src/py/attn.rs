@@ -18,10 +18,11 @@ use crate::cpu::decode::{decode_from_qkv, QkNorm, QkvStep};
 /// are first written into the caches: the step's whole attention in one call. With `window`
 /// (sliding-window attention) each query sees only its sequence's last `window` positions. With
 /// `softcap` each logit `x` becomes `softcap * tanh(x / softcap)` before the softmax (Gemma 2).
+/// With `sinks` (`[Hq]` float32, gpt-oss) each head's softmax denominator gains `exp(sinks[h])`.
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, threads = 1, *,
                     dtype = "float32", k = None, v = None, slot_mapping = None, window = None,
-                    softcap = None))]
+                    softcap = None, sinks = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_decode_attention(
     py: Python<'_>,
@@ -39,6 +40,7 @@ pub(crate) fn paged_decode_attention(
     slot_mapping: Option<PyReadonlyArray1<'_, i64>>,
     window: Option<usize>,
     softcap: Option<f32>,
+    sinks: Option<PyReadonlyArray1<'_, f32>>,
 ) -> PyResult<()> {
     let dt = dtype_arg(dtype)?;
     let q = ro(q, "q", dt)?;
@@ -67,6 +69,10 @@ pub(crate) fn paged_decode_attention(
         .as_slice()
         .map_err(|e| contiguous("block_tables", e))?;
     let lens = seq_lens.as_slice().map_err(|e| contiguous("seq_lens", e))?;
+    let sinks = match &sinks {
+        Some(s) => Some(s.as_slice().map_err(|e| contiguous("sinks", e))?),
+        None => None,
+    };
     let bt = block_tables.shape();
     with_elem!(dt, T => {
         let qr = q.rows::<T>("q")?;
@@ -148,6 +154,7 @@ pub(crate) fn paged_decode_attention(
                 scale,
                 window,
                 softcap,
+                sinks,
             };
             paged_decode(&args, os, threads)
         })?;

@@ -1,0 +1,67 @@
+"""gpt-oss: every layer a MoE (router with a bias, top-k of the logits then a softmax over those k, experts with
+biases and a clamped SwiGLU), attention with q/k/v/o biases and a learned sink per head, sliding windows on every
+other layer (128 tokens in the released models), YaRN RoPE.
+
+Its checkpoints stack the experts: ``mlp.experts.gate_up_proj`` ``[E, hidden, 2I]`` with gate and up columns
+interleaved (gate = even columns), ``down_proj`` ``[E, I, hidden]``, both already ``[in, out]``, and the biases
+``gate_up_proj_bias`` ``[E, 2I]`` (interleaved alike) and ``down_proj_bias`` ``[E, hidden]``; `split` cuts them
+into the per-expert HF-style names the MoE block loads (weights.moe_target), de-interleaving gate from up.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ironlm.model.families.common import layer_types_window
+from ironlm.model.moe.spec import MoeConfig, RouteSpec
+from ironlm.model.registry import Family, register
+
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?$")
+
+
+def _hf(hf_config: Any) -> dict[str, Any]:
+    n = hf_config.num_hidden_layers
+    experts = int(hf_config.num_local_experts)
+    bias = bool(getattr(hf_config, "attention_bias", True))
+    return {
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "attn_sinks": True,
+        "swiglu_clamp": (float(hf_config.swiglu_alpha), float(hf_config.swiglu_limit)),
+        "moe": MoeConfig(route=RouteSpec(experts, int(hf_config.num_experts_per_tok), scoring="topk_softmax"),
+                         intermediate_size=int(hf_config.intermediate_size), sparse_layers=(True,) * n,
+                         router_bias=True, expert_bias=True),
+        **layer_types_window(hf_config),
+    }
+
+
+def _split(cfg: Any, name: str, tensor: Any) -> list[tuple[str, Any]] | None:
+    """A stacked expert tensor -> one (ironlm name, HF [out, in]-shaped view) per expert and projection."""
+    m = _STACKED.match(name)
+    if m is None:
+        return None
+    prefix, proj, bias = m.group(1), m.group(2), m.group(3) is not None
+    kind = "bias" if bias else "weight"
+    out: list[tuple[str, Any]] = []
+    for e in range(tensor.shape[0]):
+        t = tensor[e]
+        if proj == "down_proj":
+            out.append((f"{prefix}{e}.down_proj.{kind}", t if bias else t.t()))
+            continue
+        gate, up = (t[0::2], t[1::2]) if bias else (t[:, 0::2].t(), t[:, 1::2].t())
+        out += [(f"{prefix}{e}.gate_proj.{kind}", gate), (f"{prefix}{e}.up_proj.{kind}", up)]
+    return out
+
+
+GPT_OSS = register(Family(
+    name="gpt_oss",
+    hf_classes=("GptOssForCausalLM",),
+    model_types=("gpt_oss",),
+    features=("mixture of experts: top-k of the logits then softmax, router bias, expert biases",
+              "clamped SwiGLU (swiglu_alpha, swiglu_limit)", "attention sinks", "q/k/v/o biases",
+              "alternating sliding / full layers (layer_types)", "YaRN RoPE"),
+    hf_fields=_hf,
+    hf_renames={"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias"},
+    split=_split,
+))
