@@ -90,8 +90,9 @@ class DecoderLayer(nn.Module):
         # A MoE layer's MLP is the block (its experts, router, shared expert); the dense MLP weights stay empty
         self.moe: MoeBlock | None = None
         if cfg.moe is not None and cfg.moe.sparse_layers[index]:
-            if tp is not None:
-                raise UnsupportedModelError("mixture-of-experts layers do not run tensor parallel")
+            if tp is not None and cfg.moe.local_experts is None:  # ShardSpec refuses this first
+                raise UnsupportedModelError("mixture-of-experts layers run across ranks only with "
+                                            "--enable-expert-parallel")
             self.moe = MoeBlock(h, cfg.moe, dtype, device, cfg.activation)
             inter = 0
         self.gate_up_weight = _param((h, 2 * inter), dtype, device)
