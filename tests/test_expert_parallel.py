@@ -116,3 +116,21 @@ def test_moe_under_tensor_parallel_needs_the_flag(models):
         ShardSpec(0, 3, cfg, expert_parallel=True)
     assert exc.value.param == "tensor_parallel_size"
     assert ShardSpec(1, 2, cfg, expert_parallel=True).local_config().moe.local_experts == (4, 8)
+
+
+def test_gguf_rank_keeps_only_its_experts_blocks(models, tmp_path):
+    """A llama.cpp-converted Q8_0 Mixtral: each rank keeps its experts' Q8_0 blocks (half of EP=1's bytes), equal
+    to the full model's experts [4r, 4r+4); the other experts' blocks are never read."""
+    from gguf_convert import convert
+
+    path = str(convert(models["mixtral"], tmp_path, "q8_0"))
+    full = load_model(path, dtype="float32", quantization="auto").model
+    for r in (0, 1):
+        shard = load_model(path, dtype="float32", quantization="auto", tp=_rank(r, 2)).model
+        for f, s in zip(full.layers, shard.layers):
+            assert sum(lin.nbytes for lin in s.moe.linears()) * 2 == sum(lin.nbytes for lin in f.moe.linears())
+            for i, mlp in enumerate(s.moe.experts):
+                for mine, theirs in ((mlp.gate_up, f.moe.experts[4 * r + i].gate_up),
+                                     (mlp.down, f.moe.experts[4 * r + i].down)):
+                    assert type(mine).__name__ == "QuantLinear"
+                    assert (mine.matrix.dequantize() == theirs.matrix.dequantize()).all()
