@@ -119,10 +119,11 @@ echo "AMX usable: $AMX"
     -DGGML_VULKAN=OFF \
     -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_EXAMPLES=ON \
     -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_SERVER=ON
-"$CMAKE" --build "$DEST/build" --config Release -j "$JOBS" --target llama-server llama-bench llama-perplexity
+"$CMAKE" --build "$DEST/build" --config Release -j "$JOBS" --target llama-server llama-bench llama-perplexity \
+    llama-lookup llama-speculative llama-lookahead
 
 touch "$STAMP"
 print_paths

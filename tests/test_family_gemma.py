@@ -67,7 +67,7 @@ def test_config_reads_every_feature():
     assert (g2.norm_offset, g2.activation, g2.attn_softcap, g2.final_softcap) == (1.0, "gelu_tanh", 1.5, 10.0)
     assert g2.attn_scale == pytest.approx(32**-0.5) and g2.scale == pytest.approx(32**-0.5)
     assert g2.embed_scale == pytest.approx(16.0) and g2.post_attn_norm and g2.post_mlp_norm
-    assert g2.layer_windows == [WINDOW, None] and not g2.plain_block
+    assert g2.layer_windows == [WINDOW, None] and g2.lean_supported
     g3 = ModelConfig.from_hf(tiny_hf_config("gemma3_text", **FEATURES["gemma3_text"]))
     assert g3.qk_norm and g3.attn_softcap is None and g3.final_softcap == 10.0
     assert g3.rope_theta == 100.0 and g3.local_rope == {"rope_type": "default", "rope_theta": 10000.0}
@@ -87,6 +87,54 @@ def test_paged_steps_match_transformers(family, backend):
     assert lm.config.architecture == arch
     assert len(lm.model.rotaries) == (2 if arch == "gemma3_text" else 1)
     assert _run_and_compare(lm, hf, block_size=4) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_decode_step_equals_the_ordinary_forward(family, dtype, monkeypatch):
+    """Gemma's blocks take the lean CPU decode step (post-norms, qk-norm, GELU-tanh, embedding scale, the local
+    RoPE base, query_pre_attn_scalar, Gemma 2's soft-cap, windows shorter than the contexts): its logits and the
+    K/V rows it writes equal the ordinary forward's bit for bit, in fp32 and bf16 (the same core kernels and the
+    same matmul shapes; every residual add comes after a post-norm, so none is fused into a GEMM on one path
+    only)."""
+    from ironlm.attention import AttentionMetadata, CpuAttention
+    from ironlm.model import lean
+
+    arch, path, _ = family
+    model = load_model(path, dtype=dtype, device="cpu", attn_backend=CpuAttention()).model
+    cfg, bs = model.config, 4
+    assert cfg.lean_supported
+    shape = (16, bs, cfg.num_kv_heads, cfg.head_dim)
+    ctx = np.array([5, 11, 14])  # two past the window of the local layers
+    table = np.arange(12, dtype=np.int32).reshape(3, 4)
+    calls: list[dict] = []
+    real = _core.decode_attention_qkv
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_core, "decode_attention_qkv", spy)
+
+    def run(lean_on: bool) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        monkeypatch.setattr(lean, "LEAN_MAX_TOKENS", 8 if lean_on else 0)
+        gen = torch.Generator().manual_seed(0)
+        caches = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+                  for _ in range(cfg.num_layers)]
+        meta = AttentionMetadata.from_lengths(context_lens=ctx, query_lens=np.ones(3, np.int64), block_tables=table,
+                                              block_size=bs)
+        ids, pos = torch.tensor([3, 17, 42]), torch.from_numpy(ctx)
+        return model(ids, pos, caches, meta, torch.arange(3)), caches
+
+    model._lean.clear()
+    got, got_kv = run(lean_on=True)
+    assert 3 in model._lean and len(calls) == cfg.num_layers, "the lean step was not taken"
+    assert all(c["q_norm"] is not None for c in calls) == (arch == "gemma3_text")
+    assert {c["softcap"] for c in calls} == ({1.5} if arch == "gemma2" else {None})
+    want, want_kv = run(lean_on=False)
+    assert len(calls) == cfg.num_layers, "the ordinary forward took the lean step"
+    assert torch.equal(got, want)
+    for (k, v), (k2, v2) in zip(got_kv, want_kv):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
 def test_soft_capping_and_local_rope_change_the_result(family):

@@ -30,7 +30,7 @@ def test_config_and_layers(moe):
     family, path, _, _ = moe
     lm = load_model(path, dtype=torch.float32, device="cpu")
     cfg = lm.config
-    assert cfg.moe is not None and cfg.moe.num_experts == 8 and not cfg.plain_block
+    assert cfg.moe is not None and cfg.moe.num_experts == 8 and not cfg.lean_supported
     sparse = {"qwen2_moe": (True, False, True), "qwen3_moe": (False, True)}.get(family, (True,) * cfg.num_layers)
     assert cfg.moe.sparse_layers == sparse
     assert [layer.moe is not None for layer in lm.model.layers] == list(sparse)

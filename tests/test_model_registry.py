@@ -118,15 +118,24 @@ def _decode_once(lm) -> torch.Tensor:
     return lm(torch.tensor([3, 17]), torch.from_numpy(ctx), caches, meta, torch.tensor([0, 1]))
 
 
-@pytest.mark.parametrize("arch,plain", [("llama", True), ("gemma2", False)])
-def test_lean_step_follows_the_backend_capability_and_the_block_shape(tmp_path, arch, plain):
+@pytest.mark.parametrize("arch,lean", [("llama", True), ("gemma2", True), ("gemma3_text", True), ("olmo2", True),
+                                       ("smollm3", True), ("granite", True), ("phi3", False)])
+def test_lean_step_follows_the_backend_capability_and_the_block_shape(tmp_path, arch, lean):
+    """Every family whose block the lean step implements takes it (post-norms, qk-norm per head or full width,
+    GELU, NoPE layers, Granite's multipliers) and gets the ordinary forward's logits; Phi-3's partial rotary does
+    not take it."""
     from ironlm.attention import CpuAttention
+    from tiny_families import FAMILY_VARIANTS, make_family_model
 
-    lm = load_model(make_tiny_model(tmp_path, arch=arch), dtype=torch.float32, device="cpu",
-                    attn_backend=CpuAttention()).model
-    assert lm.config.plain_block == plain
+    if arch in FAMILY_VARIANTS:
+        family, overrides = FAMILY_VARIANTS[arch]
+        path = make_family_model(tmp_path, family, **overrides)
+    else:
+        path = make_tiny_model(tmp_path, arch=arch)
+    lm = load_model(path, dtype=torch.float32, device="cpu", attn_backend=CpuAttention()).model
+    assert lm.config.lean_supported == lean
     want = _decode_once(lm)
-    assert bool(lm._lean) == plain  # taken only by plain blocks on a backend that declares the capability
+    assert bool(lm._lean) == lean  # taken only by blocks it implements on a backend that declares the capability
     lm._lean.clear()
     lm.set_attention_backend(_NoCapability())
     torch.testing.assert_close(_decode_once(lm), want, atol=1e-4, rtol=1e-4)

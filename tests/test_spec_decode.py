@@ -164,7 +164,8 @@ def test_bad_speculative_configs_name_the_field(model):
         ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
         ({"num_speculative_tokens": 2, "lookahead": 1}, "speculative_config.lookahead"),
         ("{not json", "speculative_config"),
-        ({"model": "/x", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"model": 3, "num_speculative_tokens": 2}, "speculative_config.model"),
     ]
     for cfg, param in bad:
         with pytest.raises(InvalidArgumentError) as e:

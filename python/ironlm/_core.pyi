@@ -145,18 +145,25 @@ def decode_attention_qkv(
     seq_lens: npt.NDArray[np.int32],
     slot_mapping: npt.NDArray[np.int64],
     positions: npt.NDArray[np.int64],
-    rope_table: _Floats,
+    rope_table: _Floats | None,
     scale: float,
     out: _Floats,
     num_q_heads: int,
     dtype: str = "float32",
     threads: int = 1,
     window: int | None = None,
+    *,
+    q_norm: _Floats | None = None,
+    k_norm: _Floats | None = None,
+    eps: float = 1e-6,
+    softcap: float | None = None,
 ) -> None:
-    """One layer's decode attention from its fused projection output ``qkv`` ``[n, (Hq + 2 Hkv) * D]``: RoPE on
-    q and k (neox style, cos|sin rows of ``rope_table`` ``[P, D]`` at ``positions``), k and v written at
-    ``slot_mapping`` (-1 = skip), then ``out`` ``[n, Hq * D]`` = paged attention as in ``paged_decode_attention``.
-    Nothing is written when an argument is bad (``InvalidArgumentError`` naming it)."""
+    """One layer's decode attention from its fused projection output ``qkv`` ``[n, (Hq + 2 Hkv) * D]``: with
+    ``q_norm`` and ``k_norm`` the qk-norm of ``qk_norm_inplace``, then RoPE on q and k (neox style, cos|sin rows of
+    ``rope_table`` ``[P, D]`` at ``positions``; None = no positional encoding), k and v written at
+    ``slot_mapping`` (-1 = skip), then ``out`` ``[n, Hq * D]`` = paged attention as in ``paged_decode_attention``
+    (``window``, ``softcap`` likewise). Nothing is written when an argument is bad (``InvalidArgumentError`` naming
+    it)."""
 
 def rms_norm(x: _Floats, weight: _Floats | None, eps: float, out: _Floats, dtype: str = "float32",
              threads: int = 1) -> None:
@@ -171,6 +178,16 @@ def rope_inplace(x: _Floats, positions: npt.NDArray[np.int64], table: _Floats, h
 def silu_and_mul(gate_up: _Floats, out: _Floats, dtype: str = "float32", threads: int = 1) -> None:
     """``out = silu(gate) * up`` for ``gate_up = [gate | up]`` along the last axis (``out`` has half its width)."""
 
+def gelu_tanh_and_mul(gate_up: _Floats, out: _Floats, dtype: str = "float32", threads: int = 1) -> None:
+    """``out = gelu_tanh(gate) * up`` (GeGLU; torch's ``gelu(approximate="tanh")``) for ``gate_up = [gate | up]``
+    along the last axis (``out`` has half its width)."""
+
+def qk_norm_inplace(x: _Floats, q_weight: _Floats, k_weight: _Floats, eps: float, q_width: int, k_width: int,
+                    dtype: str = "float32") -> None:
+    """RMSNorm in place of the q part (first ``q_width`` elements) and the k part (next ``k_width``) of every row
+    of ``x`` ``[rows, width]``, in groups of the weights' lengths (a head, or the whole part), each group as
+    ``rms_norm`` computes a row."""
+
 def cpu_features() -> list[str]:
     """SIMD features of this CPU that the OS enables, in ``/proc/cpuinfo`` spelling (e.g. ``avx512_bf16``,
     ``amx_bf16``); the kernels dispatch on them and ``dtype="auto"`` reads them."""
@@ -182,6 +199,17 @@ def parallel_runtime() -> str:
 def quant_isas() -> tuple[str, list[str]]:
     """The SIMD path ``QuantMatrix.matmul`` picks on this CPU, and all paths it can run (``"scalar"``, ``"avx2"``,
     ``"avx_vnni"``, ``"avx512_vnni"``)."""
+
+def dense_matmul(x: _Floats, weight: _Floats, out: _Floats, accumulate: bool = False,
+                 bias: npt.NDArray[np.float32] | None = None, dtype: str = "float32", threads: int = 1,
+                 isa: str | None = None) -> None:
+    """``out = x @ weight (+ bias)`` (``+=`` with ``accumulate``) for ``x [m, k]``, ``weight [k, n]`` either
+    C-contiguous or the transpose of a C-contiguous ``[n, k]``, ``out [m, n]``; f32 accumulation, one rounding to
+    ``dtype``. Each row's result is independent of ``m`` and ``threads``. Streams the weights once: for small m."""
+
+def dense_isas() -> tuple[str, list[str]]:
+    """The SIMD path ``dense_matmul`` picks on this CPU, and all paths it can run (``"scalar"``, ``"avx2"``,
+    ``"avx512"``, ``"avx512_bf16"``)."""
 
 @final
 class QuantMatrix:
@@ -536,8 +564,12 @@ class Scheduler:
     def emitted(self) -> npt.NDArray[np.bool_]:
         """Per ``plan.sample_slots`` row of the last ``update``: whether its token was appended."""
     def set_speculation(self, num_speculative_tokens: int | None, prompt_lookup_max: int = 4,
-                        prompt_lookup_min: int = 1, max_batch_tokens: int = 32) -> None:
-        """n-gram speculative decoding for requests added from now (None: off)."""
+                        prompt_lookup_min: int = 1, max_batch_tokens: int = 32, external: bool = False) -> None:
+        """Speculative decoding for requests added from now (None: off): n-gram proposals, or with `external`
+        rows reserved for proposals handed in by `set_proposals`."""
+    def set_proposals(self, plan: SchedulerPlan, tokens: npt.ArrayLike) -> None:
+        """One token per sample row of `plan` (the last one scheduled) with `sample_draft >= 0`, in row order:
+        written into the core's plan and `plan.input_ids` / `plan.sample_draft`."""
     def spec_stats(self) -> dict[str, Any]:
         """``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``."""
     def stats(self) -> dict[str, int]:

@@ -226,7 +226,9 @@ class EngineConfig:
     speculative_config: str | Mapping[str, Any] | None = _opt(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (n-gram prompt lookup in the core; greedy and seeded "
-        "outputs unchanged; pauses while a step's decode batch exceeds max_batch_tokens, default 32)", metavar="JSON")
+        "outputs unchanged; pauses while a step's decode batch exceeds max_batch_tokens, default 32), or a draft "
+        "model sharing the tokenizer: '{\"model\": PATH, \"num_speculative_tokens\": 4}' (greedy output unchanged, "
+        "sampled output exactly the target's distribution)", metavar="JSON")
     kv_pin_prefix: tuple[str, ...] = _opt(
         (), "texts prefilled at startup whose whole KV blocks stay on the device for good: a shared prompt start "
         "as the model sees it (for chat, the rendered template up to the end of the system message)",

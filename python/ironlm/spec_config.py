@@ -1,5 +1,6 @@
 """`speculative_config`, as vLLM spells it: a dict or its JSON text, e.g.
-`{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}`.
+`{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}`, or a draft
+model: `{"model": PATH, "num_speculative_tokens": 4}` (method "draft_model", implied by "model").
 
 Outside ironlm.engine: config.py reads it, and `import ironlm` must not load the engine package.
 """
@@ -27,6 +28,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     # ironlm's own: speculation pauses while a step's decode rows would exceed this (compute-bound batch).
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    # method "draft_model": the draft's path (an HF folder or a GGUF file sharing the target's tokenizer).
+    model: str | None = None
 
 
 def _param(name: str) -> str:
@@ -58,12 +61,16 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None) -> Speculati
     if unknown:
         raise InvalidArgumentError(f"speculative_config: unknown field {unknown[0]!r} (known: {', '.join(_FIELDS)})",
                                    _param(unknown[0]))
-    if value.get("model") is not None:
-        raise InvalidArgumentError("speculative_config.model: draft-model speculation is not supported yet; use "
-                                   '{"method": "ngram"}', _param("model"))
-    method = value.get("method", "ngram")
-    if method not in ("ngram", "[ngram]"):
-        raise InvalidArgumentError(f"speculative_config.method must be 'ngram', got {method!r}", _param("method"))
+    model = value.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise InvalidArgumentError(f"speculative_config.model must be a path, got {model!r}", _param("model"))
+    method = value.get("method", "draft_model" if model else "ngram")
+    if method not in ("ngram", "[ngram]", "draft_model"):
+        raise InvalidArgumentError(f"speculative_config.method must be 'ngram' or 'draft_model', got {method!r}",
+                                   _param("method"))
+    if (method == "draft_model") != (model is not None):
+        raise InvalidArgumentError("speculative_config.model is required by method 'draft_model' and only by it",
+                                   _param("model"))
     k = _int(value, "num_speculative_tokens", None, 1)
     low = _int(value, "prompt_lookup_min", 1, 1)
     high = _int(value, "prompt_lookup_max", max(low, 4), 1)
@@ -71,4 +78,4 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None) -> Speculati
         raise InvalidArgumentError(f"speculative_config.prompt_lookup_max ({high}) must be >= prompt_lookup_min "
                                    f"({low})", _param("prompt_lookup_max"))
     cap = _int(value, "max_batch_tokens", DEFAULT_MAX_BATCH_TOKENS, 0)
-    return SpeculativeConfig("ngram", k, high, low, cap)
+    return SpeculativeConfig("ngram" if model is None else "draft_model", k, high, low, cap, model)

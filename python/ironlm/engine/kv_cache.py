@@ -22,12 +22,13 @@ def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dty
 
 
 def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  profile: Callable[[], None]) -> int:
+                  profile: Callable[[], None], extra_block_bytes: int = 0) -> int:
     """`num_kv_blocks` if set, else the configured pool size (EngineConfig.resolve_kv_cache_memory), else (GPU)
-    a share of the free memory left after a profiling forward of a full token budget."""
+    a share of the free memory left after a profiling forward of a full token budget. `extra_block_bytes`: what
+    each block costs besides this model's KV (a draft model's pool, indexed by the same block ids)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = bytes_per_block(model_config, config.block_size, dtype)
+    per_block = bytes_per_block(model_config, config.block_size, dtype) + extra_block_bytes
     budget = config.resolve_kv_cache_memory(device.type)
     if budget is None:
         torch.cuda.empty_cache()

@@ -33,10 +33,12 @@ from ironlm.engine.prompt_logprobs import PromptLogprobs
 from ironlm.engine.prompt_logprobs import namespace as prompt_logprobs_namespace
 from ironlm.engine.prompts import PromptType, apply_chat_template, encode_prompt
 from ironlm.engine.sequence_table import EngineRequest, SequenceTable
+from ironlm.engine.spec.draft import DraftModel
 from ironlm.engine.spec.verify import may_speculate
 from ironlm.engine.timing import StepTimer
 from ironlm.exceptions import EngineDeadError, TensorParallelError
 from ironlm.sampler import Sampler, SamplerOutput
+from ironlm.sampler.rejection import Drafts
 from ironlm.sampling_params import SamplingParams
 from ironlm.structured.compiler import GrammarCache
 
@@ -60,7 +62,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.runner = runner = ModelRunner(config)
+        spec = config.speculation()
+        # A draft model loads first: the target's KV pool is sized for both pools (engine/spec/draft.py).
+        self.drafter = DraftModel(config, spec) if spec is not None and spec.model is not None else None
+        self.runner = runner = ModelRunner(config, extra_block_bytes=0 if self.drafter is None
+                                           else self.drafter.block_bytes)
+        if self.drafter is not None:
+            self.drafter.attach(runner.tokenizer, runner.model_config.vocab_size, runner.num_blocks)
         # What the runner loaded, fixed for the engine's life (read by the CLI, the server and the benchmarks).
         self.tokenizer, self.model_config, self.model_name = runner.tokenizer, runner.model_config, runner.model_name
         self.model_path, self.max_model_len, self.num_blocks = runner.model_path, runner.max_model_len, runner.num_blocks
@@ -114,10 +122,13 @@ class LLMEngine:
             max_model_len=runner.max_model_len, tier_blocks=0 if runner.tier is None else runner.tier.num_slots,
             sliding_window=None if None in windows else max(w for w in windows if w is not None)))
         self.kv.attach(self.scheduler)
+        if self.drafter is not None:
+            self.drafter.valid[:] = 0  # a fresh pool: no slot's draft KV is known
         spec = config.speculation()
         if spec is not None and config.runner != "pooling":  # n-gram proposals: the core's (engine/spec)
             self.scheduler.set_speculation(spec.num_speculative_tokens, spec.prompt_lookup_max,
-                                           spec.prompt_lookup_min, spec.max_batch_tokens)
+                                           spec.prompt_lookup_min, spec.max_batch_tokens,
+                                           external=self.drafter is not None)
         self.sampler = Sampler(runner.model_config.vocab_size, runner.device, max_slots=config.max_num_seqs,
                                seed=config.seed)
         self.table = SequenceTable(self.sampler, runner.tokenizer)
@@ -209,6 +220,8 @@ class LLMEngine:
             namespace=cache_salt, arrival_time=arrival, grammar=grammar, tenant=tenant,
             speculate=may_speculate(params),
         )
+        if self.drafter is not None:
+            self.drafter.forget(slots)
         request = EngineRequest(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival))
         self.table.add(request, slots, self.scheduler.stop_token_ids(slots[0]))
         if params.prompt_logprobs is not None:
@@ -265,6 +278,7 @@ class LLMEngine:
         try:
             if self.faults is not None:
                 self.faults.check("forward")
+            drafts = self._draft(plan, timer)
             prompt_rows = self.prompt_lps.rows(plan, self.table)
             logits = self.runner.execute(plan, timer, None if prompt_rows is None else prompt_rows.rows)
             if prompt_rows is not None:  # the rows after the sampled ones
@@ -275,7 +289,7 @@ class LLMEngine:
                 # The masks were computed on the core's worker while the forward ran: this join is ~free.
                 bitmask = self.scheduler.take_bitmask() if len(plan.mask_rows) else None
                 sampled = self.sampler.sample(logits, plan.sample_slots, plan.sample_output_lens,
-                                              plan.sample_ban_stop, token_bitmask=bitmask)
+                                              plan.sample_ban_stop, token_bitmask=bitmask, drafts=drafts)
             timer.lap("sample")
         except TensorParallelError:  # a rank of the sharded model is gone: no later step can run either
             raise
@@ -284,6 +298,8 @@ class LLMEngine:
             return self._fail_step(plan, exc, touched)
         # The core's stop decision: slot -> (reason, matched stop_token_ids entry or None).
         finished = {slot: (reason, tok) for _, slot, reason, tok in self.scheduler.update(sampled.token_ids)}
+        if self.drafter is not None:
+            self.drafter.settle(self.scheduler.emitted())
         timer.lap("update")
         self._postprocess(plan, sampled, finished, touched)
         timer.lap("detokenize")
@@ -291,6 +307,18 @@ class LLMEngine:
         timer.lap("output")
         self.num_steps += 1
         return outputs
+
+    def _draft(self, plan: _core.SchedulerPlan, timer: StepTimer) -> Drafts | None:
+        """A draft model's proposals into the plan's reserved rows (None without a draft model)."""
+        if self.drafter is None:
+            return None
+        for rid in plan.preempted_request_ids:  # their blocks may hold other KV when they come back
+            request = self.table.requests.get(rid)
+            if request is not None:
+                self.drafter.forget([seq.slot for seq in request.seqs])
+        drafts = self.drafter.propose(plan, self.scheduler, self.sampler)
+        timer.lap("draft")
+        return drafts
 
     def _postprocess(self, plan: _core.SchedulerPlan, sampled: SamplerOutput,
                      finished: dict[int, tuple[str, int | None]], touched: dict[str, EngineRequest]) -> None:

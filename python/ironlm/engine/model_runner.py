@@ -60,8 +60,9 @@ class CausalLM(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
-        """`tp`: this process is a tensor-parallel worker rank of that group (see ironlm.distributed.worker)."""
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, extra_block_bytes: int = 0) -> None:
+        """`tp`: this process is a tensor-parallel worker rank of that group (see ironlm.distributed.worker).
+        `extra_block_bytes`: memory each KV block costs on top of this model's (a draft model's pool)."""
         self.config = config
         self._ready = False  # from here on rank 0 announces its forwards to the workers
         t0 = time.perf_counter()
@@ -99,7 +100,7 @@ class ModelRunner:
         self.token_budget = config.resolve_max_num_batched_tokens(self.device.type)
         self.kv_caches: KVCaches | None = None  # profiling on a GPU runs before the pool exists
         self.num_blocks = num_kv_blocks(config, self.shard_config, self.dtype, self.device,
-                                        lambda: self.profile(self.token_budget))
+                                        lambda: self.profile(self.token_budget), extra_block_bytes)
         if self.tp is not None:  # one scheduler for all ranks: every rank's pool has the same number of blocks
             self.num_blocks = self.tp.min_int(self.num_blocks)
         self.kv_caches = allocate_kv_caches(self.shard_config, self.num_blocks, config.block_size, self.dtype,

@@ -160,14 +160,13 @@ class ModelConfig:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     @property
-    def plain_block(self) -> bool:
-        """A Llama block (norm, attention, residual, norm, SiLU MLP, residual) with full rotary on every layer and
-        the default scale: what the lean CPU decode step (lean.py) implements."""
-        return (not self.qk_norm and self.activation == "silu" and self.attn_softcap is None
-                and self.pre_attn_norm and self.pre_mlp_norm and not self.post_attn_norm and not self.post_mlp_norm
-                and self.embed_scale is None and self.residual_scale is None and self.attn_scale is None
-                and self.norm_offset == 0.0 and self.local_rope is None and self.rotary_dim is None
-                and self.rope_layers is None and self.moe is None and not self.mla)
+    def lean_supported(self) -> bool:
+        """Whether the lean CPU decode step (lean.py) implements this block: every norm placement, qk-norm (per
+        head or over the whole projection), SiLU or GELU-tanh MLPs, attention scale and soft-cap, windows, a RoPE
+        base per layer kind, NoPE layers, embedding and residual scales; not partial rotary. A new field that
+        lean.py does not implement must make this False (MoE MLPs and latent attention: their own blocks)."""
+        return (self.rotary_dim is None and self.activation in ("silu", "gelu_tanh") and self.moe is None
+                and not self.mla)
 
     def rotary_config(self, layer: int) -> ModelConfig:
         """The config whose rope fields give layer `layer`'s rotary (the sliding layers' own base, if any)."""

@@ -1,7 +1,7 @@
 """Building blocks of the decoder: RMSNorm, rotary embeddings (default / linear / llama3 / yarn / GGUF freq
-factors) with a lazily grown cos|sin table, and the gated MLP activations (SiLU fused in the core, GELU-tanh).
+factors) with a lazily grown cos|sin table, and the gated MLP activations (SiLU, GELU-tanh).
 
-On the CPU, RMSNorm, RoPE and SiLU-mul run as single fused kernels of the core (``ironlm._core``) for f32, bf16
+On the CPU, RMSNorm, RoPE, SiLU-mul and GELU-tanh-mul run as single fused kernels of the core (``ironlm._core``) for f32, bf16
 and fp16: at batch 1 the torch op chains they replace cost more in dispatch than the matmuls between them.
 """
 
@@ -57,9 +57,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """[T, 2I] (gate | up) -> act(gate) * up for the config's `activation` (silu | gelu_tanh)."""
+    """[T, 2I] (gate | up) -> act(gate) * up for the config's `activation` (silu | gelu_tanh). GELU-tanh goes
+    through the core on CPU, as the lean decode step's does: a decode row gets the same bits on either path."""
     if activation == "silu":
         return silu_and_mul(gate_up)
+    if core_ok(gate_up):
+        out = torch.empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=gate_up.dtype)
+        _core.gelu_tanh_and_mul(as_numpy(gate_up), as_numpy(out), CORE_DTYPES[out.dtype], torch.get_num_threads())
+        return out
     gate, up = gate_up.chunk(2, dim=-1)
     out = F.gelu(gate, approximate="tanh")
     out.mul_(up)

@@ -1,11 +1,13 @@
 """The lean CPU decode step: a small all-decode batch through the core's kernels, layer by layer, in place.
 
 At decode batch sizes a step's cost outside the weight streaming is per-op dispatch, so this path replaces the
-decoder's op chain with four matmuls and three core calls per layer (norm, RoPE + cache write + attention, norm;
-SiLU-mul), every operand a preallocated buffer with its numpy view. It runs when the attention backend declares
+decoder's op chain with four matmuls and a few core calls per layer (norm; qk-norm + RoPE + cache write +
+attention; norm; activation-mul; and for families that norm a branch before its residual add, that norm and the
+add), every operand a preallocated buffer with its numpy view. It runs when the attention backend declares
 ``fused_decode_qkv`` (its ``decode_plan`` yields the step's block tables and slots and the core attends straight
-from the fused q|k|v projection) and the model's blocks are plain Llama blocks (`ModelConfig.plain_block`); every
-other step takes `Any`'s ordinary forward, which computes the same thing.
+from the fused q|k|v projection) and the model's blocks are ones this step implements
+(`ModelConfig.lean_supported`); every other step takes `DecoderLayer`'s ordinary forward, which computes the same
+thing with the same kernels.
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ class LeanBuffers:
             return tensor, as_numpy(tensor)
 
         self.h, self.h_np = buf(cfg.hidden_size)  # the residual stream
-        self.x, self.x_np = buf(cfg.hidden_size)  # normed input of the next matmul
+        self.x, self.x_np = buf(cfg.hidden_size)  # normed input of the next matmul, or a normed branch
+        self.br, self.br_np = buf(cfg.hidden_size)  # a branch's output before its norm / scale and residual add
         self.qkv, self.qkv_np = buf(cfg.q_size + 2 * cfg.kv_size)
         self.attn, self.attn_np = buf(cfg.q_size)
         self.gate_up, self.gate_up_np = buf(2 * cfg.intermediate_size)
         self.act, self.act_np = buf(cfg.intermediate_size)
+        # rounded to the activation dtype first, as `DecoderLM._embed` (and transformers) does; built once
+        self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=dtype)
 
 
 @dataclass
@@ -55,7 +60,19 @@ class LeanStep:
     block_tables: np.ndarray
     seq_lens: np.ndarray
     slots: np.ndarray
-    rope: CoreRope
+    positions: np.ndarray
+    tables: list[np.ndarray]  # the cos|sin table of each of the model's rotaries (Gemma 3: global, local)
+
+
+@dataclass
+class LayerViews:
+    """A layer's norm weights as numpy views (None where the block has no such norm)."""
+
+    input: np.ndarray | None
+    attn_out: np.ndarray | None
+    pre_mlp: np.ndarray | None
+    mlp_out: np.ndarray | None
+    qk: tuple[np.ndarray, np.ndarray] | None
 
 
 def lean_forward(
@@ -71,56 +88,104 @@ def lean_forward(
     sends to cascade attention)."""
     t = input_ids.shape[0]
     backend = model.attn_backend
-    if (t > LEAN_MAX_TOKENS or not model.config.plain_block or model.dtype not in CORE_DTYPES
+    if (t > LEAN_MAX_TOKENS or not model.config.lean_supported or model.dtype not in CORE_DTYPES
             or not getattr(backend, "fused_decode_qkv", False) or not meta.decode_only or not kv_caches):
         return None
     plan = backend.decode_plan(meta, kv_caches[0][0].shape[1], t)
-    rotary = model.rotaries[0]
-    rope = None if plan is None or plan.slots is None else rotary.fused(positions, int(meta.max_seq_len))
-    if rope is None:
+    if plan is None or plan.slots is None:
         return None
+    ropes: list[CoreRope] = []
+    for rotary in model.rotaries:
+        rope = rotary.fused(positions, int(meta.max_seq_len))
+        if rope is None:
+            return None
+        ropes.append(rope)
     ws = model._lean.get(t)
     if ws is None:
         ws = model._lean[t] = LeanBuffers(model.config, t, model.dtype)
     if model._kv_np is None or model._kv_np[0] is not kv_caches or len(model._kv_np[1]) != len(kv_caches):
         model._kv_np = (kv_caches, [(as_numpy(k), as_numpy(v)) for k, v in kv_caches])
     step = LeanStep(CORE_DTYPES[model.dtype], torch.get_num_threads(), plan.block_tables, plan.seq_lens,
-                    plan.slots, rope)
-    if model.tp is not None:
-        ws.h.copy_(model._embed(input_ids))
-    elif model.embed_q is not None and ws.h.dtype == torch.float32:
-        model.embed_q.embed(input_ids, out=ws.h)
-    elif model.embed_q is not None:
-        ws.h.copy_(model.embed_q.embed(input_ids))
-    else:
-        torch.index_select(model.embed, 0, input_ids, out=ws.h)
+                    plan.slots, ropes[0].positions, [r.table for r in ropes])
+    _embed(model, input_ids, ws)
     for layer, (k_np, v_np) in zip(model.layers, model._kv_np[1]):
         lean_layer(layer, ws, k_np, v_np, step)
     return ws.h.index_select(0, logits_indices)
 
 
+def _embed(model: Any, input_ids: torch.Tensor, ws: LeanBuffers) -> None:
+    """`DecoderLM._embed` into `ws.h`."""
+    if model.tp is not None:
+        ws.h.copy_(model._embed(input_ids))
+        return
+    if model.embed_q is not None and ws.h.dtype == torch.float32:
+        model.embed_q.embed(input_ids, out=ws.h)
+    elif model.embed_q is not None:
+        ws.h.copy_(model.embed_q.embed(input_ids))
+    else:
+        torch.index_select(model.embed, 0, input_ids, out=ws.h)
+    if ws.embed_scale is not None:
+        ws.h.mul_(ws.embed_scale)
+
+
+def _views(layer: Any) -> LayerViews:
+    def view(p: torch.Tensor | None) -> np.ndarray | None:
+        return None if p is None else as_numpy(p.data)
+
+    return LayerViews(view(layer.input_norm), view(layer.attn_out_norm), view(layer.post_norm),
+                      view(layer.mlp_out_norm), layer.qk_norm_np())
+
+
 def lean_layer(layer: Any, ws: LeanBuffers, k_cache: np.ndarray, v_cache: np.ndarray,
                step: LeanStep) -> None:
-    """`Any.forward` for the step, in place on `ws.h`."""
-    assert layer.input_norm is not None and layer.post_norm is not None
-    if layer._norms_np is None:
-        layer._norms_np = (as_numpy(layer.input_norm.data), as_numpy(layer.post_norm.data))
-    _core.rms_norm(ws.h_np, layer._norms_np[0], layer.eps, ws.x_np, step.dtype, step.threads)
+    """`DecoderLayer.forward` for the step, in place on `ws.h`."""
+    views = layer._lean_views
+    if views is None:
+        views = layer._lean_views = _views(layer)
     assert layer.qkv is not None and layer.o is not None and layer.gate_up is not None and layer.down is not None
-    layer.qkv.into(ws.x, ws.qkv, ws.x_np, ws.qkv_np)
+    x, x_np = _normed(layer, views.input, ws, step)
+    layer.qkv.into(x, ws.qkv, x_np, ws.qkv_np)
+    qk = views.qk
     _core.decode_attention_qkv(
-        ws.qkv_np, k_cache, v_cache, step.block_tables, step.seq_lens, step.slots, step.rope.positions,
-        step.rope.table, layer.scale, ws.attn_np, layer.num_heads, step.dtype, step.threads, layer.window)
-    if not layer.owns_residual:
-        ws.h.zero_()
-    layer.o.accumulate(ws.attn, ws.h, ws.attn_np, ws.h_np)
+        ws.qkv_np, k_cache, v_cache, step.block_tables, step.seq_lens, step.slots, step.positions,
+        None if layer.rotary is None else step.tables[layer.rotary], layer.scale, ws.attn_np, layer.num_heads,
+        step.dtype, step.threads, layer.window, q_norm=None if qk is None else qk[0],
+        k_norm=None if qk is None else qk[1], eps=layer.eps, softcap=layer.softcap)
+    _branch(layer, layer.o, ws.attn, ws.attn_np, layer.fuse_attn_residual, views.attn_out, ws, step)
+    x, x_np = _normed(layer, views.pre_mlp, ws, step)
+    layer.gate_up.into(x, ws.gate_up, x_np, ws.gate_up_np)
+    act = _core.silu_and_mul if layer.activation == "silu" else _core.gelu_tanh_and_mul
+    act(ws.gate_up_np, ws.act_np, step.dtype, step.threads)
+    _branch(layer, layer.down, ws.act, ws.act_np, layer.fuse_mlp_residual, views.mlp_out, ws, step)
+
+
+def _normed(layer: Any, weight: np.ndarray | None, ws: LeanBuffers,
+            step: LeanStep) -> tuple[torch.Tensor, np.ndarray]:
+    """The residual stream normed into `ws.x`, or the stream itself for a block without that pre-norm (OLMo 2)."""
+    if weight is None:
+        return ws.h, ws.h_np
+    _core.rms_norm(ws.h_np, weight, layer.eps, ws.x_np, step.dtype, step.threads)
+    return ws.x, ws.x_np
+
+
+def _branch(layer: Any, out: Any, x: torch.Tensor, x_np: np.ndarray, fused: bool, norm: np.ndarray | None,
+            ws: LeanBuffers, step: LeanStep) -> None:
+    """`DecoderLayer._residual` in place on `ws.h`: the add inside the matmul when nothing comes between, else
+    the branch into `ws.br`, [normed into `ws.x`,] [scaled,] then added."""
+    if fused:
+        if not layer.owns_residual:
+            ws.h.zero_()
+        out.accumulate(x, ws.h, x_np, ws.h_np)
+        if layer.tp is not None:
+            layer.tp.all_reduce(ws.h)
+        return
+    out.into(x, ws.br, x_np, ws.br_np)
     if layer.tp is not None:
-        layer.tp.all_reduce(ws.h)
-    _core.rms_norm(ws.h_np, layer._norms_np[1], layer.eps, ws.x_np, step.dtype, step.threads)
-    layer.gate_up.into(ws.x, ws.gate_up, ws.x_np, ws.gate_up_np)
-    _core.silu_and_mul(ws.gate_up_np, ws.act_np, step.dtype, step.threads)
-    if not layer.owns_residual:
-        ws.h.zero_()
-    layer.down.accumulate(ws.act, ws.h, ws.act_np, ws.h_np)
-    if layer.tp is not None:
-        layer.tp.all_reduce(ws.h)
+        layer.tp.all_reduce(ws.br)
+    branch = ws.br
+    if norm is not None:
+        _core.rms_norm(ws.br_np, norm, layer.eps, ws.x_np, step.dtype, step.threads)
+        branch = ws.x
+    if layer.residual_scale is not None:
+        branch.mul_(layer.residual_scale)
+    ws.h.add_(branch)

@@ -5,6 +5,9 @@ care how the weights are stored. Dense weights keep ironlm's `[in, out]` paramet
 as `addmm`'s input); quantized ones are an `ironlm._core.QuantMatrix` (`[out, in]`, 4- or 8-bit blocks of 32) whose
 kernel quantizes the activations to int8 and adds into the residual in place.
 
+Small CPU batches (decode) of f32 / bf16 / f16 dense weights run on the core's dense kernels (`_core.dense_matmul`),
+which read the weights where torch keeps them and stream them once per call; larger ones keep torch's GEMM.
+
 `into` / `accumulate` serve the lean decode step, which keeps preallocated buffers and their numpy views: passing
 the views saves a tensor-to-numpy conversion per call (4 matmuls x 30 layers a token).
 """
@@ -15,6 +18,7 @@ import numpy as np
 import torch
 
 from ironlm import _core, invariant
+from ironlm.core_views import CORE_DTYPES, as_numpy
 from ironlm.model.layers import cpu_has_fast_bf16
 from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear
 
@@ -25,6 +29,21 @@ from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear
 # 128-row one does.
 DENSE_MIN_ROWS = 128
 
+# Up to this many rows the core's dense kernels beat torch's GEMM on dense weights (at M = 1 torch's bf16 mm streams
+# the weights at a fraction of the bandwidth; benches/bench_dense_decode.py measures both at M = 1..8); from there on
+# MKL/oneDNN's blocking (and AMX) wins.
+CORE_MAX_ROWS = 8
+
+
+def _core_weight(weight: torch.Tensor) -> np.ndarray | None:
+    """A numpy view the core's dense kernels take (`[in, out]` C-contiguous, or the transpose of a C-contiguous
+    `[out, in]`, as the LM head over the embedding table), or None when the weight is not one."""
+    if weight.device.type != "cpu" or weight.dtype not in CORE_DTYPES or weight.dim() != 2:
+        return None
+    if not (weight.is_contiguous() or weight.t().is_contiguous()):
+        return None
+    return as_numpy(weight.detach())
+
 
 class DenseLinear:
     """`x @ weight (+ bias)`, `weight` an `[in, out]` tensor (usually a view of a model parameter)."""
@@ -32,8 +51,41 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
+        self._np: tuple[int, np.ndarray, np.ndarray | None] | None = None  # (data_ptr, weight, f32 bias) for the core
+
+    def _core(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The weight's and bias's numpy views when this call goes to the core's dense kernels: a CPU batch of at
+        most CORE_MAX_ROWS rows, or any batch in batch-invariant mode (the kernels are row-invariant: a row's bits
+        do not depend on the other rows, so prefill, decode and every batch size agree)."""
+        if x.device.type != "cpu" or x.dtype != self.weight.dtype:
+            return None
+        if x.shape[0] > CORE_MAX_ROWS and not invariant.enabled():
+            return None
+        ptr = self.weight.data_ptr()
+        if self._np is None or self._np[0] != ptr:  # (re)built if the parameter's storage was swapped
+            w = _core_weight(self.weight)
+            if w is None:
+                return None
+            b = None if self.bias is None else self.bias.detach().float().contiguous().numpy()
+            self._np = (ptr, w, b)
+        return self._np[1], self._np[2]
+
+    def _run_core(self, views: tuple[np.ndarray, np.ndarray | None], x_np: np.ndarray, out_np: np.ndarray,
+                  accumulate: bool) -> None:
+        _core.dense_matmul(x_np, views[0], out_np, accumulate, views[1], CORE_DTYPES[self.weight.dtype],
+                           torch.get_num_threads())
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        views = self._core(x)
+        if views is not None:
+            x = x.contiguous()
+            if residual is not None and residual.dtype == x.dtype:
+                out = residual.contiguous().clone()  # the residual added in f32 and rounded once, in the kernel
+                self._run_core(views, as_numpy(x), as_numpy(out), True)
+                return out
+            out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype)
+            self._run_core(views, as_numpy(x), as_numpy(out), False)
+            return out if residual is None else out.add_(residual)
         if invariant.enabled() and x.device.type == "cpu":
             return self._tiled(x, residual)
         if residual is not None:  # the residual add fused into the GEMM
@@ -62,6 +114,11 @@ class DenseLinear:
     def into(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
              out_np: np.ndarray | None = None) -> None:
         """`out = x @ W (+ bias)` into a preallocated buffer."""
+        views = self._core(x)
+        if views is not None and out.is_contiguous() and out.dtype == x.dtype:
+            self._run_core(views, as_numpy(x.contiguous()) if x_np is None else x_np,
+                           as_numpy(out) if out_np is None else out_np, False)
+            return
         if invariant.enabled():
             out.copy_(self._tiled(x, None))
             return
@@ -73,6 +130,11 @@ class DenseLinear:
     def accumulate(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
                    out_np: np.ndarray | None = None) -> None:
         """`out += x @ W (+ bias)`: the residual add."""
+        views = self._core(x)
+        if views is not None and out.is_contiguous() and out.dtype == x.dtype:
+            self._run_core(views, as_numpy(x.contiguous()) if x_np is None else x_np,
+                           as_numpy(out) if out_np is None else out_np, True)
+            return
         if invariant.enabled():
             out.copy_(self._tiled(x, out))
             return

@@ -7,8 +7,8 @@ Weights are stored fused — q|k|v in one matrix, gate|up in one matrix — so e
 transposed ([in, out], used as `x @ W`): on CPU, MKL runs the small-M GEMMs of decode batches 15-40% faster in
 this layout than with [out, in] weights (equal at large M). They are allocated once at their final dtype/device
 and filled slice by slice while loading (weights.py), so loading never keeps a second full copy of the model.
-Tied embeddings share one tensor ([vocab, hidden], also the lm_head). Small CPU decode batches of plain Llama
-blocks take the lean step (lean.py) instead of `forward`'s op chain.
+Tied embeddings share one tensor ([vocab, hidden], also the lm_head). Small CPU decode batches of the blocks lean.py
+implements (`ModelConfig.lean_supported`) take the lean step instead of `forward`'s op chain.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ironlm import _core, invariant
+from ironlm.core_views import CORE_DTYPES, as_numpy, core_ok
 from ironlm.exceptions import UnsupportedModelError
 from ironlm.model import lean, weights
 from ironlm.model.config import ModelConfig
@@ -83,7 +84,8 @@ class DecoderLayer(nn.Module):
         self.q_norm = norm(cfg.qk_norm, q if self.qk_norm_full else cfg.head_dim)
         self.k_norm = norm(cfg.qk_norm, kv if self.qk_norm_full else cfg.head_dim)
         self.qk_norm_weight: torch.Tensor | None = None  # [Hq + Hkv, D], built by finish_loading
-        self._norms_np: tuple[np.ndarray, np.ndarray] | None = None  # numpy views for the lean CPU step
+        self._lean_views: lean.LayerViews | None = None  # numpy views of the norms for the lean CPU step
+        self._qk_np: tuple[np.ndarray, np.ndarray] | None = None
         self.attn_out_norm = norm(cfg.post_attn_norm)
         self.post_norm = norm(cfg.pre_mlp_norm)  # before the MLP (Llama's post_attention_layernorm)
         self.mlp_out_norm = norm(cfg.post_mlp_norm)
@@ -131,9 +133,13 @@ class DecoderLayer(nn.Module):
         x = h if self.input_norm is None else rms_norm(h, self.input_norm, self.eps)
         assert self.qkv is not None
         qkv = self.qkv(x)
-        if isinstance(rope, CoreRope):
-            # q and k rotated in place inside the projection's output; q, k, v stay views of it.
-            rope.apply_(qkv, hq + hkv, d)
+        if isinstance(rope, CoreRope) or (rope is None and core_ok(qkv)):
+            # CPU: qk-norm and RoPE in place inside the projection's output, by the lean decode step's kernels;
+            # q, k, v stay views of it.
+            if self.q_norm is not None:
+                self._core_qk_norm(qkv)
+            if rope is not None:
+                rope.apply_(qkv, hq + hkv, d)
             q, k, v = qkv.view(t, hq + 2 * hkv, d).split((hq, hkv, hkv), dim=1)
             return q, k, v
         qk = qkv[:, : self.q_size + self.kv_size].view(t, hq + hkv, d)
@@ -152,6 +158,19 @@ class DecoderLayer(nn.Module):
                 rd = self.rotary_dim
                 qk = torch.cat([apply_rotary(qk[..., :rd], *rope), qk[..., rd:]], dim=-1)
         return qk[:, :hq], qk[:, hq:], v
+
+    def qk_norm_np(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """numpy views of the q and k norm weights ([head_dim] each, or the projections' widths), or None."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        if self._qk_np is None:
+            self._qk_np = (as_numpy(self.q_norm.data), as_numpy(self.k_norm.data))
+        return self._qk_np
+
+    def _core_qk_norm(self, qkv: torch.Tensor) -> None:
+        weights = self.qk_norm_np()
+        assert weights is not None
+        _core.qk_norm_inplace(as_numpy(qkv), *weights, self.eps, self.q_size, self.kv_size, CORE_DTYPES[qkv.dtype])
 
     def _residual(self, h: torch.Tensor, out: Linear, x: torch.Tensor, fused: bool,
                   norm: torch.Tensor | None) -> torch.Tensor:
@@ -408,8 +427,9 @@ class DecoderLM(nn.Module):
         if rows is not None:
             return rows
         max_len = int(meta.max_seq_len)
-        # The core's in-place RoPE needs q and k as they leave the projection: not after a qk-norm, not partial
-        core_rope = not self.config.qk_norm and self.config.rotary_dim is None and not self.config.mla
+        # The core's in-place RoPE turns whole heads (after the core's qk-norm, if any): not partial rotary, not
+        # latent attention (its rope part is a slice of the latent row)
+        core_rope = self.config.rotary_dim is None and not self.config.mla
         ropes: list[Rope] = []
         for rotary in self.rotaries:
             fused = rotary.fused(positions, max_len) if core_rope else None

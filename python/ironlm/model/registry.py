@@ -23,8 +23,8 @@ Adding a family (one file + its parity test):
 3. A tiny random model in ``tests/tiny_models.py`` and a greedy parity test against transformers.
 
 A feature the decoder lacks is a new `ModelConfig` field, honoured in ``llama.py`` (and in weights.py if it brings
-weights); the lean CPU decode step (lean.py) takes only plain blocks (`ModelConfig.plain_block`), so a new field
-must make ``plain_block`` False unless lean.py implements it.
+weights); the lean CPU decode step (lean.py) takes only the blocks it implements (`ModelConfig.lean_supported`),
+so a new field must make ``lean_supported`` False unless lean.py implements it.
 
 This module imports nothing of ironlm's model package: config.py validates against it, families register in it.
 """

@@ -17,6 +17,7 @@ from ironlm.exceptions import InvalidArgumentError
 from ironlm.sampler.bitmask import F_GRAMMAR, apply_token_bitmask
 from ironlm.sampler.filters import TokenDraw
 from ironlm.sampler.penalties import SeenTokens, penalize
+from ironlm.sampler.rejection import DRAFT_ATTEMPT, Drafts, distribution, draw, verify
 from ironlm.sampler.scratch import Scratch
 from ironlm.sampler.state import F_BIAS, F_LOGPROBS, F_MIN_TOKENS, F_PENALTY, F_RANDOM, F_REP, SlotState
 from ironlm.sampling_params import SamplingParams
@@ -71,13 +72,15 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, slots: np.ndarray, output_lens: np.ndarray,
                ban_stop: np.ndarray | None = None,
-               token_bitmask: tuple[np.ndarray, np.ndarray] | None = None) -> SamplerOutput:
+               token_bitmask: tuple[np.ndarray, np.ndarray] | None = None,
+               drafts: Drafts | None = None) -> SamplerOutput:
         """One token per row of `logits` [S, V]. Row i belongs to `slots[i]`, whose sequence has generated
         `output_lens[i]` tokens so far; where `ban_stop[i]`, its stop tokens are masked (the plan's
         `sample_slots`, `sample_output_lens` and `sample_ban_stop`). `token_bitmask` = (rows, bits), the core's
         `Scheduler.take_bitmask()`: on row `rows[i]` only the tokens set in `bits[i]` (packed int32, bit t % 32 of
         word t // 32) may be sampled. Masks and bans apply before temperature / top-k / top-p; logprobs stay
-        those of the raw model distribution."""
+        those of the raw model distribution. `drafts`: a draft model's proposals (`propose`); their random rows
+        are verified by modified rejection sampling (rejection.py), greedy rows stay the argmax."""
         slots = np.asarray(slots, dtype=np.int64)
         positions = np.asarray(output_lens, dtype=np.int64)
         S, V = logits.shape
@@ -128,6 +131,12 @@ class Sampler:
                 # Without processing, the rows' max is the raw max already computed.
                 self._draw.random_rows(proc, tokens, np.flatnonzero(rnd), slots, positions,
                                        raw_max if proc is logits else None)
+                if drafts is not None and drafts.probs is not None:
+                    rows = drafts.rows[drafts.random]
+                    r, sl = torch.from_numpy(rows).to(dev), slots[rows]
+                    p = distribution(proc[r], st, sl)
+                    proposed = torch.from_numpy(drafts.tokens[drafts.random]).to(dev)
+                    tokens[r] = verify(self._draw, p, drafts.probs, proposed, st.seed[sl], positions[rows])
             chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
         if batch & F_LOGPROBS:
             k = min(int(st.nlogprobs[slots].max()), V)
@@ -138,6 +147,30 @@ class Sampler:
             pen = np.flatnonzero(flags & F_PENALTY)
             self._seen.record(st.pen_row[slots[pen]], token_ids[pen])
         return SamplerOutput(token_ids, chosen.cpu().numpy(), top_ids, top_lp)
+
+    @torch.inference_mode()
+    def propose(self, logits: torch.Tensor, slots: np.ndarray, output_lens: np.ndarray,
+                ban_stop: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
+        """A draft model's next token per row of its `logits` [S, V] (same slots, positions and bans as the
+        target rows that will verify them): greedy rows take the argmax, random rows a draw from the filtered
+        draft distribution q. Returns (tokens, random rows mask, q of the random rows or None)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        positions = np.asarray(output_lens, dtype=np.int64)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        st = self.state
+        ban = np.asarray(ban_stop, dtype=bool)
+        flags = np.where(ban, st.flags[slots], st.flags[slots] & ~F_MIN_TOKENS)
+        proc = self._process(logits, slots, flags, int(np.bitwise_or.reduce(flags)))
+        tokens = proc.argmax(dim=-1)
+        rnd = (flags & F_RANDOM) != 0
+        q = None
+        if rnd.any():
+            rows = np.flatnonzero(rnd)
+            r = torch.from_numpy(rows).to(self.device)
+            q = distribution(proc[r], st, slots[rows])
+            tokens[r] = draw(self._draw, q, st.seed[slots[rows]], positions[rows], DRAFT_ATTEMPT)
+        return tokens.cpu().numpy(), rnd, q
 
     def _process(self, logits: torch.Tensor, slots: np.ndarray, flags: np.ndarray, batch: int,
                  token_bitmask: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:

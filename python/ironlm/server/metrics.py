@@ -96,6 +96,16 @@ class _StatsCollector(Collector):
                                  "verification (accepted + the one sampled after them).", labels=["model_name"])
         mean.add_metric([self._model], float(s.get("spec_decode_mean_acceptance_length", 0.0)))
         yield mean
+        rate = GaugeMetricFamily("ironlm:spec_decode_acceptance_rate_per_pos", "Share of verifications that "
+                                 "accepted the proposal at this position (0 = first).",
+                                 labels=["model_name", "position"])
+        for i, r in enumerate(s.get("spec_decode_acceptance_per_pos", ())):
+            rate.add_metric([self._model, str(i)], float(r))
+        yield rate
+        total = GaugeMetricFamily("ironlm:spec_decode_acceptance_rate", "Accepted / proposed speculative tokens.",
+                                  labels=["model_name"])
+        total.add_metric([self._model], float(s.get("spec_decode_acceptance_rate", 0.0)))
+        yield total
 
     def _kv_tiers(self, s: dict) -> Iterator[Metric]:
         """Where cached KV blocks live, and which tier prefix-cache hits were served from."""

@@ -35,6 +35,7 @@ from ironlm.server.serving_beam import beam_completions
 from ironlm.server.serving_common import (
     SSE_DONE,
     EngineStreamingResponse,
+    SSEChunks,
     check_logprobs_budget,
     check_prompt_logprobs_budget,
     constraint_error,
@@ -137,11 +138,16 @@ class CompletionHandler:
         done: set[int] = set()
         last: list[RequestOutput | None] = [None] * len(streams)
 
+        template = SSEChunks({"id": rid, "object": "text_completion", "created": created, "model": self.model_name},
+                             ("text", "logprobs", "finish_reason", "stop_reason"), req.include_usage)
+
         def chunk(idx: int, text: str, lp: Any, finish: str | None = None, stop: Any = None,
                   plp: RequestOutput | None = None) -> str:
-            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop}
-            if plp is not None:  # vLLM's prompt_logprobs, with a choice's first chunk
-                choice["prompt_logprobs"] = prompt_logprobs_wire(plp.prompt_logprobs)
+            if plp is None:  # every token but a choice's first with prompt_logprobs: the template, same bytes
+                running = running_usage(prompt_tokens[idx], sent_tokens[idx]) if continuous else None
+                return template.chunk(idx, (text, lp, finish, stop), running)
+            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop,
+                      "prompt_logprobs": prompt_logprobs_wire(plp.prompt_logprobs)}  # vLLM's, with the first chunk
             obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
                                    "model": self.model_name, "choices": [choice]}
             if req.include_usage:

@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod decode;
+pub mod dense;
 pub mod elem;
 pub mod features;
 pub mod ops;

@@ -1,6 +1,6 @@
-//! Fused elementwise kernels of the decoder for the CPU: RMSNorm, rotary embedding in place and
-//! SiLU-and-mul. Each replaces a chain of torch ops (7 for RMSNorm, 7 for RoPE, 3 for SiLU-mul)
-//! with one pass over memory; at batch 1 those chains cost more in per-op dispatch than their
+//! Fused elementwise kernels of the decoder for the CPU: RMSNorm (also per head of q and k), rotary
+//! embedding in place, SiLU-and-mul and GELU-tanh-and-mul. Each replaces a chain of torch ops (7
+//! for RMSNorm, 7 for RoPE, 3 for SiLU-mul) with one pass over memory; at batch 1 those chains cost more in per-op dispatch than their
 //! arithmetic, and at large batches the single pass saves the intermediate tensors' traffic.
 //!
 //! Every kernel reads f32, bf16 or f16 (`Elem`), computes in f32 and rounds once on the store.
@@ -279,6 +279,112 @@ simd_dispatch! {
                 *o = T::store(g / (1.0 + exp(-g)) * u.load());
             }
         }
+    }
+}
+
+/// `out[r] = gelu_tanh(gate[r]) * up[r]` (GeGLU, Gemma's `gelu_pytorch_tanh`) for rows
+/// `gate_up[r] = gate | up` of `2 * inter`. `0.5 g (1 + tanh(u))` is written as
+/// `g / (1 + e^(-2u))`, u = sqrt(2/pi) (g + 0.044715 g^3): the same function, one `exp` and no
+/// cancellation in `1 + tanh(u)` where u is very negative.
+pub fn gelu_tanh_and_mul<T: Elem>(
+    gate_up: &[T],
+    out: &mut [T],
+    inter: usize,
+    threads: usize,
+) -> CoreResult<()> {
+    if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) {
+        let r = format!("{} elements are not rows of 2 x {inter}", gate_up.len());
+        return Err(CoreError::invalid("gate_up", r));
+    }
+    check_len("out", out.len(), gate_up.len() / 2)?;
+    par_rows(out, inter, threads, &|first, rows| {
+        let src = &gate_up[first * 2 * inter..(first * inter + rows.len()) * 2];
+        gelu_rows(src, rows, inter)
+    });
+    Ok(())
+}
+
+simd_dispatch! {
+    fn gelu_rows<T: Elem>(gate_up: &[T], out: &mut [T], inter: usize) {
+        const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+        for (gu, o) in gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
+            let (gate, up) = gu.split_at(inter);
+            for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                let g = g.load();
+                let inner = C * (g + 0.044_715 * g * g * g);
+                *o = T::store(g / (1.0 + exp(-2.0 * inner)) * u.load());
+            }
+        }
+    }
+}
+
+/// Where a qk-norm goes in a fused projection row: `rows` rows `stride` elements apart, each
+/// starting with `q_width` elements of q then `k_width` of k.
+#[derive(Clone, Copy, Debug)]
+pub struct QkShape {
+    pub rows: usize,
+    pub stride: usize,
+    pub q_width: usize,
+    pub k_width: usize,
+}
+
+/// RMSNorm of q and k in place, before RoPE: q's elements in groups of `q_weight.len()` (one head
+/// for Qwen3 / Gemma 3, the whole q for OLMo 2) each scaled by `q_weight`, k's likewise by
+/// `k_weight`. Each group is `rms_norm`'s row: the same statistics and one rounding.
+pub fn qk_norm<T: Elem>(
+    x: &mut [T],
+    shape: QkShape,
+    q_weight: &[T],
+    k_weight: &[T],
+    eps: f32,
+) -> CoreResult<()> {
+    let QkShape {
+        rows,
+        stride,
+        q_width,
+        k_width,
+    } = shape;
+    for (name, w, width) in [
+        ("q_weight", q_weight, q_width),
+        ("k_weight", k_weight, k_width),
+    ] {
+        if w.is_empty() || !width.is_multiple_of(w.len()) {
+            let r = format!("{} elements do not divide a width of {width}", w.len());
+            return Err(CoreError::invalid(name, r));
+        }
+    }
+    let width = q_width + k_width;
+    if rows > 1 && stride < width {
+        let r = format!("row stride {stride} is shorter than q and k ({width})");
+        return Err(CoreError::invalid("x", r));
+    }
+    let need = if rows == 0 {
+        0
+    } else {
+        (rows - 1) * stride + width
+    };
+    if x.len() < need {
+        let r = format!("has {} elements, {rows} rows need {need}", x.len());
+        return Err(CoreError::invalid("x", r));
+    }
+    let mut buf = vec![T::store(0.0); q_weight.len().max(k_weight.len())];
+    for r in 0..rows {
+        let row = &mut x[r * stride..r * stride + width];
+        let (q, k) = row.split_at_mut(q_width);
+        norm_in_place(q, q_weight, eps, &mut buf);
+        norm_in_place(k, k_weight, eps, &mut buf);
+    }
+    Ok(())
+}
+
+/// `x`'s groups of `weight.len()` RMS-normed in place through `norm_rows` (a group is a head or
+/// one projection: copying it costs less than a second kernel body to keep bit-equal).
+fn norm_in_place<T: Elem>(x: &mut [T], weight: &[T], eps: f32, buf: &mut [T]) {
+    let dim = weight.len();
+    let buf = &mut buf[..dim];
+    for group in x.chunks_exact_mut(dim) {
+        buf.copy_from_slice(group);
+        norm_rows(buf, Some(weight), eps, group, dim);
     }
 }
 

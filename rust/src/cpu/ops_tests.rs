@@ -169,6 +169,100 @@ fn silu_and_mul_matches_reference() {
     assert!(err.to_string().starts_with("gate_up"), "{err}");
 }
 
+fn gelu_case<T: Elem>(rng: &mut Rng, rows: usize, inter: usize, threads: usize) {
+    let gu: Vec<T> = rng
+        .floats(rows * 2 * inter)
+        .iter()
+        .map(|&v| T::store(12.0 * v))
+        .collect();
+    let mut out = vec![T::store(f32::NAN); rows * inter];
+    gelu_tanh_and_mul(&gu, &mut out, inter, threads).unwrap();
+    let g = widen(&gu);
+    let mut want = Vec::new();
+    for r in g.chunks(2 * inter) {
+        for j in 0..inter {
+            // torch's gelu(approximate="tanh"), in f64
+            let (a, b) = (r[j] as f64, r[inter + j] as f64);
+            let inner = (2.0 / std::f64::consts::PI).sqrt() * (a + 0.044715 * a * a * a);
+            want.push(0.5 * a * (1.0 + inner.tanh()) * b);
+        }
+    }
+    let err = worst(&widen(&out), &want);
+    assert!(err < tolerance::<T>(), "rows={rows} inter={inter}: {err}");
+}
+
+#[test]
+fn gelu_tanh_and_mul_matches_reference() {
+    let mut rng = Rng(29);
+    for (rows, inter, threads) in [(1, 2048, 1), (4, 5, 2), (100, 2048, 2)] {
+        gelu_case::<f32>(&mut rng, rows, inter, threads);
+        gelu_case::<Bf16>(&mut rng, rows, inter, threads);
+        gelu_case::<F16>(&mut rng, rows, inter, threads);
+    }
+    // Far in both tails: ~0 (e^88 bounds the divisor) and the identity, never NaN.
+    let mut out = [f32::NAN; 2];
+    gelu_tanh_and_mul(&[-200.0f32, 200.0, 1.0, 1.0], &mut out, 2, 1).unwrap();
+    assert!(out[0].abs() < 1e-30 && out[1] == 200.0, "{out:?}");
+    let err = gelu_tanh_and_mul(&[0.0f32; 6], &mut out, 2, 1).unwrap_err();
+    assert!(err.to_string().starts_with("gate_up"), "{err}");
+}
+
+fn qk_norm_case<T: Elem>(rng: &mut Rng, per_head: bool) {
+    let (rows, hq, hkv, d, extra) = (3, 4, 2, 16, 5);
+    let (qw, kw) = (hq * d, hkv * d);
+    let stride = qw + kw + extra; // the v part (and beyond) is left alone
+    let x0 = cast::<T>(&rng.floats(rows * stride));
+    let (gq, gk) = if per_head { (d, d) } else { (qw, kw) };
+    let q_w = cast::<T>(&rng.floats(gq));
+    let k_w = cast::<T>(&rng.floats(gk));
+    let mut x = x0.clone();
+    let shape = QkShape {
+        rows,
+        stride,
+        q_width: qw,
+        k_width: kw,
+    };
+    qk_norm(&mut x, shape, &q_w, &k_w, 1e-6).unwrap();
+    // Each group equals `rms_norm` of it as a row: the same bits, not only close.
+    for r in 0..rows {
+        let row = &x0[r * stride..(r + 1) * stride];
+        let mut want = row.to_vec();
+        rms_norm(&row[..qw], Some(&q_w), 1e-6, &mut want[..qw], gq, 1).unwrap();
+        rms_norm(
+            &row[qw..qw + kw],
+            Some(&k_w),
+            1e-6,
+            &mut want[qw..qw + kw],
+            gk,
+            1,
+        )
+        .unwrap();
+        let got = &x[r * stride..(r + 1) * stride];
+        assert_eq!(widen(got), widen(&want), "row {r} per_head={per_head}");
+    }
+}
+
+#[test]
+fn qk_norm_is_rms_norm_per_group_in_place() {
+    let mut rng = Rng(31);
+    for per_head in [true, false] {
+        qk_norm_case::<f32>(&mut rng, per_head);
+        qk_norm_case::<Bf16>(&mut rng, per_head);
+        qk_norm_case::<F16>(&mut rng, per_head);
+    }
+    let shape = QkShape {
+        rows: 1,
+        stride: 8,
+        q_width: 6,
+        k_width: 2,
+    };
+    let err = qk_norm(&mut [0.0f32; 8], shape, &[1.0; 4], &[1.0; 2], 1e-6).unwrap_err();
+    assert!(err.to_string().starts_with("q_weight"), "{err}");
+    let short = QkShape { rows: 2, ..shape };
+    let err = qk_norm(&mut [0.0f32; 12], short, &[1.0; 6], &[1.0; 2], 1e-6).unwrap_err();
+    assert!(err.to_string().starts_with("x"), "{err}");
+}
+
 #[test]
 fn exp_is_close_to_libm_on_both_sides() {
     let mut worst = 0.0f32;

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use super::ops::{dtype_arg, ro, rw, with_elem, Ro, Rw};
 use super::value_error;
 use crate::cpu::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
-use crate::cpu::decode::{decode_from_qkv, QkvStep};
+use crate::cpu::decode::{decode_from_qkv, QkNorm, QkvStep};
 
 /// `out[i, h] = softmax(q[i, h] · K_i^T * scale) V_i` over the first `seq_lens[i]` positions of
 /// sequence `i`'s pages. Shapes: q/out `[n, Hq, D]` (q's rows may be strided, as a view into a
@@ -156,13 +156,15 @@ pub(crate) fn paged_decode_attention(
 }
 
 /// One layer's decode attention from its fused projection output `qkv` (`[n, (Hq + 2 Hkv) * D]`,
-/// C-contiguous): RoPE on q and k (cos|sin rows of `rope_table` at `positions`), k and v written
-/// at `slot_mapping` (-1 = skip), then `out` (`[n, Hq * D]`) = paged attention of q over each
-/// sequence's cache. The caches, block_tables, seq_lens and window are as for
+/// C-contiguous): with `q_norm` and `k_norm` the qk-norm of `qk_norm_inplace` (eps `eps`), then
+/// RoPE on q and k (cos|sin rows of `rope_table` at `positions`; None = no positional encoding),
+/// k and v written at `slot_mapping` (-1 = skip), then `out` (`[n, Hq * D]`) = paged attention of
+/// q over each sequence's cache. The caches, block_tables, seq_lens, window and softcap are as for
 /// `paged_decode_attention`.
 #[pyfunction]
 #[pyo3(signature = (qkv, k_cache, v_cache, block_tables, seq_lens, slot_mapping, positions, rope_table,
-                    scale, out, num_q_heads, dtype = "float32", threads = 1, window = None))]
+                    scale, out, num_q_heads, dtype = "float32", threads = 1, window = None, *,
+                    q_norm = None, k_norm = None, eps = 1e-6, softcap = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_attention_qkv(
     py: Python<'_>,
@@ -173,16 +175,26 @@ pub(crate) fn decode_attention_qkv(
     seq_lens: PyReadonlyArray1<'_, i32>,
     slot_mapping: PyReadonlyArray1<'_, i64>,
     positions: PyReadonlyArray1<'_, i64>,
-    rope_table: &Bound<'_, PyAny>,
+    rope_table: Option<&Bound<'_, PyAny>>,
     scale: f32,
     out: &Bound<'_, PyAny>,
     num_q_heads: usize,
     dtype: &str,
     threads: usize,
     window: Option<usize>,
+    q_norm: Option<&Bound<'_, PyAny>>,
+    k_norm: Option<&Bound<'_, PyAny>>,
+    eps: f32,
+    softcap: Option<f32>,
 ) -> PyResult<()> {
     let dt = dtype_arg(dtype)?;
-    let (qkv, table) = (ro(qkv, "qkv", dt)?, ro(rope_table, "rope_table", dt)?);
+    let qkv = ro(qkv, "qkv", dt)?;
+    let table = rope_table.map(|t| ro(t, "rope_table", dt)).transpose()?;
+    let norms = match (q_norm, k_norm) {
+        (Some(q), Some(k)) => Some((ro(q, "q_norm", dt)?, ro(k, "k_norm", dt)?)),
+        (None, None) => None,
+        _ => return Err(value_error("k_norm", "q_norm and k_norm go together")),
+    };
     let (mut kc, mut vc) = (rw(k_cache, "k_cache", dt)?, rw(v_cache, "v_cache", dt)?);
     let mut out = rw(out, "out", dt)?;
     let contiguous = |name: &str| value_error(name, "must be C-contiguous");
@@ -198,7 +210,15 @@ pub(crate) fn decode_attention_qkv(
     with_elem!(dt, T => {
         let qkv_data = qkv.slice::<T>("qkv")?;
         let rows = qkv.rows::<T>("qkv")?.shape.first().copied().unwrap_or(0);
-        let table_data = table.slice::<T>("rope_table")?;
+        let table_data = table.as_ref().map(|t| t.slice::<T>("rope_table")).transpose()?;
+        let qk_norm = match &norms {
+            Some((q, k)) => Some(QkNorm {
+                q_weight: q.slice::<T>("q_norm")?,
+                k_weight: k.slice::<T>("k_norm")?,
+                eps,
+            }),
+            None => None,
+        };
         let (kcs, cs) = kc.slice::<T>("k_cache")?;
         let (vcs, vs) = vc.slice::<T>("v_cache")?;
         let (os, _) = out.slice::<T>("out")?;
@@ -228,6 +248,8 @@ pub(crate) fn decode_attention_qkv(
             seq_lens: lens,
             scale,
             window,
+            qk_norm,
+            softcap,
         };
         py.detach(|| decode_from_qkv(&step, shape, kcs, vcs, os, threads))?;
     });

@@ -14,6 +14,7 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 use crate::error::CoreError as RsCoreError;
 
 mod attn;
+mod dense;
 mod grammar;
 // Classes only the Python tests use: built with the `test-bindings` feature (`make install` /
 // `make develop`), left out of the wheel.
@@ -281,8 +282,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rope_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(ops::silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::gelu_tanh_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::qk_norm_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(ops::cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quant_isas, m)?)?;
+    m.add_function(wrap_pyfunction!(dense::dense_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(dense::dense_isas, m)?)?;
     m.add_class::<quant::PyQuantMatrix>()?;
     #[cfg(feature = "test-bindings")]
     {

@@ -1,4 +1,5 @@
-//! `rms_norm`, `rope_inplace`, `silu_and_mul` and `cpu_features`: the fused CPU kernels of
+//! `rms_norm`, `qk_norm_inplace`, `rope_inplace`, `silu_and_mul`, `gelu_tanh_and_mul` and
+//! `cpu_features`: the fused CPU kernels of
 //! `crate::cpu::ops` over numpy views of torch tensors, run with the GIL released.
 //!
 //! numpy has no bfloat16, so half tensors cross as int16 views of their bits
@@ -12,7 +13,7 @@ use pyo3::prelude::*;
 
 use super::value_error;
 use crate::cpu::elem::Elem;
-use crate::cpu::ops::{self, RopeShape};
+use crate::cpu::ops::{self, QkShape, RopeShape};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum DType {
@@ -311,6 +312,59 @@ pub(crate) fn silu_and_mul(
         let (os, shape) = out.slice::<T>("out")?;
         let inter = shape.last().copied().unwrap_or(1);
         py.detach(|| ops::silu_and_mul(gs, os, inter, threads))?;
+    });
+    Ok(())
+}
+
+/// `out = gelu_tanh(gate) * up` for `gate_up = [gate | up]` along the last axis (GeGLU).
+#[pyfunction]
+#[pyo3(signature = (gate_up, out, dtype = "float32", threads = 1))]
+pub(crate) fn gelu_tanh_and_mul(
+    py: Python<'_>,
+    gate_up: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    dtype: &str,
+    threads: usize,
+) -> PyResult<()> {
+    let dt = dtype_arg(dtype)?;
+    let gate_up = ro(gate_up, "gate_up", dt)?;
+    let mut out = rw(out, "out", dt)?;
+    with_elem!(dt, T => {
+        let gs = gate_up.slice::<T>("gate_up")?;
+        let (os, shape) = out.slice::<T>("out")?;
+        let inter = shape.last().copied().unwrap_or(1);
+        py.detach(|| ops::gelu_tanh_and_mul(gs, os, inter, threads))?;
+    });
+    Ok(())
+}
+
+/// RMSNorm in place of the q part (the first `q_width` elements) and the k part (the next
+/// `k_width`) of every row of `x` (`[rows, width]`), in groups of the weights' lengths: a head
+/// (per-head qk-norm) or the whole part (OLMo 2).
+#[pyfunction]
+#[pyo3(signature = (x, q_weight, k_weight, eps, q_width, k_width, dtype = "float32"))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qk_norm_inplace(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    q_weight: &Bound<'_, PyAny>,
+    k_weight: &Bound<'_, PyAny>,
+    eps: f32,
+    q_width: usize,
+    k_width: usize,
+    dtype: &str,
+) -> PyResult<()> {
+    let dt = dtype_arg(dtype)?;
+    let mut x = rw(x, "x", dt)?;
+    let (qw, kw) = (ro(q_weight, "q_weight", dt)?, ro(k_weight, "k_weight", dt)?);
+    with_elem!(dt, T => {
+        let (qs, ks) = (qw.slice::<T>("q_weight")?, kw.slice::<T>("k_weight")?);
+        let (xs, shape) = x.slice::<T>("x")?;
+        if shape.len() != 2 {
+            return Err(value_error("x", format!("must be 2-D [rows, width], got {shape:?}")));
+        }
+        let qk = QkShape { rows: shape[0], stride: shape[1], q_width, k_width };
+        py.detach(|| ops::qk_norm(xs, qk, qs, ks, eps))?;
     });
     Ok(())
 }

@@ -425,15 +425,17 @@ impl PyScheduler {
         PyArray1::from_slice(py, self.inner.emitted()).into_any()
     }
 
-    /// Turn n-gram speculative decoding on (``num_speculative_tokens`` >= 1) for requests
-    /// added from now; ``None`` turns it off.
-    #[pyo3(signature = (num_speculative_tokens, prompt_lookup_max = 4, prompt_lookup_min = 1, max_batch_tokens = 32))]
+    /// Turn speculative decoding on (``num_speculative_tokens`` >= 1) for requests added from
+    /// now; ``None`` turns it off. n-gram proposals, or with ``external`` rows reserved for
+    /// proposals made outside (``set_proposals``).
+    #[pyo3(signature = (num_speculative_tokens, prompt_lookup_max = 4, prompt_lookup_min = 1, max_batch_tokens = 32, external = false))]
     fn set_speculation(
         &mut self,
         num_speculative_tokens: Option<i64>,
         prompt_lookup_max: i64,
         prompt_lookup_min: i64,
         max_batch_tokens: i64,
+        external: bool,
     ) -> PyResult<()> {
         let cfg = match num_speculative_tokens {
             None => None,
@@ -442,9 +444,43 @@ impl PyScheduler {
                 prompt_lookup_max: count_arg("prompt_lookup_max", prompt_lookup_max, 1)?,
                 prompt_lookup_min: count_arg("prompt_lookup_min", prompt_lookup_min, 1)?,
                 max_batch_tokens: count_arg("max_batch_tokens", max_batch_tokens, 0)?,
+                external,
             }),
         };
         Ok(self.inner.set_speculation(cfg)?)
+    }
+
+    /// External proposals for ``plan`` (the last ``schedule``'s): one token per sample row
+    /// with ``sample_draft >= 0``, in row order. Written into the core's plan and into
+    /// ``plan.input_ids`` / ``plan.sample_draft``.
+    fn set_proposals(
+        &mut self,
+        py: Python<'_>,
+        plan: &PySchedulerPlan,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let arr = as_i64_array(tokens, "proposals")?;
+        let v = arr.to_vec().map_err(|e| value_error("proposals", e))?;
+        let last = self.inner.plan();
+        if plan.samples != last.num_samples() || plan.tokens != last.num_tokens() {
+            return Err(value_error("plan", "not the last plan scheduled"));
+        }
+        self.inner.set_proposals(&v)?;
+        let p = self.inner.plan();
+        for (arr, src, name) in [
+            (&plan.input_ids, &p.input_ids, "input_ids"),
+            (&plan.sample_draft, &p.sample_draft, "sample_draft"),
+        ] {
+            let a = arr
+                .bind(py)
+                .cast::<PyArray1<i64>>()
+                .map_err(|e| value_error(name, e))?;
+            let mut rw = a.readwrite();
+            rw.as_slice_mut()
+                .map_err(|e| value_error(name, e))?
+                .copy_from_slice(src);
+        }
+        Ok(())
     }
 
     /// Speculation counters: ``num_drafts`` (sequence-steps that verified proposals),

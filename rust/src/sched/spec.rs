@@ -19,6 +19,9 @@ pub struct SpecConfig {
     /// (running sequences plus proposals): past that the batch is compute-bound on a CPU and
     /// a rejected row costs as much as a useful one.
     pub max_batch_tokens: usize,
+    /// Proposals come from outside the core (a draft model): `schedule` reserves the rows
+    /// and their lookahead blocks, `Scheduler::set_proposals` fills in the tokens.
+    pub external: bool,
 }
 
 impl SpecConfig {
@@ -182,6 +185,7 @@ mod tests {
             prompt_lookup_max: 3,
             prompt_lookup_min: 1,
             max_batch_tokens: 32,
+            external: false,
         };
         assert!(ok.validate().is_ok());
         let bad = SpecConfig {

@@ -6,6 +6,7 @@
 //! only blocks of verified tokens (proposals are never in `tokens`, so never inserted).
 
 use super::Scheduler;
+use crate::error::{CoreError, CoreResult};
 use crate::sched::radix::RadixCache;
 use crate::sched::sequence::{Slot, Status};
 use crate::sched::spec::ngram_propose;
@@ -30,10 +31,11 @@ impl Scheduler {
         let Some(c) = &self.spec else {
             return 0;
         };
-        let (min_n, max_n, max_k) = (
+        let (min_n, max_n, max_k, external) = (
             c.prompt_lookup_min,
             c.prompt_lookup_max,
             c.num_speculative_tokens,
+            c.external,
         );
         let s = &mut self.seqs[slot as usize];
         let len = s.tokens.len();
@@ -55,7 +57,14 @@ impl Scheduler {
         if k == 0 {
             return 0;
         }
-        ngram_propose(&s.tokens, min_n, max_n, k, &mut self.spec_draft);
+        if external {
+            // Placeholders (the last token) until `set_proposals`: valid ids, so a plan whose
+            // proposals never came still runs, and verification rejects what it must.
+            let last = s.tokens[len - 1];
+            self.spec_draft.resize(k, last);
+        } else {
+            ngram_propose(&s.tokens, min_n, max_n, k, &mut self.spec_draft);
+        }
         let bs = self.cfg.block_size;
         // Only free blocks: a proposal never evicts a cached block or preempts anyone.
         let held = (s.blocks.len() + self.alloc.num_free()) * bs;
@@ -67,6 +76,46 @@ impl Scheduler {
             debug_assert!(ok, "lookahead grow failed after the free-block check");
         }
         k
+    }
+
+    /// External proposals (a draft model) for the plan `schedule` just built: one token per
+    /// sample row that verifies a proposal (`plan.sample_draft >= 0`), in row order. They
+    /// replace the placeholders in the plan's input rows and in `sample_draft`; `update` then
+    /// accepts them like n-gram proposals. Only before that plan's `update`.
+    pub fn set_proposals(&mut self, tokens: &[i64]) -> CoreResult<()> {
+        if self.pending_step == 0 {
+            return Err(CoreError::invalid(
+                "proposals",
+                "no plan is waiting for an update",
+            ));
+        }
+        let p = &mut self.plan;
+        let want = p.sample_draft.iter().filter(|&&d| d >= 0).count();
+        if tokens.len() != want {
+            return Err(CoreError::invalid(
+                "proposals",
+                format!(
+                    "expected {want} tokens (one per proposal row), got {}",
+                    tokens.len()
+                ),
+            ));
+        }
+        if let Some(bad) = tokens.iter().find(|&&t| t < 0 || t > u32::MAX as i64) {
+            return Err(CoreError::invalid(
+                "proposals",
+                format!("token id {bad} out of range"),
+            ));
+        }
+        let mut next = tokens.iter();
+        for (r, d) in p.sample_draft.iter_mut().enumerate() {
+            if *d >= 0 {
+                let t = *next.next().expect("counted above");
+                *d = t;
+                // The row after a verifying row is the proposal's own input row.
+                p.input_ids[p.logits_indices[r] as usize + 1] = t;
+            }
+        }
+        Ok(())
     }
 
     /// `update` verified `proposed` tokens of `slot`, `accepted` of which were right (the

@@ -16,6 +16,7 @@ fn spec(k: usize) -> SpecConfig {
         prompt_lookup_max: 3,
         prompt_lookup_min: 1,
         max_batch_tokens: 64,
+        external: false,
     }
 }
 
@@ -227,6 +228,7 @@ fn randomized_accept_reject_cycles_keep_blocks_and_cache_exact() {
             prompt_lookup_max: 1 + rng.index(3),
             prompt_lookup_min: 1,
             max_batch_tokens: 4 + rng.index(40),
+            external: false,
         }))
         .unwrap();
         let mut kv = vec![u64::MAX; num_blocks * bs];
@@ -303,4 +305,47 @@ fn randomized_accept_reject_cycles_keep_blocks_and_cache_exact() {
         assert_eq!(s.stats().blocks.free, num_blocks);
     }
     assert!(accepted_any > 100, "the run must actually accept proposals");
+}
+
+#[test]
+fn external_proposals_fill_the_reserved_rows_and_roll_back_like_ngram_ones() {
+    let mut s = Scheduler::new(super::tests::cfg(32, 2)).unwrap();
+    s.set_speculation(Some(SpecConfig {
+        external: true,
+        ..spec(3)
+    }))
+    .unwrap();
+    let prompt = [7, 8, 9];
+    s.add_request("a", &prompt, params(20)).unwrap();
+    s.schedule(Some(0.0));
+    assert!(
+        s.set_proposals(&[]).is_ok(),
+        "a prefill has no proposal row"
+    );
+    s.update(&[1]).unwrap();
+    assert!(matches!(
+        s.set_proposals(&[1]),
+        Err(CoreError::InvalidArgument { .. })
+    ));
+    let plan = s.schedule(Some(1.0)).clone();
+    // Three rows reserved with the last token as placeholder, blocks grown for them.
+    assert_eq!(plan.input_ids, vec![1, 1, 1, 1]);
+    assert_eq!(plan.sample_draft, vec![1, 1, 1, -1]);
+    assert_eq!(plan.seq_lens, vec![7]);
+    assert!(matches!(
+        s.set_proposals(&[2, 3]),
+        Err(CoreError::InvalidArgument { .. })
+    ));
+    assert!(s.set_proposals(&[2, 3, -1]).is_err());
+    s.set_proposals(&[2, 3, 4]).unwrap();
+    assert_eq!(s.plan().input_ids, vec![1, 2, 3, 4]);
+    assert_eq!(s.plan().sample_draft, vec![2, 3, 4, -1]);
+    // 2 accepted, then 5 instead of 3: 2 5 appended, the rest rolled back.
+    s.update(&[2, 5, 4, 6]).unwrap();
+    assert_eq!(s.emitted(), &[true, true, false, false]);
+    assert_eq!(s.output_token_ids(0).unwrap(), &[1, 2, 5]);
+    assert_eq!(s.seqs[0].computed, 5);
+    assert_eq!(s.seqs[0].blocks.len(), 3);
+    assert_eq!(s.spec_stats().num_accepted_tokens, 1);
+    s.check_invariants();
 }

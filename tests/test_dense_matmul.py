@@ -1,0 +1,120 @@
+"""The core's small-batch dense kernels (`_core.dense_matmul`, the decode path of DenseLinear) against torch and an
+exact reference, their row invariance, and where DenseLinear sends a call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ironlm import _core, invariant
+from ironlm.core_views import CORE_DTYPES, as_numpy
+from ironlm.exceptions import InvalidArgumentError
+from ironlm.model.linear import CORE_MAX_ROWS, DenseLinear
+
+DTYPES = list(CORE_DTYPES)
+ISAS = _core.dense_isas()[1]
+# Half an ulp of the storage type, relative: the kernels round once, on the store.
+HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def weight(k: int, n: int, dtype: torch.dtype, layout: str, g: torch.Generator) -> torch.Tensor:
+    """`[k, n]` as x @ W takes it: C-contiguous ("kn", ironlm's [in, out] parameters) or the transpose of a
+    C-contiguous [n, k] ("nk", the LM head over the embedding table)."""
+    if layout == "kn":
+        return torch.randn(k, n, generator=g).to(dtype)
+    return torch.randn(n, k, generator=g).to(dtype).t()
+
+
+def run(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool = False,
+        bias: torch.Tensor | None = None, isa: str | None = None, threads: int = 2) -> torch.Tensor:
+    b = None if bias is None else bias.float().numpy()
+    _core.dense_matmul(as_numpy(x), as_numpy(w), as_numpy(out), accumulate, b, CORE_DTYPES[x.dtype], threads, isa)
+    return out
+
+
+def bound(x: torch.Tensor, w: torch.Tensor, extra: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The exact result (f64) and the error bound of an f32 accumulation of k exact products (bf16 and fp16
+    products are exact in f32: 8 + 8 and 11 + 11 significant bits), each addition off by at most half an f32 ulp
+    of the running magnitude (k + 2 of them with the bias and residual), then one rounding to `dtype`."""
+    x64, w64 = x.double(), w.double()
+    exact = x64 @ w64 + extra
+    mag = x64.abs() @ w64.abs() + extra.abs()
+    k = x.shape[1]
+    return exact, (k + 2) * 2.0**-24 * mag * (1 + HALF_ULP[dtype]) + HALF_ULP[dtype] * exact.abs()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_matches_torch_within_the_f32_accumulation_bound(dtype: torch.dtype, layout: str, isa: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    k, n = 200, 100  # neither a multiple of 16 nor of 32: every tail path runs
+    w = weight(k, n, dtype, layout, g)
+    bias = torch.randn(n, generator=g)
+    for m in range(1, CORE_MAX_ROWS + 1):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        resid = torch.randn(m, n, generator=g).to(dtype)
+        got = run(x, w, resid.clone(), True, bias, isa)
+        exact, tol = bound(x, w, bias.double() + resid.double(), dtype)
+        assert ((got.double() - exact).abs() <= tol).all(), (m, (got.double() - exact).abs().max())
+        plain = run(x, w, torch.empty(m, n, dtype=dtype), isa=isa)
+        want = torch.mm(x, w)
+        # torch rounds its own result too: the two differ by at most both bounds
+        exact, tol = bound(x, w, torch.zeros(()), dtype)
+        assert ((plain.double() - want.double()).abs() <= 2 * tol + HALF_ULP[dtype] * want.double().abs()).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_rows_are_invariant_to_the_batch(dtype: torch.dtype, layout: str) -> None:
+    """A row's bits do not depend on how many rows share the call, nor on the thread count."""
+    g = torch.Generator().manual_seed(5)
+    k, n = 576, 330
+    w = weight(k, n, dtype, layout, g)
+    x = torch.randn(8, k, generator=g).to(dtype)
+    for isa in ISAS:
+        batch = run(x, w, torch.empty(8, n, dtype=dtype), isa=isa, threads=2)
+        for r in range(8):
+            alone = run(x[r:r + 1].clone(), w, torch.empty(1, n, dtype=dtype), isa=isa, threads=1)
+            assert torch.equal(alone[0].view(torch.int16) if dtype != torch.float32 else alone[0],
+                               batch[r].view(torch.int16) if dtype != torch.float32 else batch[r]), (isa, r)
+
+
+def test_dense_linear_routes_small_batches_to_the_core() -> None:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 96, generator=g).bfloat16()
+    bias = torch.randn(96, generator=g).bfloat16()
+    lin = DenseLinear(w, bias)
+    small = torch.randn(CORE_MAX_ROWS, 64, generator=g).bfloat16()
+    want = run(small, w, torch.empty(CORE_MAX_ROWS, 96, dtype=torch.bfloat16), bias=bias, threads=1)
+    assert torch.equal(lin(small).view(torch.int16), want.view(torch.int16))
+    resid = torch.randn(CORE_MAX_ROWS, 96, generator=g).bfloat16()
+    want = run(small, w, resid.clone(), True, bias, threads=1)
+    assert torch.equal(lin(small, resid).view(torch.int16), want.view(torch.int16))
+    out = torch.empty(CORE_MAX_ROWS, 96, dtype=torch.bfloat16)
+    lin.accumulate(small, out.copy_(resid))
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    big = torch.randn(CORE_MAX_ROWS + 1, 64, generator=g).bfloat16()
+    assert torch.equal(lin(big), torch.addmm(bias, big, w))  # torch's GEMM beyond CORE_MAX_ROWS
+    with invariant.scope(True):  # ... except in batch-invariant mode: the row-invariant kernel at every size
+        inv = lin(big)
+        assert torch.equal(inv[:1].view(torch.int16), lin(big[:1]).view(torch.int16))
+
+
+def test_bad_arguments_name_the_parameter() -> None:
+    x, out = np.zeros((2, 8), np.float32), np.zeros((2, 4), np.float32)
+    w = np.zeros((8, 4), np.float32)
+    with pytest.raises(InvalidArgumentError, match="^weight") as e:
+        _core.dense_matmul(x, np.zeros((8, 8), np.float32)[:, ::2], out)
+    assert e.value.param == "weight"
+    with pytest.raises(ValueError, match="^out"):
+        _core.dense_matmul(x, w, np.zeros((2, 5), np.float32))
+    with pytest.raises(ValueError, match="^x"):
+        _core.dense_matmul(np.zeros((2, 7), np.float32), w, out)
+    with pytest.raises(ValueError, match="^bias"):
+        _core.dense_matmul(x, w, out, bias=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="^isa"):
+        _core.dense_matmul(x, w, out, isa="sse9")
+    with pytest.raises(ValueError, match="^x"):  # a bf16 call needs the bits as int16
+        _core.dense_matmul(x, w, out, dtype="bfloat16")
