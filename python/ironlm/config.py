@@ -177,6 +177,9 @@ class EngineConfig:
         "and every multiple of 8 up to max_num_seqs (at most 256) at startup and replays them, padding a batch to "
         "the next size (vLLM's flag; CPU engines always run eager)")
     tensor_parallel_size: int = _opt(1, "ranks the model is sharded over (Megatron-style; gloo on CPU, nccl on GPU)")
+    enable_expert_parallel: bool = _opt(
+        False, "with tensor_parallel_size > 1: split each MoE layer's routed experts across the ranks (each loads "
+        "and runs only its own; one all-reduce combines), attention staying tensor parallel")
     distributed_executor_backend: str = _opt(
         "mp", "how tensor-parallel ranks start: mp = ironlm spawns them on this node, torchrun = launched by "
         "torchrun (rank 0 serves, the others run the worker loop)", choices=DISTRIBUTED_BACKENDS)

@@ -130,7 +130,8 @@ class TPExecutor:
         if threads:
             torch.set_num_threads(threads)
         try:
-            group = TPGroup.connect(0, world, device, config.distributed_timeout, init)
+            group = TPGroup.connect(0, world, device, config.distributed_timeout, init,
+                                    config.enable_expert_parallel)
         except Exception:
             _stop(procs)
             torch.set_num_threads(before)
@@ -154,7 +155,8 @@ class TPExecutor:
             sys.exit(run_worker(config, rank, world, None, threads, local_rank, runner_cls))
         if threads:
             torch.set_num_threads(threads)
-        return cls(TPGroup.connect(0, world, device, config.distributed_timeout, None), [])
+        return cls(TPGroup.connect(0, world, device, config.distributed_timeout, None,
+                                   config.enable_expert_parallel), [])
 
     # ---- per step --------------------------------------------------------------------------------------------
     def check_workers(self) -> None:

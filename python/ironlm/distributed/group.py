@@ -25,8 +25,12 @@ _PLAN_WAIT = timedelta(days=365)
 
 
 class TPGroup:
-    def __init__(self, rank: int, world: int, device: torch.device, timeout_s: float) -> None:
+    expert_parallel = False  # MoE layers split their routed experts across the ranks (enable_expert_parallel)
+
+    def __init__(self, rank: int, world: int, device: torch.device, timeout_s: float,
+                 expert_parallel: bool = False) -> None:
         self.rank, self.world = rank, world
+        self.expert_parallel = expert_parallel
         self._shard: ShardSpec | None = None
         self.device = device
         self.timeout_s = timeout_s
@@ -36,16 +40,16 @@ class TPGroup:
 
     @classmethod
     def connect(cls, rank: int, world: int, device: torch.device, timeout_s: float,
-                init_method: str | None) -> TPGroup:
+                init_method: str | None, expert_parallel: bool = False) -> TPGroup:
         """Join the group (`init_method` None: torchrun's environment)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-        return cls(rank, world, device, timeout_s)
+        return cls(rank, world, device, timeout_s, expert_parallel)
 
     def bind(self, config: ModelConfig) -> ModelConfig:
         """Fix the model being sharded (once its config is read); returns this rank's share of it."""
-        self._shard = ShardSpec(self.rank, self.world, config)
+        self._shard = ShardSpec(self.rank, self.world, config, self.expert_parallel)
         return self._shard.local_config()
 
     @property

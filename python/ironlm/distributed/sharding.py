@@ -5,6 +5,11 @@ Column-parallel (output rows split): q/k/v and gate/up, the vocab rows of the em
 split too when there are at least as many as ranks, else each rank keeps the one KV head its query heads read
 (replicated, as vLLM does). The vocabulary is padded to a multiple of the ranks with zero rows, whose logits are
 cut off after the gather. Everything else (norms) is replicated.
+
+MoE layers run only under expert parallelism (`expert_parallel`): rank r holds the routed experts
+[r*E/N, (r+1)*E/N) whole and runs them for every token routed to them; the router is replicated (every rank routes
+the same tokens the same way) and a shared expert splits like the dense MLP, so the layer's output is a partial sum
+the MLP's one all-reduce completes.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ironlm.exceptions import InvalidArgumentError
+from ironlm.exceptions import InvalidArgumentError, UnsupportedModelError
 from ironlm.model.config import ModelConfig
 
 _LAYER_RE = re.compile(r"^model\.layers\.\d+\.(.+)$")
@@ -38,9 +43,12 @@ class ShardSpec:
     rank: int
     world: int
     config: ModelConfig  # the whole model's
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         cfg, w = self.config, self.world
+        if cfg.moe is not None and any(cfg.moe.sparse_layers) and w > 1:
+            self._check_experts()
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         problems = []
         if hq % w:
@@ -52,6 +60,22 @@ class ShardSpec:
         if problems:
             raise InvalidArgumentError(
                 f"tensor_parallel_size: {w} must divide the model's {', '.join(problems)}", "tensor_parallel_size")
+
+    def _check_experts(self) -> None:
+        moe, w = self.config.moe, self.world
+        assert moe is not None
+        if not self.splits_experts:
+            raise UnsupportedModelError(
+                "mixture-of-experts layers run across ranks only with expert parallelism: pass "
+                "--enable-expert-parallel (enable_expert_parallel=True) with tensor_parallel_size > 1")
+        if moe.num_experts % w or moe.shared_intermediate_size % w:
+            raise InvalidArgumentError(
+                f"tensor_parallel_size: {w} must divide the model's routed experts ({moe.num_experts}) and its "
+                f"shared expert's size ({moe.shared_intermediate_size}) for expert parallelism", "tensor_parallel_size")
+
+    @property
+    def splits_experts(self) -> bool:
+        return self.expert_parallel and self.config.moe is not None and self.world > 1
 
     # ---- the rank's sizes ------------------------------------------------------------------------------------
     @property
@@ -83,9 +107,14 @@ class ShardSpec:
 
     def local_config(self) -> ModelConfig:
         """The decoder this rank builds: its heads, its share of the MLP and of the vocabulary."""
+        moe = self.config.moe
+        if moe is not None and self.splits_experts:
+            n = moe.num_experts // self.world
+            moe = dataclasses.replace(moe, local_experts=(self.rank * n, (self.rank + 1) * n),
+                                      shared_intermediate_size=moe.shared_intermediate_size // self.world)
         return dataclasses.replace(
             self.config, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            intermediate_size=self.config.intermediate_size // self.world, vocab_size=self.vocab_shard)
+            intermediate_size=self.config.intermediate_size // self.world, vocab_size=self.vocab_shard, moe=moe)
 
     # ---- slices ----------------------------------------------------------------------------------------------
     def cut(self, name: str) -> Cut | None:
@@ -108,6 +137,13 @@ class ShardSpec:
             "mlp.gate_proj": Cut(0, i0, i0 + inter),
             "mlp.up_proj": Cut(0, i0, i0 + inter),
         }
+        if self.config.moe is not None and self.splits_experts:  # the shared expert splits as the dense MLP; routed experts stay whole
+            shared = self.config.moe.shared_intermediate_size // self.world
+            s0 = self.rank * shared
+            cuts.update({"mlp.shared_expert.gate_proj": Cut(0, s0, s0 + shared),
+                         "mlp.shared_expert.up_proj": Cut(0, s0, s0 + shared)})
+            if rest == "mlp.shared_expert.down_proj.weight":
+                return Cut(1, s0, s0 + shared)
         if self.config.mla:  # latent attention: the latent projections replicate, the per-head ones split
             cuts.update(self._mla_cuts())
         module = rest.rpartition(".")[0]

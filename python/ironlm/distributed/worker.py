@@ -54,7 +54,8 @@ def run_worker(config: EngineConfig, rank: int, world: int, init_method: str | N
     if threads:
         torch.set_num_threads(threads)
     device = rank_device(config, local_rank)
-    group = TPGroup.connect(rank, world, device, config.distributed_timeout, init_method)
+    group = TPGroup.connect(rank, world, device, config.distributed_timeout, init_method,
+                            config.enable_expert_parallel)
     try:
         runner = runner_cls(dataclasses.replace(config, device=str(device)), tp=group)
         channel = PlanChannel(group.broadcast_plan)

@@ -31,6 +31,7 @@ from ironlm.model import registry
 from ironlm.model.config import ModelConfig, UnsupportedModelError
 from ironlm.model.moe.gguf import gguf_moe, split_experts
 from ironlm.model.quantize import GGML_QUANTIZED, QuantSpec, from_float, is_quantized_tensor
+from ironlm.model.weights import foreign_expert
 from ironlm.model.weights import gguf_to_hf as hf_name
 
 if TYPE_CHECKING:
@@ -334,8 +335,8 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
     shard: ShardSpec | None = None if model.tp is None else model.tp.shard  # tensor parallel: dequantize, slice
     for name, info in gf.tensors.items():
         target_name = hf_name(name)
-        if target_name is None:
-            continue
+        if target_name is None or foreign_expert(model.config, target_name):
+            continue  # another rank's expert (expert parallelism): its blocks are never read
         if spec is not None and spec.enabled and is_quantized_tensor(name):
             heads = 0
             if permute and (".attn_q." in name or ".attn_k." in name):

@@ -97,8 +97,9 @@ class DecoderLayer(nn.Module):
         # A MoE layer's MLP is the block (its experts, router, shared expert); the dense MLP weights stay empty
         self.moe: MoeBlock | None = None
         if cfg.moe is not None and cfg.moe.sparse_layers[index]:
-            if tp is not None:
-                raise UnsupportedModelError("mixture-of-experts layers do not run tensor parallel")
+            if tp is not None and cfg.moe.local_experts is None:  # ShardSpec refuses this first
+                raise UnsupportedModelError("mixture-of-experts layers run across ranks only with "
+                                            "--enable-expert-parallel")
             act = None if cfg.swiglu_clamp is None else functools.partial(clamped_swiglu, *cfg.swiglu_clamp)
             self.moe = MoeBlock(h, cfg.moe, dtype, device, cfg.activation, act)
             inter = 0
@@ -435,7 +436,7 @@ class DecoderLM(nn.Module):
             return rows
         max_len = int(meta.max_seq_len)
         # The core's in-place RoPE turns whole heads (after the core's qk-norm, if any): not partial rotary, not
-        # latent attention's rope part
+        # latent attention (its rope part is a slice of the latent row)
         core_rope = self.config.rotary_dim is None and not self.config.mla
         ropes: list[Rope] = []
         for rotary in self.rotaries:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,19 +64,22 @@ def weight_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no model weights (*.safetensors or pytorch_model*.bin) in {path}")
 
 
-def iter_weights(files: list[Path]):
-    """(name, tensor) pairs, one tensor materialised at a time."""
+def iter_weights(files: list[Path], skip: Callable[[str], bool] | None = None):
+    """(name, tensor) pairs, one tensor materialised at a time; names `skip` accepts are never read."""
     for f in files:
         if f.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, sf.get_tensor(name)
+                    if skip is None or not skip(name):
+                        yield name, sf.get_tensor(name)
         else:
             state = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
             for name in list(state.keys()):
-                yield name, state.pop(name)
+                tensor = state.pop(name)  # mmap: a tensor skipped here is never paged in
+                if skip is None or not skip(name):
+                    yield name, tensor
             del state
 
 
@@ -85,7 +89,8 @@ def load_hf_weights(model: DecoderLM, path: Path) -> None:
     if model.tp is not None and not split and all(f.suffix == ".safetensors" for f in files):
         _load_shard(model, files)
     else:
-        for name, tensor in iter_weights(files):
+        # expert parallelism: another rank's experts are skipped by name, before a split family renames them
+        for name, tensor in iter_weights(files, lambda n: weights.foreign_expert(model.config, n)):
             model.load_weight(name, tensor)
     model.finish_loading()
 

@@ -74,14 +74,15 @@ def moe_weights(cfg: ModelConfig, p: str) -> list[str]:
     expert and its gate, biases where the family has them."""
     m = cfg.moe
     assert m is not None
-    names = [p + "mlp.gate.weight"] + [p + f"mlp.experts.{e}.{x}_proj.weight" for e in range(m.num_experts)
+    experts = m.expert_range  # this rank's, under expert parallelism
+    names = [p + "mlp.gate.weight"] + [p + f"mlp.experts.{e}.{x}_proj.weight" for e in experts
                                        for x in ("gate", "up", "down")]
     if m.router_bias:
         names.append(p + "mlp.gate.bias")
     if m.correction_bias:
         names.append(p + "mlp.gate.e_score_correction_bias")
     if m.expert_bias:
-        names += [p + f"mlp.experts.{e}.{x}_proj.bias" for e in range(m.num_experts) for x in ("gate", "up", "down")]
+        names += [p + f"mlp.experts.{e}.{x}_proj.bias" for e in experts for x in ("gate", "up", "down")]
     if m.shared_intermediate_size:
         names += [p + f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
     if m.shared_gate:
@@ -93,13 +94,15 @@ _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|bia
 
 
 def moe_target(block: Any, rest: str) -> torch.Tensor | None:
-    """The view of a MoeBlock parameter the layer-relative name `rest` goes into, in the checkpoint's shape."""
+    """The view of a MoeBlock parameter the layer-relative name `rest` goes into, in the checkpoint's shape; None
+    for another rank's expert (expert parallelism), so loaders skip it unread."""
     inter = block.cfg.intermediate_size
     m = _EXPERT_RE.match(rest)
     if m is not None:
         e, x, kind = int(m.group(1)), m.group(2), m.group(3)
-        if e >= block.cfg.num_experts:
+        if e not in block.cfg.expert_range:
             return None
+        e -= block.first
         cols = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
         if kind == "weight":
             return block.down_weight[e].t() if x == "down" else block.gate_up_weight[e][:, cols[x]].t()
@@ -120,6 +123,18 @@ def moe_target(block: Any, rest: str) -> torch.Tensor | None:
             "mlp.shared_expert.down_proj.weight": block.shared_down_weight.t(),
         })
     return simple.get(rest)
+
+
+_ANY_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
+
+
+def foreign_expert(cfg: ModelConfig, name: str) -> bool:
+    """Whether the checkpoint tensor `name` (any family's naming: mlp.experts.N., block_sparse_moe.experts.N.)
+    is a routed expert another rank holds under expert parallelism: loaders skip it before reading its bytes."""
+    if cfg.moe is None or cfg.moe.local_experts is None:
+        return False
+    m = _ANY_EXPERT_RE.search(name)
+    return m is not None and int(m.group(1)) not in cfg.moe.expert_range
 
 
 def weight_target(model: Any, name: str) -> torch.Tensor | None:

@@ -6,6 +6,11 @@ and each runs through a `Linear` over its slice, so load-time quantization or a 
 the core's `QuantLinear` per expert without the block caring (quantized.py). A step's token-expert pairs are sorted
 by expert: each routed expert multiplies one contiguous run of rows, and an expert no token chose is never read.
 
+Under expert parallelism (`MoeConfig.local_experts`) the block holds only its rank's experts (local index i is
+expert `first + i`): routing still scores all of them, and of the sorted pairs only the run of its own experts is
+computed; the partial output (zero for tokens routed elsewhere) is summed over the ranks by the decoder's
+all-reduce.
+
 Families with another gated activation (gpt-oss's clamped, interleaved SwiGLU) pass `act`: `[n, 2I]` gate_up
 output -> `[n, I]`.
 """
@@ -53,16 +58,17 @@ class MoeBlock(nn.Module):
         super().__init__()
         e, inter, shared = cfg.num_experts, cfg.intermediate_size, cfg.shared_intermediate_size
         self.cfg = cfg
+        self.first, local = cfg.expert_range.start, len(cfg.expert_range)
         self.spec = cfg.route
         self.act: Act = act if act is not None else (lambda gu: act_and_mul(gu, activation))
         self.router_weight = _param((hidden, e), dtype, device)
         self.router_bias = _param((e,), dtype, device) if cfg.router_bias else None
         # selection-only, kept in fp32 as DeepSeek-V3 keeps it: bf16 would tie experts the bias tells apart
         self.correction = _param((e,), torch.float32, device) if cfg.correction_bias else None
-        self.gate_up_weight = _param((e, hidden, 2 * inter), dtype, device)
-        self.down_weight = _param((e, inter, hidden), dtype, device)
-        self.gate_up_bias = _param((e, 2 * inter), dtype, device) if cfg.expert_bias else None
-        self.down_bias = _param((e, hidden), dtype, device) if cfg.expert_bias else None
+        self.gate_up_weight = _param((local, hidden, 2 * inter), dtype, device)
+        self.down_weight = _param((local, inter, hidden), dtype, device)
+        self.gate_up_bias = _param((local, 2 * inter), dtype, device) if cfg.expert_bias else None
+        self.down_bias = _param((local, hidden), dtype, device) if cfg.expert_bias else None
         self.shared_gate_up_weight = _param((hidden, 2 * shared), dtype, device) if shared else None
         self.shared_down_weight = _param((shared, hidden), dtype, device) if shared else None
         self.shared_gate_weight = _param((hidden, 1), dtype, device) if shared and cfg.shared_gate else None
@@ -74,7 +80,7 @@ class MoeBlock(nn.Module):
         if self.experts is None:
             self.experts = [ExpertMLP(DenseLinear(self.gate_up_weight[i], self._bias(self.gate_up_bias, i)),
                                       DenseLinear(self.down_weight[i], self._bias(self.down_bias, i)), self.act)
-                            for i in range(self.cfg.num_experts)]
+                            for i in range(len(self.cfg.expert_range))]
         if self.shared is None and self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
             self.shared = ExpertMLP(DenseLinear(self.shared_gate_up_weight), DenseLinear(self.shared_down_weight),
                                     self.act)
@@ -90,9 +96,9 @@ class MoeBlock(nn.Module):
             gate_up = make([(prefix + "gate_proj.weight", gu[:size]), (prefix + "up_proj.weight", gu[size:])], gu_bias)
             return ExpertMLP(gate_up, make([(prefix + "down_proj.weight", down)], down_bias), self.act)
 
-        self.experts = [mlp(f"mlp.experts.{i}.", self.gate_up_weight[i].t(), self.down_weight[i].t(), inter,
-                            self._bias(self.gate_up_bias, i), self._bias(self.down_bias, i))
-                        for i in range(self.cfg.num_experts)]
+        self.experts = [mlp(f"mlp.experts.{self.first + i}.", self.gate_up_weight[i].t(), self.down_weight[i].t(),
+                            inter, self._bias(self.gate_up_bias, i), self._bias(self.down_bias, i))
+                        for i in range(len(self.cfg.expert_range))]
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
             self.shared = mlp("mlp.shared_expert.", self.shared_gate_up_weight.t(), self.shared_down_weight.t(),
                               shared, None, None)
@@ -121,19 +127,23 @@ class MoeBlock(nn.Module):
         return out
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_j weights[t, j] * expert[ids[t, j]](x[t]) for each token t, touching only the chosen experts."""
+        """sum_j weights[t, j] * expert[ids[t, j]](x[t]) for each token t, over this block's experts only (all of
+        them unless expert parallel), touching only the chosen ones."""
         assert self.experts is not None
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
+        mine = self.cfg.expert_range
+        lo = sum(counts[:mine.start])  # this block's experts' pairs: one contiguous run of the sorted order
+        order = order[lo:lo + sum(counts[mine.start:mine.stop])]
         rows = order // k  # the token of each (token, choice) pair, in expert order
         xs = x.index_select(0, rows)
         ys = torch.empty_like(xs)
         start = 0
-        for e, n in enumerate(counts):
+        for i, n in enumerate(counts[mine.start:mine.stop]):
             if n:
-                ys[start:start + n] = self.experts[e](xs[start:start + n])
+                ys[start:start + n] = self.experts[i](xs[start:start + n])
                 start += n
         ys.mul_(weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype))
         out = torch.zeros_like(x)

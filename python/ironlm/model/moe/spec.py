@@ -52,10 +52,17 @@ class MoeConfig:
     router_bias: bool = False  # the router has a bias (gpt-oss)
     correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (selection only)
     expert_bias: bool = False  # each expert's gate_up and down carry biases (gpt-oss)
+    # expert parallelism: the routed experts [start, stop) this rank holds (None = all of them)
+    local_experts: tuple[int, int] | None = None
 
     @property
     def num_experts(self) -> int:
         return self.route.num_experts
+
+    @property
+    def expert_range(self) -> range:
+        """The routed experts this rank holds and runs."""
+        return range(*self.local_experts) if self.local_experts is not None else range(self.num_experts)
 
 
 def sparse_layers(num_layers: int, step: int = 1, dense: tuple[int, ...] | list[int] = (),
