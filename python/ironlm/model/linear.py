@@ -5,8 +5,9 @@ care how the weights are stored. Dense weights keep ironlm's `[in, out]` paramet
 as `addmm`'s input); quantized ones are an `ironlm._core.QuantMatrix` (`[out, in]`, 4- or 8-bit blocks of 32) whose
 kernel quantizes the activations to int8 and adds into the residual in place.
 
-Small CPU batches (decode) of f32 / bf16 / f16 dense weights run on the core's dense kernels (`_core.dense_matmul`),
-which read the weights where torch keeps them and stream them once per call; larger ones keep torch's GEMM.
+One- and two-row CPU calls (decode) into narrow f32 / bf16 / f16 dense weights run on the core's dense kernels
+(`_core.dense_matmul`), which read the weights where torch keeps them and stream them once per call, where they
+measured faster than torch's GEMM; everything else keeps torch's.
 
 `into` / `accumulate` serve the lean decode step, which keeps preallocated buffers and their numpy views: passing
 the views saves a tensor-to-numpy conversion per call (4 matmuls x 30 layers a token).
@@ -29,10 +30,12 @@ from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear
 # 128-row one does.
 DENSE_MIN_ROWS = 128
 
-# Up to this many rows the core's dense kernels beat torch's GEMM on dense weights (at M = 1 torch's bf16 mm streams
-# the weights at a fraction of the bandwidth; benches/bench_dense_decode.py measures both at M = 1..8); from there on
-# MKL/oneDNN's blocking (and AMX) wins.
-CORE_MAX_ROWS = 8
+# The core's dense kernels beat torch's GEMM on dense weights only at one or two rows and narrow outputs. Measured on
+# a quiet 2-core Sapphire Rapids (benches/bench_dense_decode.py, bf16, SmolLM2-135M shapes): at M = 1 / 2 the core
+# is 1.13 / 1.12x torch on qkv (N = 960), 1.39 / 1.32x on o and 1.16 / 1.14x on down (N = 576), but 0.88 / 0.79x on
+# gate_up (N = 3072) and 0.69 / 0.81x on the LM head (N = 49152); from M = 3 torch wins every shape (0.39-0.95x).
+CORE_MAX_ROWS = 2
+CORE_MAX_COLS = 1024
 
 
 def _core_weight(weight: torch.Tensor) -> np.ndarray | None:
@@ -55,11 +58,12 @@ class DenseLinear:
 
     def _core(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None] | None:
         """The weight's and bias's numpy views when this call goes to the core's dense kernels: a CPU batch of at
-        most CORE_MAX_ROWS rows, or any batch in batch-invariant mode (the kernels are row-invariant: a row's bits
-        do not depend on the other rows, so prefill, decode and every batch size agree)."""
-        if x.device.type != "cpu" or x.dtype != self.weight.dtype:
+        most CORE_MAX_ROWS rows into at most CORE_MAX_COLS outputs, where they beat torch. Batch-invariant mode keeps
+        the fixed torch tiles at every size (`_tiled`): the kernels are row-invariant too, but far slower at
+        prefill sizes."""
+        if x.device.type != "cpu" or x.dtype != self.weight.dtype or invariant.enabled():
             return None
-        if x.shape[0] > CORE_MAX_ROWS and not invariant.enabled():
+        if x.shape[0] > CORE_MAX_ROWS or self.weight.shape[1] > CORE_MAX_COLS:
             return None
         ptr = self.weight.data_ptr()
         if self._np is None or self._np[0] != ptr:  # (re)built if the parameter's storage was swapped
