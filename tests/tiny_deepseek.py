@@ -17,10 +17,8 @@ import torch
 from tiny_models import (
     BOS_ID,
     EOS_ID,
-    IM_END_ID,
     PAD_ID,
-    make_tiny_tokenizer,
-    perturb_norms_and_biases,
+    save_random_model,
     tiny_vocab,
 )
 
@@ -55,23 +53,12 @@ def deepseek_hf_config(family: str, **overrides: Any) -> Any:
 
 def make_deepseek_model(tmp_path: str | Path, family: str, **overrides: Any) -> Path:
     """Build, randomise (norms around 1, biases and V3's correction bias around 0) and save a tiny model folder."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     seed = overrides.pop("seed", 0)
     name = overrides.pop("name", f"tiny-{family}")
-    config = deepseek_hf_config(family, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    perturb_norms_and_biases(model, seed + 1)
-    g = torch.Generator().manual_seed(seed + 2)
-    with torch.no_grad():
+
+    def correction_bias(model: Any, g: torch.Generator) -> None:
         for mname, buf in model.named_buffers():
             if mname.endswith("e_score_correction_bias"):  # zero at init: the bias would go untested
                 buf.copy_(0.05 * torch.randn(buf.shape, generator=g))
-    model.eval()
-    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID],
-                                               pad_token_id=PAD_ID, do_sample=False)
-    out = Path(tmp_path) / name
-    model.save_pretrained(str(out))
-    make_tiny_tokenizer(add_bos=False).save_pretrained(str(out))
-    return out
+
+    return save_random_model(tmp_path, name, deepseek_hf_config(family, **overrides), seed, correction_bias)

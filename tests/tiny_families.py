@@ -19,10 +19,8 @@ import torch
 from tiny_models import (
     BOS_ID,
     EOS_ID,
-    IM_END_ID,
     PAD_ID,
-    make_tiny_tokenizer,
-    perturb_norms_and_biases,
+    save_random_model,
     tiny_vocab,
 )
 
@@ -76,20 +74,9 @@ def family_hf_config(family: str, **overrides: Any) -> Any:
 
 def make_family_model(tmp_path: str | Path, family: str, **overrides: Any) -> Path:
     """Build, randomise (norm weights around 1, biases around 0) and save a tiny `family` model folder."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     seed = overrides.pop("seed", 0)
     name = overrides.pop("name", f"tiny-{family}")
-    config = family_hf_config(family, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    perturb_norms_and_biases(model, seed + 1)
-    model.eval()
-    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID],
-                                               pad_token_id=PAD_ID, do_sample=False)
-    out = Path(tmp_path) / name
-    model.save_pretrained(str(out))
-    make_tiny_tokenizer(add_bos=False).save_pretrained(str(out))
+    out = save_random_model(tmp_path, name, family_hf_config(family, **overrides), seed)
     if family == "phi3":
         path = out / "tokenizer_config.json"
         cfg = json.loads(path.read_text())

@@ -18,12 +18,7 @@ import torch
 
 from tiny_families import _BASE
 from tiny_models import (
-    BOS_ID,
-    EOS_ID,
-    IM_END_ID,
-    PAD_ID,
-    make_tiny_tokenizer,
-    perturb_norms_and_biases,
+    save_random_model,
     tiny_vocab,
 )
 
@@ -43,16 +38,10 @@ def gptoss_hf_config(**overrides: Any) -> Any:
 
 
 def make_gptoss_model(tmp_path: str | Path, **overrides: Any) -> Path:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     seed = overrides.pop("seed", 0)
     name = overrides.pop("name", "tiny-gpt-oss")
-    config = gptoss_hf_config(**overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    perturb_norms_and_biases(model, seed + 1)
-    g = torch.Generator().manual_seed(seed + 2)
-    with torch.no_grad():
+
+    def router_biases_sinks(model: Any, g: torch.Generator) -> None:
         for pname, p in model.named_parameters():
             if pname.endswith("mlp.router.weight"):
                 p.copy_(2.0 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
@@ -60,10 +49,5 @@ def make_gptoss_model(tmp_path: str | Path, **overrides: Any) -> Path:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             elif pname.endswith("self_attn.sinks"):
                 p.copy_(3.0 + 2.0 * torch.randn(p.shape, generator=g))
-    model.eval()
-    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID],
-                                               pad_token_id=PAD_ID, do_sample=False)
-    out = Path(tmp_path) / name
-    model.save_pretrained(str(out))
-    make_tiny_tokenizer(add_bos=False).save_pretrained(str(out))
-    return out
+
+    return save_random_model(tmp_path, name, gptoss_hf_config(**overrides), seed, router_biases_sinks)

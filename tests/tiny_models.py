@@ -173,6 +173,28 @@ def perturb_norms_and_biases(model: Any, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
+def save_random_model(tmp_path: str | Path, name: str, config: Any, seed: int,
+                      tweak: Any = None) -> Path:
+    """Build `config`'s model with seed `seed`, perturb its norms and biases (seed + 1), let `tweak(model, g)`
+    redraw what the family needs from a generator seeded seed + 2 (routers, sinks, buffers), and save it with the
+    tiny tokenizer and greedy generation config as tmp_path / name."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    perturb_norms_and_biases(model, seed + 1)
+    if tweak is not None:
+        with torch.no_grad():
+            tweak(model, torch.Generator().manual_seed(seed + 2))
+    model.eval()
+    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID],
+                                               pad_token_id=PAD_ID, do_sample=False)
+    out = Path(tmp_path) / name
+    model.save_pretrained(str(out))
+    make_tiny_tokenizer(add_bos=False).save_pretrained(str(out))
+    return out
+
+
 def make_tiny_model(tmp_path: str | Path, arch: str = "llama", **overrides: Any) -> Path:
     """Build, randomise and save a tiny HF model folder (config.json, generation_config.json, safetensors,
     tokenizer with chat template). Returns the folder (tmp_path / name, name defaults to f"tiny-{arch}")."""

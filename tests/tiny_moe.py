@@ -18,12 +18,7 @@ import torch
 
 from tiny_families import _BASE
 from tiny_models import (
-    BOS_ID,
-    EOS_ID,
-    IM_END_ID,
-    PAD_ID,
-    make_tiny_tokenizer,
-    perturb_norms_and_biases,
+    save_random_model,
     tiny_vocab,
 )
 
@@ -51,23 +46,12 @@ def moe_hf_config(family: str, **overrides: Any) -> Any:
 
 def make_moe_model(tmp_path: str | Path, family: str, **overrides: Any) -> Path:
     """Build, randomise (wide router, norms around 1, biases around 0) and save a tiny `family` MoE folder."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     seed = overrides.pop("seed", 0)
     name = overrides.pop("name", f"tiny-{family}")
-    config = moe_hf_config(family, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    perturb_norms_and_biases(model, seed + 1)
-    g = torch.Generator().manual_seed(seed + 2)
-    with torch.no_grad():
+
+    def wide_router(model: Any, g: torch.Generator) -> None:
         for pname, p in model.named_parameters():
             if pname.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 p.copy_(2.0 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    model.eval()
-    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID],
-                                               pad_token_id=PAD_ID, do_sample=False)
-    out = Path(tmp_path) / name
-    model.save_pretrained(str(out))
-    make_tiny_tokenizer(add_bos=False).save_pretrained(str(out))
-    return out
+
+    return save_random_model(tmp_path, name, moe_hf_config(family, **overrides), seed, wide_router)
