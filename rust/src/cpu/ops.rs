@@ -250,6 +250,37 @@ simd_dispatch! {
     }
 }
 
+/// Which activation gates the up half in [`act_and_mul`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatedAct {
+    Silu,
+    GeluTanh,
+}
+
+/// `out[r] = act(gate[r]) * up[r]` for rows `gate_up[r] = gate | up` of `2 * inter`.
+pub fn act_and_mul<T: Elem>(
+    gate_up: &[T],
+    out: &mut [T],
+    inter: usize,
+    threads: usize,
+    act: GatedAct,
+) -> CoreResult<()> {
+    if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) {
+        let r = format!("{} elements are not rows of 2 x {inter}", gate_up.len());
+        return Err(CoreError::invalid("gate_up", r));
+    }
+    check_len("out", out.len(), gate_up.len() / 2)?;
+    let rows_fn: fn(&[T], &mut [T], usize) = match act {
+        GatedAct::Silu => silu_rows::<T>,
+        GatedAct::GeluTanh => gelu_rows::<T>,
+    };
+    par_rows(out, inter, threads, &|first, rows| {
+        let src = &gate_up[first * 2 * inter..(first * inter + rows.len()) * 2];
+        rows_fn(src, rows, inter)
+    });
+    Ok(())
+}
+
 /// `out[r] = silu(gate[r]) * up[r]` for rows `gate_up[r] = gate | up` of `2 * inter`, with
 /// `silu(g) = g / (1 + e^-g)`.
 pub fn silu_and_mul<T: Elem>(
@@ -258,16 +289,7 @@ pub fn silu_and_mul<T: Elem>(
     inter: usize,
     threads: usize,
 ) -> CoreResult<()> {
-    if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) {
-        let r = format!("{} elements are not rows of 2 x {inter}", gate_up.len());
-        return Err(CoreError::invalid("gate_up", r));
-    }
-    check_len("out", out.len(), gate_up.len() / 2)?;
-    par_rows(out, inter, threads, &|first, rows| {
-        let src = &gate_up[first * 2 * inter..(first * inter + rows.len()) * 2];
-        silu_rows(src, rows, inter)
-    });
-    Ok(())
+    act_and_mul(gate_up, out, inter, threads, GatedAct::Silu)
 }
 
 simd_dispatch! {
@@ -292,16 +314,7 @@ pub fn gelu_tanh_and_mul<T: Elem>(
     inter: usize,
     threads: usize,
 ) -> CoreResult<()> {
-    if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) {
-        let r = format!("{} elements are not rows of 2 x {inter}", gate_up.len());
-        return Err(CoreError::invalid("gate_up", r));
-    }
-    check_len("out", out.len(), gate_up.len() / 2)?;
-    par_rows(out, inter, threads, &|first, rows| {
-        let src = &gate_up[first * 2 * inter..(first * inter + rows.len()) * 2];
-        gelu_rows(src, rows, inter)
-    });
-    Ok(())
+    act_and_mul(gate_up, out, inter, threads, GatedAct::GeluTanh)
 }
 
 simd_dispatch! {

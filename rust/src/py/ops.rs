@@ -304,16 +304,7 @@ pub(crate) fn silu_and_mul(
     dtype: &str,
     threads: usize,
 ) -> PyResult<()> {
-    let dt = dtype_arg(dtype)?;
-    let gate_up = ro(gate_up, "gate_up", dt)?;
-    let mut out = rw(out, "out", dt)?;
-    with_elem!(dt, T => {
-        let gs = gate_up.slice::<T>("gate_up")?;
-        let (os, shape) = out.slice::<T>("out")?;
-        let inter = shape.last().copied().unwrap_or(1);
-        py.detach(|| ops::silu_and_mul(gs, os, inter, threads))?;
-    });
-    Ok(())
+    act_and_mul(py, gate_up, out, dtype, threads, ops::GatedAct::Silu)
 }
 
 /// `out = gelu_tanh(gate) * up` for `gate_up = [gate | up]` along the last axis (GeGLU).
@@ -326,6 +317,17 @@ pub(crate) fn gelu_tanh_and_mul(
     dtype: &str,
     threads: usize,
 ) -> PyResult<()> {
+    act_and_mul(py, gate_up, out, dtype, threads, ops::GatedAct::GeluTanh)
+}
+
+fn act_and_mul(
+    py: Python<'_>,
+    gate_up: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    dtype: &str,
+    threads: usize,
+    act: ops::GatedAct,
+) -> PyResult<()> {
     let dt = dtype_arg(dtype)?;
     let gate_up = ro(gate_up, "gate_up", dt)?;
     let mut out = rw(out, "out", dt)?;
@@ -333,7 +335,7 @@ pub(crate) fn gelu_tanh_and_mul(
         let gs = gate_up.slice::<T>("gate_up")?;
         let (os, shape) = out.slice::<T>("out")?;
         let inter = shape.last().copied().unwrap_or(1);
-        py.detach(|| ops::gelu_tanh_and_mul(gs, os, inter, threads))?;
+        py.detach(|| ops::act_and_mul(gs, os, inter, threads, act))?;
     });
     Ok(())
 }
