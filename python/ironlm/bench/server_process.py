@@ -106,12 +106,17 @@ class ServerProcess:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            terminate(self.proc)
         self.proc = None
         self._log.close()
         Path(self._log.name).unlink(missing_ok=True)  # errors already carry its tail
+
+
+def terminate(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if `proc` has not exited within `grace_s`; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ironlm.bench.datasets import BenchRequest
-from ironlm.bench.server_process import ServerProcess
+from ironlm.bench.server_process import ServerProcess, terminate
 from ironlm.exceptions import VllmCpuNotBuilt
 
 DIR_ENV = "IRONLM_VLLM_CPU_DIR"
@@ -254,12 +254,7 @@ class VllmOffline:
                         self.proc.stdin.close()
                     self.proc.wait(timeout=60)
                 except (OSError, subprocess.TimeoutExpired):
-                    self.proc.terminate()
-                    try:
-                        self.proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        self.proc.kill()
-                        self.proc.wait()
+                    terminate(self.proc)
             self.proc = None
         if self._replies is not None:
             self._replies.close()
