@@ -69,14 +69,15 @@ impl<'a> Experts<'a> {
         first: usize,
         num_experts: usize,
     ) -> CoreResult<Self> {
-        let (Some(g0), Some(d0)) = (gate_up.first(), down.first()) else {
+        let Some(g0) = gate_up.first() else {
             return Err(CoreError::invalid("gate_up", "needs at least one expert"));
         };
         if down.len() != gate_up.len() {
             let r = format!("{} down matrices for {} gate_up", down.len(), gate_up.len());
             return Err(CoreError::invalid("down", r));
         }
-        let (hidden, inter) = (g0.cols(), d0.cols());
+        // The shape is the first gate_up's: each down has to fit it.
+        let (hidden, inter) = (g0.cols(), g0.rows() / 2);
         for (i, (g, d)) in gate_up.iter().zip(&down).enumerate() {
             if g.rows() != 2 * inter || g.cols() != hidden {
                 let r = format!(
@@ -110,7 +111,7 @@ impl<'a> Experts<'a> {
             return Err(CoreError::invalid("first", r));
         }
         if let MoeAct::ClampedSwiglu { alpha, limit } = act {
-            if !alpha.is_finite() || !(limit >= 0.0 && limit.is_finite()) {
+            if !(alpha.is_finite() && limit >= 0.0 && limit.is_finite()) {
                 let r = format!("alpha {alpha} and limit {limit} must be finite, limit >= 0");
                 return Err(CoreError::invalid("clamp", r));
             }

@@ -106,12 +106,12 @@ impl Case {
             match self.act {
                 MoeAct::Gated(g) => ops::act_and_mul::<f32>(&gu, &mut a, inter, 1, g).unwrap(),
                 MoeAct::ClampedSwiglu { alpha, limit } => {
-                    for i in 0..n * inter {
+                    for (i, a) in a.iter_mut().enumerate() {
                         let (row, c) = (i / inter, i % inter);
                         let g = gu[row * 2 * inter + c].min(limit);
                         let u = gu[row * 2 * inter + inter + c].max(-limit).min(limit);
                         let sig = 1.0 / (1.0 + (-(g * alpha)).exp());
-                        a[i] = (u + 1.0) * (g * sig);
+                        *a = (u + 1.0) * (g * sig);
                     }
                 }
             }
@@ -325,7 +325,9 @@ fn bad_arguments_are_errors_naming_them() {
     let (g, d) = (&c.gate_up, &c.down);
     assert!(err(mk(vec![], vec![], 0, 3).unwrap_err()).contains("gate_up"));
     assert!(err(mk(vec![&g[0], &g[1]], vec![&d[0]], 0, 3).unwrap_err()).contains("down"));
-    assert!(err(mk(vec![&d[0]], vec![&g[0]], 0, 3).unwrap_err()).contains("gate_up"));
+    assert!(err(mk(vec![&d[0]], vec![&g[0]], 0, 3).unwrap_err()).contains("down"));
+    let gate_ups = vec![&g[0], &d[1]];
+    assert!(err(mk(gate_ups, vec![&d[0], &d[1]], 0, 3).unwrap_err()).contains("gate_up"));
     let tall = QMatrix::quantize(&vec![0.1; (h + 32) * inter], h + 32, inter, 8, 0).unwrap();
     assert!(err(mk(vec![&g[0]], vec![&tall], 0, 3).unwrap_err()).contains("down"));
     assert!(err(mk(vec![&g[0], &g[1]], vec![&d[0], &d[1]], 2, 3).unwrap_err()).contains("first"));
