@@ -494,3 +494,17 @@ def test_sample_checks_its_per_row_arrays() -> None:
         s.sample(x, np.array([0]), np.array([0, 1]))
     with pytest.raises(ValueError, match="ban_stop"):
         s.sample(x, np.array([0]), np.array([0]), np.array([True, False]))
+
+
+def test_greedy_row_max_is_torchs_first_maximal_index_ties_and_nan_included() -> None:
+    from ironlm.sampler.sampler import _row_max
+
+    torch.manual_seed(9)
+    logits = torch.randn(4, 1000)
+    logits[1, [17, 400]] = 50.0  # a tie: the first index wins
+    logits[2, [3, 900]] = float("nan")  # NaN counts as the maximum, first one
+    logits[3] = float("-inf")
+    values, indices = _row_max(logits)
+    want_values, want_indices = logits.max(dim=-1)
+    assert torch.equal(indices, want_indices) and indices.tolist()[:3] == [int(logits[0].argmax()), 17, 3]
+    torch.testing.assert_close(values, want_values, equal_nan=True)

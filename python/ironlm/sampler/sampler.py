@@ -19,8 +19,16 @@ from ironlm.sampler.filters import TokenDraw
 from ironlm.sampler.penalties import SeenTokens, penalize
 from ironlm.sampler.rejection import DRAFT_ATTEMPT, Drafts, distribution, draw, verify
 from ironlm.sampler.scratch import Scratch
-from ironlm.sampler.state import (F_BIAS, F_CHOSEN, F_LOGPROBS, F_MIN_TOKENS, F_PENALTY, F_RANDOM, F_REP,
-                                  SlotState)
+from ironlm.sampler.state import (
+    F_BIAS,
+    F_CHOSEN,
+    F_LOGPROBS,
+    F_MIN_TOKENS,
+    F_PENALTY,
+    F_RANDOM,
+    F_REP,
+    SlotState,
+)
 from ironlm.sampling_params import SamplingParams
 
 
@@ -117,7 +125,7 @@ class Sampler:
         want_lp = bool(batch & (F_CHOSEN | F_LOGPROBS))
         if not batch & (F_RANDOM | F_PENALTY | F_BIAS | F_MIN_TOKENS | F_GRAMMAR):
             # Plain greedy: one max gives the token and the normaliser's shift; the argmax's logit is the max.
-            raw_max, tokens = logits.max(dim=-1)
+            raw_max, tokens = _row_max(logits)
             lse = self._logsumexp(logits, raw_max[:, None]) if want_lp else None
             chosen = None if lse is None else raw_max - lse
         else:
@@ -217,3 +225,14 @@ class Sampler:
         if x.shape[0] == 1 and x.device.type == "cpu":
             return row_max.reshape(1) + shifted.expand(2, -1).sum(-1)[:1].log_()
         return row_max.squeeze(1) + shifted.sum(-1).log_()
+
+
+def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, first index of the max) per row, as `logits.max(dim=-1)`. On CPU numpy's SIMD argmax: torch's
+    indexed max over a 262k vocabulary row took ~0.3 ms (10x numpy's), a few percent of a small model's decode
+    step; both return the first maximal index (NaN counting as the maximum)."""
+    if logits.device.type != "cpu":
+        values, indices = logits.max(dim=-1)
+        return values, indices
+    indices = torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.gather(1, indices[:, None]).squeeze(1), indices
