@@ -484,7 +484,8 @@ impl PyScheduler {
     }
 
     /// Speculation counters: ``num_drafts`` (sequence-steps that verified proposals),
-    /// ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos`` (list).
+    /// ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos`` (list),
+    /// ``grammar_cut_tokens`` (proposed tokens a grammar rejected).
     fn spec_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.spec_stats();
         let d = PyDict::new(py);
@@ -492,6 +493,7 @@ impl PyScheduler {
         d.set_item("num_draft_tokens", s.num_draft_tokens)?;
         d.set_item("num_accepted_tokens", s.num_accepted_tokens)?;
         d.set_item("accepted_per_pos", s.accepted_per_pos.clone())?;
+        d.set_item("grammar_cut_tokens", s.grammar_cut_tokens)?;
         Ok(d)
     }
 

@@ -39,6 +39,10 @@ impl Scheduler {
     /// The token masks of the last plan's constrained sample rows (`plan.mask_rows`), waiting
     /// for their computation to end if needed. None if the plan has none or they were taken.
     pub fn take_bitmask(&mut self) -> Option<TokenBitmask> {
+        if self.masks.job.is_none() && self.pending_step != 0 {
+            // Proposals that never came (`set_proposals`): the placeholders' masks.
+            self.launch_masks();
+        }
         let job = self.masks.job.take()?;
         let t0 = std::time::Instant::now();
         let m = job.join();
@@ -60,23 +64,34 @@ impl Scheduler {
         self.masks.stats
     }
 
-    /// Start computing the new plan's masks on a worker thread.
+    /// Start computing the new plan's masks on a worker thread, unless they depend on
+    /// proposals still to come from a draft model (then `set_proposals` starts them).
     pub(super) fn start_masks(&mut self) {
-        let p = &mut self.plan;
-        if p.mask_rows.is_empty() {
+        let external = self.spec.as_ref().is_some_and(|c| c.external);
+        if external && self.plan.mask_units.iter().any(|u| !u.draft.is_empty()) {
             return;
         }
-        let words = p.mask_matchers[0].mask_words();
-        let (rows, matchers) = (p.mask_rows.clone(), std::mem::take(&mut p.mask_matchers));
-        self.masks.stats.steps += 1;
-        self.masks.stats.rows += rows.len() as u64;
-        self.masks.job = Some(MaskJob::start(rows, matchers, words, self.masks.threads));
+        self.launch_masks();
     }
 
-    /// Drop the masks of a plan that is over, after their worker ends (it holds the matchers).
+    pub(super) fn launch_masks(&mut self) {
+        let p = &mut self.plan;
+        if p.mask_units.is_empty() {
+            return;
+        }
+        let words = p.mask_units[0].matcher.mask_words();
+        let (rows, units) = (p.mask_rows.clone(), std::mem::take(&mut p.mask_units));
+        self.masks.stats.steps += 1;
+        self.masks.stats.rows += rows.len() as u64;
+        self.masks.job = Some(MaskJob::start(rows, units, words, self.masks.threads));
+    }
+
+    /// Drop the masks of a plan that is over, after their worker ends (it holds the matchers
+    /// and rolls them back to where `update` advances them from).
     pub(super) fn discard_masks(&mut self) {
         if let Some(job) = self.masks.job.take() {
             self.masks.stats.compute_ns += job.join().compute_ns;
         }
+        self.plan.mask_units.clear();
     }
 }
