@@ -35,11 +35,17 @@ CASES = [
 KEYS = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_grammar_cut_tokens")
 
 
+KW = {"num_kv_blocks": 256, "block_size": 4, "seed": 0, "dtype": "float32"}
+
+
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    model = str(make_tiny_model(tmp_path_factory.mktemp("specgram"), arch="llama"))
-    kw = {"num_kv_blocks": 256, "block_size": 4, "seed": 0, "dtype": "float32"}
-    return LLM(model, **kw), LLM(model, speculative_config=NGRAM, **kw)
+def model(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("specgram"), arch="llama"))
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    return LLM(model, **KW), LLM(model, speculative_config=NGRAM, **KW)
 
 
 def _valid(so: StructuredOutputsParams, text: str) -> bool:
@@ -109,6 +115,28 @@ def test_grammar_errors_still_fail_the_request(engines):
     out = spec.generate([CASES[1][1]], SamplingParams(temperature=0, max_tokens=20,
                                                       structured_outputs=CASES[1][0]), use_tqdm=False)
     assert re.fullmatch(REGEX, out[0].outputs[0].text)
+
+
+def test_a_draft_model_proposes_under_the_grammar(engines, model):
+    """The draft samples its proposals under each sequence's grammar state after its proposals so far
+    (`Scheduler.draft_masks`): a self-draft's proposals are then the target's own choices, so they are
+    accepted (unmasked, it proposed mostly invalid tokens and nearly all were rejected). Greedy output is the
+    plain engine's; seeded sampling is valid and repeats."""
+    plain, _ = engines
+    spec = LLM(model, speculative_config={"model": model, "num_speculative_tokens": 3}, **KW)
+    prompts = [p for _, p in CASES]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so) for so, _ in CASES]
+    assert _gen(spec, params, prompts) == _gen(plain, params, prompts)
+    m = spec.get_metrics()
+    # Only proposals past the grammar's end (the rows reserved after an EOS) are rejected.
+    assert m["spec_decode_num_draft_tokens"] >= 20 and m["spec_decode_acceptance_rate"] >= 0.75, m
+    seeded = [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=40, structured_outputs=so)
+              for i, (so, _) in enumerate(CASES)]
+    first = _gen(spec, seeded, prompts)
+    assert _gen(spec, seeded, prompts) == first
+    for (so, _), (_, text, reason) in zip(CASES, first, strict=True):
+        assert _valid(so, text) and reason == "stop", (so, text)
+    assert spec.engine.stats()["blocks_used"] == 0
 
 
 # ---- in the core: each verification row's mask, and the matcher afterwards ---------------------------------

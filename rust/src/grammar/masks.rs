@@ -103,6 +103,19 @@ impl SeqMatcher {
         }
     }
 
+    /// Take `token` if the grammar allows it here (false: left as it was).
+    pub(crate) fn try_advance(&self, token: u32) -> bool {
+        self.allowed_prefix(&[token]) == 1 && self.lock().consume_token(token).is_ok()
+    }
+
+    /// Undo the last `n` tokens taken. A failure leaves the matcher in its error state: the next
+    /// `advance` ends the sequence, as any grammar failure does.
+    pub(crate) fn rollback(&self, n: usize) {
+        if n > 0 {
+            let _ = self.lock().rollback(n);
+        }
+    }
+
     /// Masks for a run of rows: row 0 at the current state, row `j` after `draft[..j]`
     /// (`out` holds `draft.len() + 1` rows). The matcher is rolled back to where it was; a
     /// proposal its previous row's mask rejects ends the walk, and the rows after it (never
@@ -133,11 +146,7 @@ impl SeqMatcher {
             self.fill_mask(row);
             prev = row;
         }
-        if taken > 0 {
-            // A failed rollback leaves the matcher in its error state: the next `advance` ends
-            // the sequence, as any grammar failure does.
-            let _ = self.lock().rollback(taken);
-        }
+        self.rollback(taken);
     }
 }
 

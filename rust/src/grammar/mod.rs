@@ -22,6 +22,7 @@ mod shape;
 mod vocab;
 
 pub use compile::{CompileError, CompiledGrammar, GrammarCompiler, GrammarLimits};
+pub(crate) use masks::compute;
 pub use masks::{apply_bitmask, MaskJob, MaskUnit, SeqMatcher, TokenBitmask};
 pub use shape::ShapeLimits;
 pub use vocab::Vocab;

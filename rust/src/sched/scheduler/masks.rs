@@ -2,7 +2,8 @@
 //! worker while the model runs the forward; the caller takes them before sampling.
 
 use super::Scheduler;
-use crate::grammar::{MaskJob, TokenBitmask};
+use crate::error::{CoreError, CoreResult};
+use crate::grammar::{compute, MaskJob, MaskUnit, TokenBitmask};
 
 /// The mask state of a scheduler.
 pub(super) struct Masks {
@@ -10,6 +11,10 @@ pub(super) struct Masks {
     pub(super) job: Option<MaskJob>,
     pub(super) threads: usize,
     pub(super) stats: MaskStats,
+    /// Per `plan.mask_units` entry while a draft model proposes (`draft_masks`): the draft
+    /// tokens its matcher has taken, and whether one was refused (its later rows go unmasked:
+    /// the target rejects that proposal anyway).
+    pub(super) walked: Vec<(usize, bool)>,
 }
 
 impl Default for Masks {
@@ -18,6 +23,7 @@ impl Default for Masks {
             job: None,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             stats: MaskStats::default(),
+            walked: Vec::new(),
         }
     }
 }
@@ -75,6 +81,7 @@ impl Scheduler {
     }
 
     pub(super) fn launch_masks(&mut self) {
+        self.unwalk();
         let p = &mut self.plan;
         if p.mask_units.is_empty() {
             return;
@@ -86,12 +93,72 @@ impl Scheduler {
         self.masks.job = Some(MaskJob::start(rows, units, words, self.masks.threads));
     }
 
+    /// Masks for a draft model's next proposals, so that it proposes only what the grammar
+    /// allows: `rows` are sample rows of the last plan that verify a proposal, the `j`-th of
+    /// their sequence's run, and `prev[i]` the draft's proposal before `rows[i]` (-1 for the
+    /// first of a run). Each constrained row's matcher takes `prev[i]`, then its mask is row
+    /// `i'` of the result (`rows` of the result index `rows`). The matchers are rolled back by
+    /// `set_proposals` (or when the plan ends). Computed now, over the mask threads.
+    pub fn draft_masks(&mut self, rows: &[i64], prev: &[i64]) -> CoreResult<Option<TokenBitmask>> {
+        if self.pending_step == 0 || rows.len() != prev.len() {
+            return Err(CoreError::invalid(
+                "rows",
+                "draft masks need the plan waiting for its update, one prev token per row",
+            ));
+        }
+        let p = &self.plan;
+        if p.mask_units.is_empty() {
+            return Ok(None);
+        }
+        if self.masks.walked.len() != p.mask_units.len() {
+            self.masks.walked = vec![(0, false); p.mask_units.len()];
+        }
+        let (mut out_rows, mut units) = (Vec::new(), Vec::new());
+        for (i, (&r, &t)) in rows.iter().zip(prev).enumerate() {
+            // The unit whose rows hold r: mask_rows is ascending, each unit's rows contiguous.
+            let Ok(at) = p.mask_rows.binary_search(&r) else {
+                continue; // an unconstrained row
+            };
+            let (mut u, mut first) = (0, 0);
+            while first + p.mask_units[u].rows() <= at {
+                first += p.mask_units[u].rows();
+                u += 1;
+            }
+            let unit = &p.mask_units[u];
+            let walk = &mut self.masks.walked[u];
+            if t >= 0 && !walk.1 {
+                if unit.matcher.try_advance(t as u32) {
+                    walk.0 += 1;
+                } else {
+                    walk.1 = true;
+                }
+            }
+            if !walk.1 {
+                out_rows.push(i as i64);
+                units.push(MaskUnit::from(unit.matcher.clone()));
+            }
+        }
+        if units.is_empty() {
+            return Ok(None);
+        }
+        let words = units[0].matcher.mask_words();
+        Ok(Some(compute(out_rows, units, words, self.masks.threads)))
+    }
+
+    /// Roll the matchers back from the draft model's walk (`draft_masks`).
+    pub(super) fn unwalk(&mut self) {
+        for (u, (n, _)) in self.plan.mask_units.iter().zip(self.masks.walked.drain(..)) {
+            u.matcher.rollback(n);
+        }
+    }
+
     /// Drop the masks of a plan that is over, after their worker ends (it holds the matchers
     /// and rolls them back to where `update` advances them from).
     pub(super) fn discard_masks(&mut self) {
         if let Some(job) = self.masks.job.take() {
             self.masks.stats.compute_ns += job.join().compute_ns;
         }
+        self.unwalk();
         self.plan.mask_units.clear();
     }
 }

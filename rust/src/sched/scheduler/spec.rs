@@ -124,6 +124,8 @@ impl Scheduler {
         // Constrained sequences' masks waited for these proposals (`start_masks`). Rows cannot
         // be taken out of the plan any more: the grammar's cut only counts here, and the rows
         // past it are never accepted (their target probability is masked to 0).
+        self.unwalk();
+        let p = &mut self.plan;
         let mut at = 0;
         for u in &mut p.mask_units {
             let r0 = p.mask_rows[at] as usize;
