@@ -11,9 +11,11 @@ import re
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from core_utils import make_scheduler
 from ironlm import LLM, GrammarError, SamplingParams, _core
+from ironlm.server.metrics import _StatsCollector
 from ironlm.structured import StructuredOutputsParams
 from ironlm.structured.vocab import token_vocab
 from tiny_models import EOS_ID, IM_END_ID, make_tiny_model, make_tiny_tokenizer
@@ -86,6 +88,12 @@ def test_greedy_constrained_output_is_the_plain_engines(engines):
     assert d["spec_decode_num_draft_tokens"] > 0 and d["spec_decode_num_accepted_tokens"] > 0, d
     assert d["spec_decode_grammar_cut_tokens"] > 0, d
     assert spec.engine.stats()["blocks_used"] == 0
+    # /metrics exports the cut as a counter.
+    registry = CollectorRegistry()
+    registry.register(_StatsCollector(spec.engine.stats, lambda: True, "m"))
+    text = generate_latest(registry).decode()
+    cut = spec.get_metrics()["spec_decode_grammar_cut_tokens"]
+    assert f'ironlm:spec_decode_grammar_cut_tokens_total{{model_name="m"}} {float(cut)}' in text
 
 
 def test_seeded_sampling_is_the_plain_engines_and_repeats(engines):
@@ -104,6 +112,19 @@ def test_seeded_sampling_is_the_plain_engines_and_repeats(engines):
     d = _delta(spec, before)
     assert d["spec_decode_num_draft_tokens"] > 0 and d["spec_decode_grammar_cut_tokens"] > 0, d
     assert spec.engine.stats()["blocks_used"] == 0
+
+
+def test_preemption_keeps_constrained_speculation_exact(engines, model):
+    """A KV pool too small for the batch: speculating constrained sequences are preempted and recomputed (their
+    matchers keep the verified tokens only); the output is still the plain engine's and no block leaks."""
+    plain, _ = engines
+    small = LLM(model, speculative_config=NGRAM, **{**KW, "num_kv_blocks": 40})
+    prompts = [p for _, p in CASES] * 3
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so) for so, _ in CASES] * 3
+    assert _gen(small, params, prompts) == _gen(plain, params, prompts)
+    s = small.engine.stats()
+    assert s["num_preemptions"] > 0 and s["spec_decode_num_accepted_tokens"] > 0, s
+    assert s["blocks_used"] == 0
 
 
 def test_grammar_errors_still_fail_the_request(engines):
