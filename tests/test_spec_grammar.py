@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,6 +19,7 @@ from ironlm import LLM, GrammarError, SamplingParams, _core
 from ironlm.server.metrics import _StatsCollector
 from ironlm.structured import StructuredOutputsParams
 from ironlm.structured.vocab import token_vocab
+from server_utils import RealServer
 from tiny_models import EOS_ID, IM_END_ID, make_tiny_model, make_tiny_tokenizer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
@@ -158,6 +160,26 @@ def test_a_draft_model_proposes_under_the_grammar(engines, model):
     for (so, _), (_, text, reason) in zip(CASES, first, strict=True):
         assert _valid(so, text) and reason == "stop", (so, text)
     assert spec.engine.stats()["blocks_used"] == 0
+
+
+def test_http_structured_outputs_speculate_and_bad_grammars_are_400(tmp_path_factory):
+    server = RealServer(tmp_path_factory, speculative_config=NGRAM)
+    try:
+        c = httpx.Client(base_url=server.base_url, timeout=120)
+        body = {"model": "tiny", "prompt": CASES[0][1], "max_tokens": 40, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}
+        r = c.post("/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert _valid(CASES[0][0], r.json()["choices"][0]["text"]), r.text
+        r = c.post("/completions", json={**body, "response_format": None, "structured_outputs": {"regex": "a(b"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.regex", r.text
+        metrics = c.get(server.url + "/metrics").text
+        drafted = re.search(r'^ironlm:spec_decode_num_draft_tokens_total\{model_name="tiny"\} (\S+)', metrics,
+                            re.MULTILINE)
+        assert drafted is not None and float(drafted.group(1)) > 0, metrics
+        assert server.idle()
+    finally:
+        server.stop()
 
 
 # ---- in the core: each verification row's mask, and the matcher afterwards ---------------------------------
