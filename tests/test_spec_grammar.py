@@ -249,3 +249,49 @@ def test_proposals_are_cut_where_the_grammar_rejects_them():
     assert rows.tolist() == [0, 1, 2]
     (_, _, reason, _), = sched.update([b, c, EOS_ID])
     assert reason == "stop" and sched.output_token_ids(0) == [a, b, c]
+
+
+def test_draft_masks_walk_the_matcher_and_set_proposals_rolls_it_back():
+    tok = make_tiny_tokenizer()
+    vocab = token_vocab(tok)
+    eos = [EOS_ID, IM_END_ID]
+    compiler = _core.GrammarCompiler(vocab.token_bytes, eos_token_ids=eos, vocab_size=len(vocab.token_bytes),
+                                     special_token_ids=vocab.special_token_ids)
+    g = compiler.compile(r"start: /(abc)+-[0-9]+|ab[a-z]+/")
+    a, b, c = tok.convert_tokens_to_ids(["a", "b", "c"])
+    prompt = [1, a, b, c]
+
+    def plain_mask(output: list[int]) -> np.ndarray:
+        sched = make_scheduler(64)
+        sched.add_request("r", prompt, 16, eos_token_ids=eos, grammar=g)
+        for t in output:
+            sched.schedule()
+            sched.update([t])
+        sched.schedule()
+        return sched.take_bitmask()[1][0]
+
+    sched = make_scheduler(64)
+    sched.set_speculation(2, max_batch_tokens=64, external=True)
+    sched.add_request("r", prompt, 16, eos_token_ids=eos, grammar=g)
+    sched.schedule()
+    sched.update([a])
+    plan = sched.schedule()
+    assert plan.sample_draft.tolist()[2] == -1 and (plan.sample_draft[:2] >= 0).all()
+    idx, bits = sched.draft_masks(np.array([0]), np.array([-1]))
+    assert idx.tolist() == [0]
+    np.testing.assert_array_equal(bits[0], plain_mask([a]))
+    _, bits = sched.draft_masks(np.array([1]), np.array([b]))
+    np.testing.assert_array_equal(bits[0], plain_mask([a, b]))
+    sched.set_proposals(plan, np.array([b, c]))
+    rows, bits = sched.take_bitmask()
+    assert rows.tolist() == [0, 1, 2]
+    for j, out in enumerate(([a], [a, b], [a, b, c])):
+        np.testing.assert_array_equal(bits[j], plain_mask(out), err_msg=f"row {j}")
+    sched.update([b, c, a])
+    assert sched.output_token_ids(0) == [a, b, c, a]
+    # Masks taken before the proposals came were the placeholders': the proposals are refused then.
+    plan = sched.schedule()
+    assert (plan.sample_draft >= 0).any()
+    sched.take_bitmask()
+    with pytest.raises(ValueError, match="before its proposals"):
+        sched.set_proposals(plan, np.array([b] * int((plan.sample_draft >= 0).sum())))

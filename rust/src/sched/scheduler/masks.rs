@@ -15,6 +15,8 @@ pub(super) struct Masks {
     /// tokens its matcher has taken, and whether one was refused (its later rows go unmasked:
     /// the target rejects that proposal anyway).
     pub(super) walked: Vec<(usize, bool)>,
+    /// The plan's masks wait for a draft model's proposals (`set_proposals` starts them).
+    pub(super) deferred: bool,
 }
 
 impl Default for Masks {
@@ -24,6 +26,7 @@ impl Default for Masks {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             stats: MaskStats::default(),
             walked: Vec::new(),
+            deferred: false,
         }
     }
 }
@@ -45,7 +48,7 @@ impl Scheduler {
     /// The token masks of the last plan's constrained sample rows (`plan.mask_rows`), waiting
     /// for their computation to end if needed. None if the plan has none or they were taken.
     pub fn take_bitmask(&mut self) -> Option<TokenBitmask> {
-        if self.masks.job.is_none() && self.pending_step != 0 {
+        if self.masks.deferred {
             // Proposals that never came (`set_proposals`): the placeholders' masks.
             self.launch_masks();
         }
@@ -75,6 +78,7 @@ impl Scheduler {
     pub(super) fn start_masks(&mut self) {
         let external = self.spec.as_ref().is_some_and(|c| c.external);
         if external && self.plan.mask_units.iter().any(|u| !u.draft.is_empty()) {
+            self.masks.deferred = true;
             return;
         }
         self.launch_masks();
@@ -82,6 +86,7 @@ impl Scheduler {
 
     pub(super) fn launch_masks(&mut self) {
         self.unwalk();
+        self.masks.deferred = false;
         let p = &mut self.plan;
         if p.mask_units.is_empty() {
             return;
@@ -96,19 +101,19 @@ impl Scheduler {
     /// Masks for a draft model's next proposals, so that it proposes only what the grammar
     /// allows: `rows` are sample rows of the last plan that verify a proposal, the `j`-th of
     /// their sequence's run, and `prev[i]` the draft's proposal before `rows[i]` (-1 for the
-    /// first of a run). Each constrained row's matcher takes `prev[i]`, then its mask is row
-    /// `i'` of the result (`rows` of the result index `rows`). The matchers are rolled back by
+    /// first of a run). Each constrained row's matcher takes `prev[i]`, then its mask is
+    /// computed: the result's `rows` are indices into `rows`. The matchers are rolled back by
     /// `set_proposals` (or when the plan ends). Computed now, over the mask threads.
     pub fn draft_masks(&mut self, rows: &[i64], prev: &[i64]) -> CoreResult<Option<TokenBitmask>> {
-        if self.pending_step == 0 || rows.len() != prev.len() {
+        if rows.len() != prev.len() {
             return Err(CoreError::invalid(
-                "rows",
-                "draft masks need the plan waiting for its update, one prev token per row",
+                "prev",
+                format!("{} tokens for {} rows", prev.len(), rows.len()),
             ));
         }
         let p = &self.plan;
-        if p.mask_units.is_empty() {
-            return Ok(None);
+        if !self.masks.deferred || p.mask_units.is_empty() {
+            return Ok(None); // no constrained sequence waits for proposals
         }
         if self.masks.walked.len() != p.mask_units.len() {
             self.masks.walked = vec![(0, false); p.mask_units.len()];
@@ -159,6 +164,7 @@ impl Scheduler {
             self.masks.stats.compute_ns += job.join().compute_ns;
         }
         self.unwalk();
+        self.masks.deferred = false;
         self.plan.mask_units.clear();
     }
 }

@@ -96,6 +96,14 @@ impl Scheduler {
             ));
         }
         let p = &mut self.plan;
+        let constrained = p.mask_rows.iter().any(|&r| p.sample_draft[r as usize] >= 0);
+        if constrained && !self.masks.deferred {
+            // Their masks were computed for the placeholders already.
+            return Err(CoreError::invalid(
+                "proposals",
+                "the plan's token masks were taken before its proposals came",
+            ));
+        }
         let want = p.sample_draft.iter().filter(|&&d| d >= 0).count();
         if tokens.len() != want {
             return Err(CoreError::invalid(
