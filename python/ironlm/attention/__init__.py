@@ -20,7 +20,7 @@ from ironlm.config import ATTENTION_BACKENDS
 
 class AttentionBackend(Protocol):
     name: str
-    # Whether the backend has `decode_plan` and the core attends a decode step straight from the fused q|k|v
+    # Whether the backend has `lean_plan` and the core attends a decode step straight from the fused q|k|v
     # projection (`_core.decode_attention_qkv`): the capability the model's lean CPU decode step needs.
     fused_decode_qkv: bool
 

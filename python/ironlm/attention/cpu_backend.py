@@ -122,6 +122,26 @@ class CpuAttention(TorchAttention):
                 dtype=dtype, window=window, softcap=softcap, sinks=sinks)
         return out
 
+    def lean_plan(self, meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan | _RowPlan | None:
+        """The lean step's attention (model/lean.py): one kernel row per query row, its K/V written first, or None
+        where the step is not one it serves. A decode step is `decode_plan`'s; a step of short chunks that extend
+        cached sequences (speculative verification: a sequence's last token and its proposals) runs each row as
+        a decode row at its own position, so a row gets the same bits in a chunk as alone. Steps with a chunk
+        that starts a sequence (prefill), padding rows, or prefixes the torch path would cascade over are not."""
+        if meta.decode_only:
+            plan = self.decode_plan(meta, block_size, num_rows)
+            return plan if plan is not None and plan.slots is not None else None
+        first = meta.seq_lens_cpu.astype(np.int64) - np.diff(meta.query_start_loc_cpu.astype(np.int64))
+        if not len(first) or first.min() < 1:
+            return None
+        if not invariant.enabled() and _shared_blocks(meta.block_tables.numpy(), np.arange(len(first)), first + 1,
+                                                      block_size):
+            return None  # as decode_plan: n > 1 forks read their shared prompt once on the torch path
+        if "cpu:rows" not in meta.plan_cache:
+            meta.plan_cache["cpu:rows"] = _row_plan(meta, block_size, num_rows)
+        rows: _RowPlan = meta.plan_cache["cpu:rows"]
+        return rows if rows.slots is not None and not has_padding_slots(meta) else None
+
     def decode_plan(
         self, meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None,
         cascade: bool = True,

@@ -1,6 +1,11 @@
 """llama.cpp's own speculative modes on the spec benchmark's prompts: `llama-lookup` (prompt lookup, n-gram) and
 `llama-speculative` (a draft model), one process per prompt, greedy, the same thread count; their "decoded N tokens
 in S seconds" and "accept = X%" lines are the figures (built by `make llama-cpp`, benches/build_llama_cpp.sh).
+
+llama.cpp's plain decode on the same prompts is `llama-lookup` drafting nothing (`k` = 0): its loop then decodes
+one token per step with the same prompt handling, sampler and timer as the lookup run, where llama-cli (not built)
+would add its chat loop and llama-server its HTTP slot machinery; the per-token n-gram cache update it keeps doing
+is a few hash inserts.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 
 def run_one(binary: str, gguf: Path, prompt: str, max_tokens: int, k: int, threads: int,
             draft_gguf: Path | None = None, timeout: float = 900.0) -> dict[str, float]:
-    """One prompt through `binary` (llama-lookup or llama-speculative): decoded tokens, seconds, drafted, accepted."""
+    """One prompt through `binary` (llama-lookup or llama-speculative; llama-lookup with `k` 0: plain decode):
+    decoded tokens, seconds, drafted, accepted."""
     cmd = [str(find_binary(binary)), "-m", str(gguf), "-p", prompt, "-n", str(max_tokens), "--spec-draft-n-max", str(k),
            "-t", str(threads), "--temp", "0", "-c", "4096"]
     if draft_gguf is not None:

@@ -6,7 +6,10 @@ time after the first token) and the acceptance figures.
     python -m ironlm.bench.spec --draft-pair truncated|random [--tiny] [--k 4]   # draft model (spec_pair.py)
     python -m ironlm.bench.spec --model TARGET --draft DRAFT                     # draft model, your own pair
 
-n-gram by default; `--draft` / `--draft-pair` speculate with a draft model instead.
+n-gram by default; `--draft` / `--draft-pair` speculate with a draft model instead. `--baseline llama.cpp` adds
+llama.cpp on the same prompts: its plain decode (`llama_cpp_plain`, llama-lookup drafting nothing) and its own
+speculative mode (`llama_cpp`: llama-lookup, or llama-speculative with a draft), and our speed-up over its plain
+decode.
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pair-dir", default="/tmp/ironlm-spec-pair", help="where --draft-pair models are kept")
     ap.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
     ap.add_argument("--baseline", choices=("none", "llama.cpp"), default="none",
-                    help="then llama.cpp's own mode on the same prompts: llama-lookup (n-gram), llama-speculative "
-                         "(--draft, GGUF files); build: make llama-cpp")
+                    help="then llama.cpp on the same prompts: its plain decode (llama-lookup drafting nothing) and "
+                         "its own mode, llama-lookup (n-gram) or llama-speculative (--draft, GGUF files); build: "
+                         "make llama-cpp")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (--baseline)")
     a = ap.parse_args(argv)
     draft = a.draft
@@ -97,13 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     if draft is not None:
         cfg = {"model": draft, "num_speculative_tokens": a.k}
     spec = run(LLM(speculative_config=cfg, **kw), prompts, a.max_tokens)
-    llama = None
+    llama = llama_plain = None
     if a.baseline == "llama.cpp":
         from ironlm.bench import llama_spec
         from ironlm.bench.llama_cpp import gguf_path
 
         binary = "llama-lookup" if draft is None else "llama-speculative"
-        llama = llama_spec.run(binary, gguf_path(a.model), rendered, a.max_tokens, a.k, a.threads,
+        gguf = gguf_path(a.model)
+        llama_plain = llama_spec.run("llama-lookup", gguf, rendered, a.max_tokens, 0, a.threads)
+        llama = llama_spec.run(binary, gguf, rendered, a.max_tokens, a.k, a.threads,
                                None if draft is None else Path(draft))
     b1 = _busy()
     same = sum(x == y for x, y in zip(base["outputs"], spec["outputs"]))
@@ -112,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
         "speculative_config": cfg, "plain_decode_tok_s": base["decode_tok_s"],
         "spec_decode_tok_s": spec["decode_tok_s"], "speedup": spec["decode_tok_s"] / base["decode_tok_s"],
         "identical_outputs": f"{same}/{len(prompts)}", **spec["metrics"], "llama_cpp": llama,
+        "llama_cpp_plain": llama_plain,
+        "speedup_vs_llama_cpp_plain": None if not llama_plain or not llama_plain["decode_tok_s"]
+        else spec["decode_tok_s"] / llama_plain["decode_tok_s"],
         # Busy share of all CPUs over the whole run (ours included): what else ran shows above ~1/ncpu.
         "machine_busy_frac": (b1[0] - b0[0]) / max(1, b1[1] - b0[1]),
     }

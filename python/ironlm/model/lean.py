@@ -1,13 +1,20 @@
-"""The lean CPU decode step: a small all-decode batch through the core's kernels, layer by layer, in place.
+"""The lean CPU decode step: a small decode batch through the core's kernels, layer by layer, in place.
 
 At decode batch sizes a step's cost outside the weight streaming is per-op dispatch, so this path replaces the
 decoder's op chain with four matmuls and a few core calls per layer (norm; qk-norm + RoPE + cache write +
 attention; norm; activation-mul; and for families that norm a branch before its residual add, that norm and the
 add), every operand a preallocated buffer with its numpy view. It runs when the attention backend declares
-``fused_decode_qkv`` (its ``decode_plan`` yields the step's block tables and slots and the core attends straight
+``fused_decode_qkv`` (its ``lean_plan`` yields the step's block tables and slots and the core attends straight
 from the fused q|k|v projection) and the model's blocks are ones this step implements
 (`ModelConfig.lean_supported`); every other step takes `DecoderLayer`'s ordinary forward, which computes the same
 thing with the same kernels.
+
+A step's rows may also be short chunks of cached sequences (speculative verification: a sequence's last token
+and its proposals): the plan gives each row its own position and context, the core writes every new K/V row
+before it attends, and every op here is row-wise or a matmul whose rows do not interact. With quantized linears
+(the CPU default) the core's kernels give a row the same bits at any M, so a verified row gets the bits that row
+would get alone and speculative greedy output equals plain greedy output; dense weights go through torch's GEMM
+above `CORE_MAX_ROWS` rows, which may round a row differently at another M (exact there in batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -84,16 +91,17 @@ def lean_forward(
     logits_indices: torch.Tensor,
 ) -> torch.Tensor | None:
     """The last layer's rows `logits_indices` for a small CPU decode batch; None where the lean step does not
-    apply (GPU, prefill rows, blocks it does not implement, backends without the capability, steps the backend
+    apply (GPU, prefill chunks, blocks it does not implement, backends without the capability, steps the backend
     sends to cascade attention)."""
     t = input_ids.shape[0]
     backend = model.attn_backend
     if (t > LEAN_MAX_TOKENS or not model.config.lean_supported or model.dtype not in CORE_DTYPES
-            or not getattr(backend, "fused_decode_qkv", False) or not meta.decode_only or not kv_caches):
+            or not getattr(backend, "fused_decode_qkv", False) or not kv_caches):
         return None
-    plan = backend.decode_plan(meta, kv_caches[0][0].shape[1], t)
-    if plan is None or plan.slots is None:
+    plan = backend.lean_plan(meta, kv_caches[0][0].shape[1], t)
+    if plan is None:
         return None
+    assert plan.slots is not None
     ropes: list[CoreRope] = []
     for rotary in model.rotaries:
         rope = rotary.fused(positions, int(meta.max_seq_len))
