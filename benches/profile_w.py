@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,23 @@ def _install(ledger: Ledger, names: dict[int, str]) -> None:
     llama.DecoderLM.forward = ledger.wrap(forward, "forward.other")  # type: ignore[method-assign]
 
 
+class _Switch:
+    """Turns the issue-20 paths in `names` off (pack: oneDNN's prepacked bf16 GEMMs; attn: bf16 prefill attention,
+    the fp32 upcast instead) and back on, between runs of one process."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self._onednn = linear.DenseLinear._onednn
+        self._prefill = cpu_backend._prefill_one
+
+    def set(self, on: bool) -> None:
+        if "pack" in self.names:
+            linear.DenseLinear._onednn = self._onednn if on else (lambda lin, x: None)  # type: ignore[method-assign]
+        if "attn" in self.names:
+            one = self._prefill
+            cpu_backend._prefill_one = one if on else (lambda *a, half=False, **k: one(*a, **k))
+
+
 def _names(model: Any) -> dict[int, str]:
     out = {id(model.head): "head"}
     for layer in model.layers:
@@ -155,14 +174,15 @@ def main() -> None:
                    "OpenMP barrier stalls out of the per-op figures")
     p.add_argument("--off", default="", help="comma list of issue-20 paths to turn off for an A/B: pack (oneDNN "
                    "prepacked bf16 GEMMs), attn (bf16 prefill attention; fp32 upcast instead)")
+    p.add_argument("--output-len", type=int, help="every request's output length (e.g. 1: the prefill alone)")
+    p.add_argument("--ab", type=int, metavar="ROUNDS", help="no profile: alternate --off's paths off and on for "
+                   "ROUNDS rounds in one process and print each side's median wall time")
     p.add_argument("--json")
     args = p.parse_args()
     off = set(filter(None, args.off.split(",")))
-    if "pack" in off:
-        linear.PACK_MAX_BYTES = 0
-    if "attn" in off:
-        one = torch_backend._prefill_one
-        cpu_backend._prefill_one = lambda *a, half=False, **k: one(*a, **k)
+    switch = _Switch(off)
+    if not args.ab:
+        switch.set(False)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -175,6 +195,8 @@ def main() -> None:
     vocab = model.config.vocab_size
     reqs = random_dataset(RandomSpec(), vocab).requests[: args.requests]
     warm = random_dataset(RandomSpec(seed=1), vocab).requests[: args.requests]
+    if args.output_len:
+        reqs, warm = ([replace(r, output_len=args.output_len) for r in rs] for rs in (reqs, warm))
 
     def run(rs: list) -> float:
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in rs]
@@ -185,6 +207,23 @@ def main() -> None:
 
     run(warm)
     llm.engine.scheduler.reset_prefix_cache()
+    if args.ab:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        jiffies, cpu0, t0 = busy(), time.process_time(), time.perf_counter()
+        for _ in range(args.ab):
+            for on in (False, True):
+                switch.set(on)
+                llm.engine.scheduler.reset_prefix_cache()
+                times[on].append(run(reqs))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        wall = time.perf_counter() - t0
+        others = ((busy() - jiffies) / 100 - (time.process_time() - cpu0)) / wall
+        print(f"cpu: {machine_info().get('cpu_model')}, threads {torch.get_num_threads()}; {len(reqs)} requests, "
+              f"{sum(len(r.prompt_token_ids) for r in reqs)} prompt + {sum(r.output_len for r in reqs)} output "
+              f"tokens; other processes {max(0.0, others):.2f} cores")
+        print(f"A/B {sorted(off)} off {times[False]} on {times[True]}: medians {med[False]:.2f} / {med[True]:.2f} s "
+              f"= {med[False] / med[True]:.2f}x")
+        return
     ledger = Ledger()
     if not args.no_wrap:
         _install(ledger, _names(model))
