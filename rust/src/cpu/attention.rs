@@ -308,22 +308,21 @@ fn attend<T: Elem>(args: &DecodeArgs<T>, seq: usize, scratch: &mut Scratch, out:
     for (x, &y) in q.iter_mut().zip(&args.q[start..start + hq * d]) {
         *x = y.load();
     }
+    let row = |pos: usize| {
+        (table[pos / s.block_size] as usize * s.block_size + pos % s.block_size) * width
+    };
     scores.clear();
     scores.resize(hq * span, 0.0);
-    // Walked block by block, heads by KV group: no division per position or head (they cost
-    // more than the 64-wide dot products here).
-    let rows = Rows::new(table, s.block_size, width, first, len);
-    rows.each(|i, at, ahead| {
-        if let Some(next) = ahead {
-            prefetch(&args.k_cache[next..next + width]);
+    for pos in first..len {
+        if pos + s.block_size < len {
+            prefetch(&args.k_cache[row(pos + s.block_size)..row(pos + s.block_size) + width]);
         }
-        let k = &args.k_cache[at..at + width];
-        for (g, kh) in k.chunks_exact(d).enumerate() {
-            for h in g * group..(g + 1) * group {
-                scores[h * span + i] = dot(&q[h * d..(h + 1) * d], kh) * args.scale;
-            }
+        let k = &args.k_cache[row(pos)..row(pos) + width];
+        for h in 0..hq {
+            let kh = &k[h / group * d..(h / group + 1) * d];
+            scores[h * span + pos - first] = dot(&q[h * d..(h + 1) * d], kh) * args.scale;
         }
-    });
+    }
     if let Some(cap) = args.softcap {
         scores.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
     }
@@ -339,74 +338,20 @@ fn attend<T: Elem>(args: &DecodeArgs<T>, seq: usize, scratch: &mut Scratch, out:
         sc.iter_mut().for_each(|x| *x *= inv);
     }
     acc.fill(0.0);
-    rows.each(|i, at, ahead| {
-        if let Some(next) = ahead {
-            prefetch(&args.v_cache[next..next + width]);
+    for pos in first..len {
+        if pos + s.block_size < len {
+            prefetch(&args.v_cache[row(pos + s.block_size)..row(pos + s.block_size) + width]);
         }
-        let v = &args.v_cache[at..at + width];
-        for (g, (vh, og)) in v
-            .chunks_exact(d)
-            .zip(acc.chunks_exact_mut(group * d))
-            .enumerate()
-        {
-            for (j, o) in og.chunks_exact_mut(d).enumerate() {
-                let p = scores[(g * group + j) * span + i];
-                for (o, &x) in o.iter_mut().zip(vh) {
-                    *o += p * x.load();
-                }
+        let v = &args.v_cache[row(pos)..row(pos) + width];
+        for (h, o) in acc.chunks_exact_mut(d).enumerate() {
+            let p = scores[h * span + pos - first];
+            for (o, &x) in o.iter_mut().zip(&v[h / group * d..(h / group + 1) * d]) {
+                *o += p * x.load();
             }
         }
-    });
+    }
     for (o, &x) in out.iter_mut().zip(acc.iter()) {
         *o = T::store(x);
-    }
-}
-
-/// The cache rows of positions `first..len` of one sequence, in order.
-struct Rows<'a> {
-    table: &'a [i32],
-    block_size: usize,
-    width: usize,
-    first: usize,
-    len: usize,
-}
-
-impl<'a> Rows<'a> {
-    fn new(table: &'a [i32], block_size: usize, width: usize, first: usize, len: usize) -> Self {
-        Rows {
-            table,
-            block_size,
-            width,
-            first,
-            len,
-        }
-    }
-
-    /// `f(i, row, ahead)` for position `first + i`: the element offset of its row, and that of
-    /// the row one block further on when that position is still attended (to prefetch).
-    #[inline(always)]
-    fn each(&self, mut f: impl FnMut(usize, usize, Option<usize>)) {
-        let (bs, w) = (self.block_size, self.width);
-        let start = |b: usize| self.table[b] as usize * bs * w;
-        let mut pos = self.first;
-        let mut b = pos / bs;
-        while pos < self.len {
-            let base = start(b);
-            let end = ((b + 1) * bs).min(self.len);
-            // The next block's start, for the rows a block ahead of this block's
-            let next = if (b + 1) * bs < self.len {
-                Some(start(b + 1))
-            } else {
-                None
-            };
-            for p in pos..end {
-                let off = p - b * bs;
-                let ahead = next.filter(|_| p + bs < self.len).map(|n| n + off * w);
-                f(p - self.first, base + off * w, ahead);
-            }
-            pos = end;
-            b += 1;
-        }
     }
 }
 
