@@ -11,7 +11,10 @@ random router spreads tokens as a trained one roughly does.
 
 Printed per type: ironlm's and llama.cpp's prefill and decode tokens/s, the bytes one decode token reads (the
 attention and head matrices plus top_k of each layer's experts: the active weights) and the read rate that
-implies, and the machine's busy fraction during each run (/proc/stat: other processes' load shows there).
+implies, the bytes a decode step did stream (the same non-expert matrices plus the experts the core's MoE kernel
+reports reading, `MoeBlock.streamed`, over the decode steps of the run) against those active bytes, and the
+machine's busy fraction during each run (/proc/stat: other processes' load shows there). The per-layer call time
+of that kernel against the per-expert loop is benches/bench_moe_layer.py.
 Files go to --out (made once, reused).
 """
 
@@ -58,8 +61,8 @@ def make_hf(out: Path, args: argparse.Namespace, seed: int = 0) -> Path:
     return out
 
 
-def active_bytes(llm: Any) -> int:
-    """Weight bytes one decode token reads: every linear but the experts, plus top_k experts a sparse layer."""
+def dense_bytes(llm: Any) -> int:
+    """Weight bytes every decode token reads whatever its routing: every linear but the routed experts."""
     net = llm.engine.runner.model
     total = net.head.nbytes
     for layer in net.layers:
@@ -67,12 +70,26 @@ def active_bytes(llm: Any) -> int:
         if layer.moe is None:
             total += layer.gate_up.nbytes + layer.down.nbytes
             continue
-        experts = layer.moe.experts
-        per_expert = sum(m.gate_up.nbytes + m.down.nbytes for m in experts) / len(experts)
-        total += int(layer.moe.spec.top_k * per_expert) + layer.moe.router_weight.numel() * 4
+        total += layer.moe.router_weight.numel() * layer.moe.router_weight.element_size()
         if layer.moe.shared is not None:
             total += layer.moe.shared.gate_up.nbytes + layer.moe.shared.down.nbytes
     return total
+
+
+def active_bytes(llm: Any) -> int:
+    """Weight bytes one decode token reads: every linear but the experts, plus top_k experts a sparse layer."""
+    total = dense_bytes(llm)
+    for layer in llm.engine.runner.model.layers:
+        if layer.moe is not None:
+            experts = layer.moe.experts
+            per_expert = sum(m.gate_up.nbytes + m.down.nbytes for m in experts) / len(experts)
+            total += int(layer.moe.spec.top_k * per_expert)
+    return total
+
+
+def expert_bytes_read(llm: Any) -> int:
+    """Routed-expert weight bytes the core's MoE kernel has read so far, all layers (MoeBlock.streamed)."""
+    return sum(layer.moe.streamed for layer in llm.engine.runner.model.layers if layer.moe is not None)
 
 
 def run_ironlm(path: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -88,13 +105,22 @@ def run_ironlm(path: Path, args: argparse.Namespace) -> dict[str, float]:
         llm.generate([prompt], sp, use_tqdm=False)
         return time.perf_counter() - start
 
+    def read(n: int) -> tuple[float, int]:
+        before = expert_bytes_read(llm)
+        return timed(n), expert_bytes_read(llm) - before
+
     timed(4)  # warm-up: first-call allocations, thread pool start
     busy = _busy()
-    prefill = min(timed(1) for _ in range(args.reps))
-    full = min(timed(args.gen) for _ in range(args.reps))
+    prefills = [read(1) for _ in range(args.reps)]
+    fulls = [read(args.gen) for _ in range(args.reps)]
+    prefill, full = min(t for t, _ in prefills), min(t for t, _ in fulls)
+    # the decode steps' expert reads: a full run's less a prefill-only run's (the same prompt routes the same way)
+    step_experts = (fulls[-1][1] - prefills[-1][1]) / (args.gen - 1)
     out = {"prefill_tok_s": args.prompt / prefill, "decode_tok_s": (args.gen - 1) / max(full - prefill, 1e-9),
-           "busy": _busy_since(busy), "active_bytes": float(active_bytes(llm))}
+           "busy": _busy_since(busy), "active_bytes": float(active_bytes(llm)),
+           "streamed_bytes": dense_bytes(llm) + step_experts}
     out["read_gb_s"] = out["active_bytes"] * out["decode_tok_s"] / 1e9
+    out["streamed_over_active"] = out["streamed_bytes"] / out["active_bytes"]
     return out
 
 
@@ -152,6 +178,9 @@ def main(argv: list[str] | None = None) -> None:
             row["llama.cpp"] = run_llama(path, args)
         results[t] = row
         print(t.upper(), json.dumps(row, indent=1))
+        a = row["ironlm"]
+        print(f"  {t.upper()}: a decode step streamed {a['streamed_bytes'] / 1e6:.1f} MB against "
+              f"{a['active_bytes'] / 1e6:.1f} MB of active parameters ({a['streamed_over_active']:.3f})")
         if "llama.cpp" in row:
             a, b = row["ironlm"], row["llama.cpp"]
             print(f"  {t.upper()}: decode {a['decode_tok_s']:.2f} vs {b['decode_tok_s']:.2f} tok/s "

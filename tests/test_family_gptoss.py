@@ -120,6 +120,7 @@ def test_int8_experts_stay_close_to_transformers(gptoss):
     for layer in lm.model.layers:
         lins = layer.moe.linears()
         assert len(lins) == 2 * 8 and all(isinstance(lin, QuantLinear) and lin.bias is not None for lin in lins)
+        assert layer.moe.core is not None  # clamped SwiGLU and biases on the core's MoE kernel
         assert layer.sinks is not None
     worst = _run_and_compare(lm, load_hf_reference(path), 4)
     assert worst < 2.5, f"{worst:.3g}"

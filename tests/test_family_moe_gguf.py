@@ -77,6 +77,7 @@ def _check_kept_blocks(gguf_path, hf_dir, kind, qtype, prompts, tmp_path):
     kept = load_model(gguf_path, dtype=torch.float32, device="cpu", quantization="auto")
     layer = kept.model.layers[1].moe
     assert layer is not None and layer.gate_up_weight.numel() == 0
+    assert layer.core is not None  # the kept blocks run on the core's MoE kernel
     gf = GGUFFile(gguf_path)
     split_experts(gf, lambda t: GGML_QUANT_SIZES[GGMLQuantizationType(t)])
     assert gf.tensors["blk.1.ffn_down_exps.3.weight"].type_name == qtype

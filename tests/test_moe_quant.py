@@ -62,6 +62,7 @@ def test_quantized_block_computes_its_dequantized_experts(mode):
     assert q.gate_up_weight.numel() == 0 and q.down_weight.numel() == 0  # the dense experts are gone
     assert q.experts is not None and q.shared is not None
     assert all(isinstance(lin, QuantLinear) for lin in q.linears())
+    assert q.core is not None  # the routed experts run on the core's MoE kernel (test_moe_core)
     ref = _block(dense.state_dict())
     assert ref.shared_gate_up_weight is not None and ref.shared_down_weight is not None
     with torch.no_grad():

@@ -274,6 +274,54 @@ class QuantMatrix:
         """``"q8"`` or ``"q4"``."""
 
 @final
+class MoeExperts:
+    """A MoE layer's routed experts over the ``QuantMatrix`` objects its linears hold (handles, not copies): experts
+    ``first .. first + len(gate_up)`` of ``num_experts``, ``gate_up[i]`` ``[2I, hidden]`` (gate rows, then up rows)
+    and ``down[i]`` ``[hidden, I]``. ``activation`` ``"silu"`` or ``"gelu_tanh"``; ``clamp = (alpha, limit)`` makes
+    it gpt-oss's clamped SwiGLU, ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate,
+    limit)``. Optional float32 biases ``[experts, 2I]`` and ``[experts, hidden]``."""
+
+    def __new__(
+        cls,
+        gate_up: Sequence[QuantMatrix],
+        down: Sequence[QuantMatrix],
+        activation: str = "silu",
+        clamp: tuple[float, float] | None = None,
+        gate_up_bias: npt.NDArray[np.float32] | None = None,
+        down_bias: npt.NDArray[np.float32] | None = None,
+        first: int = 0,
+        num_experts: int | None = None,
+    ) -> Self: ...
+    def run(
+        self,
+        x: npt.NDArray[np.float32],
+        ids: npt.NDArray[np.int64],
+        weights: npt.NDArray[np.float32],
+        out: npt.NDArray[np.float32],
+        threads: int = 1,
+        isa: str | None = None,
+    ) -> int:
+        """``out[t] += sum_j weights[t, j] * expert[ids[t, j]](x[t])`` (``x``, ``out`` ``[T, hidden]``; ``ids``
+        int64 and ``weights`` ``[T, top_k]``; C-contiguous), skipping ids of experts not held: the step's pairs
+        sorted by expert, each routed expert's rows through gate_up, the activation and down on
+        ``QuantMatrix.matmul``'s kernels (the same bits as those calls one expert at a time), GIL released,
+        ``threads`` parts splitting the experts' columns. Returns the weight bytes streamed (the routed experts')."""
+    @property
+    def num_local(self) -> int:
+        """Experts held (a rank's share under expert parallelism)."""
+    @property
+    def first(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def intermediate(self) -> int: ...
+    @property
+    def nbytes(self) -> int:
+        """Packed bytes of all the experts held."""
+
+@final
 class BlockAllocator:
     """Test-only: present when built with the cargo feature ``test-bindings`` (``make develop``).
 

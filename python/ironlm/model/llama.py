@@ -13,7 +13,6 @@ implements (`ModelConfig.lean_supported`) take the lean step instead of `forward
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +25,7 @@ from ironlm.core_views import CORE_DTYPES, as_numpy, core_ok
 from ironlm.exceptions import UnsupportedModelError
 from ironlm.model import lean, weights
 from ironlm.model.config import ModelConfig
-from ironlm.model.layers import CoreRope, RotaryEmbedding, act_and_mul, apply_rotary, clamped_swiglu, rms_norm
+from ironlm.model.layers import CoreRope, RotaryEmbedding, act_and_mul, apply_rotary, rms_norm
 from ironlm.model.linear import QUANTIZED_LINEARS, DenseLinear, Linear, QuantizedLinear
 from ironlm.model.mla import LatentAttention
 from ironlm.model.moe.experts import MoeBlock
@@ -100,8 +99,7 @@ class DecoderLayer(nn.Module):
             if tp is not None and cfg.moe.local_experts is None:  # ShardSpec refuses this first
                 raise UnsupportedModelError("mixture-of-experts layers run across ranks only with "
                                             "--enable-expert-parallel")
-            act = None if cfg.swiglu_clamp is None else functools.partial(clamped_swiglu, *cfg.swiglu_clamp)
-            self.moe = MoeBlock(h, cfg.moe, dtype, device, cfg.activation, act)
+            self.moe = MoeBlock(h, cfg.moe, dtype, device, cfg.activation, clamp=cfg.swiglu_clamp)
             inter = 0
         self.gate_up_weight = _param((h, 2 * inter), dtype, device)
         self.down_weight = _param((inter, h), dtype, device)

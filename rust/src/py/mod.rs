@@ -20,6 +20,7 @@ mod grammar;
 // `make develop`), left out of the wheel.
 #[cfg(feature = "test-bindings")]
 mod kv;
+mod moe;
 mod ops;
 mod quant;
 #[cfg(feature = "test-bindings")]
@@ -289,6 +290,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dense::dense_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(dense::dense_isas, m)?)?;
     m.add_class::<quant::PyQuantMatrix>()?;
+    m.add_class::<moe::PyMoeExperts>()?;
     #[cfg(feature = "test-bindings")]
     {
         m.add_class::<kv::PyBlockAllocator>()?;

@@ -9,11 +9,14 @@ use crate::cpu::quant::{DequantOut, Isa, MatmulOpts, QKind, QMatrix, BLOCK};
 
 #[pyclass(name = "QuantMatrix", module = "ironlm._core", frozen)]
 pub struct PyQuantMatrix {
-    inner: QMatrix,
+    pub(crate) inner: QMatrix,
 }
 
 /// `obj` as a C-contiguous 2-D float32 array, or a `ValueError` naming `name`.
-fn f32_2d<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyArray2<f32>>> {
+pub(super) fn f32_2d<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let arr = obj
         .cast::<PyUntypedArray>()
         .map_err(|_| value_error(name, "expected a numpy array"))?;
@@ -184,15 +187,7 @@ impl PyQuantMatrix {
             ),
             None => None,
         };
-        let isa = match isa {
-            None => None,
-            Some(name) => Some(Isa::ALL.into_iter().find(|i| i.name() == name).ok_or_else(
-                || {
-                    let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
-                    value_error("isa", format!("{name:?} is none of {names:?}"))
-                },
-            )?),
-        };
+        let isa = isa_arg(isa)?;
         let threads = super::count_arg("threads", threads, 1)?;
         {
             let xr = x.readonly();
@@ -332,6 +327,16 @@ impl PyQuantMatrix {
             w.nbytes()
         )
     }
+}
+
+/// A forced SIMD path by name (`None`: the best this CPU has).
+pub(super) fn isa_arg(isa: Option<&str>) -> PyResult<Option<Isa>> {
+    let Some(name) = isa else { return Ok(None) };
+    let found = Isa::ALL.into_iter().find(|i| i.name() == name);
+    found.map(Some).ok_or_else(|| {
+        let names: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
+        value_error("isa", format!("{name:?} is none of {names:?}"))
+    })
 }
 
 /// The SIMD path `QuantMatrix.matmul` picks on this CPU, and every path this CPU can run.

@@ -11,19 +11,28 @@ expert `first + i`): routing still scores all of them, and of the sorted pairs o
 computed; the partial output (zero for tokens routed elsewhere) is summed over the ranks by the decoder's
 all-reduce.
 
-Families with another gated activation (gpt-oss's clamped, interleaved SwiGLU) pass `act`: `[n, 2I]` gate_up
-output -> `[n, I]`.
+gpt-oss passes `clamp` (its SwiGLU's alpha and limit, on gate | up halves as its loader lays them out); another
+gated activation can come as `act`: `[n, 2I]` gate_up output -> `[n, I]`.
+
+On CPU with quantized experts (every expert's linears a `QuantLinear`) the routed experts run in one call of the
+core's `MoeExperts` over the same `QuantMatrix` objects: it sorts the pairs, gathers the rows and runs every routed
+expert's gate_up, activation and down on the int8 kernels, GIL released, threads splitting the experts' columns. It
+computes what the loop below does with the same kernels in the same order (an f32 block gives the same bits either
+way), so it takes every step the loop would run on the int8 kernels alone; a step where some expert gets
+DENSE_MIN_ROWS rows, which QuantLinear hands to a dense bf16 GEMM, and a custom `act`, keep the loop.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ironlm.model.layers import act_and_mul
-from ironlm.model.linear import DenseLinear, Linear
+from ironlm import _core, invariant
+from ironlm.model.layers import act_and_mul, clamped_swiglu, cpu_has_fast_bf16
+from ironlm.model.linear import DENSE_MIN_ROWS, DenseLinear, Linear, QuantLinear
 from ironlm.model.moe.route import route
 from ironlm.model.moe.spec import MoeConfig
 
@@ -54,13 +63,17 @@ class ExpertMLP:
 
 class MoeBlock(nn.Module):
     def __init__(self, hidden: int, cfg: MoeConfig, dtype: torch.dtype, device: torch.device,
-                 activation: str = "silu", act: Act | None = None) -> None:
+                 activation: str = "silu", act: Act | None = None, clamp: tuple[float, float] | None = None) -> None:
         super().__init__()
         e, inter, shared = cfg.num_experts, cfg.intermediate_size, cfg.shared_intermediate_size
         self.cfg = cfg
         self.first, local = cfg.expert_range.start, len(cfg.expert_range)
         self.spec = cfg.route
-        self.act: Act = act if act is not None else (lambda gu: act_and_mul(gu, activation))
+        self.activation, self.clamp, self.custom_act = activation, clamp, act is not None
+        if act is None:
+            act = ((lambda gu: act_and_mul(gu, activation)) if clamp is None
+                   else functools.partial(clamped_swiglu, *clamp))
+        self.act: Act = act
         self.router_weight = _param((hidden, e), dtype, device)
         self.router_bias = _param((e,), dtype, device) if cfg.router_bias else None
         # selection-only, kept in fp32 as DeepSeek-V3 keeps it: bf16 would tie experts the bias tells apart
@@ -75,6 +88,8 @@ class MoeBlock(nn.Module):
         # built by finish_loading over the parameters unless a quantizing loader set them
         self.experts: list[ExpertMLP] | None = None
         self.shared: ExpertMLP | None = None
+        self.core: _core.MoeExperts | None = None  # the routed experts on the core's kernel, when it takes them
+        self.streamed = 0  # weight bytes the core's kernel has read, summed over calls (the benches' counter)
 
     def finish_loading(self) -> None:
         if self.experts is None:
@@ -104,6 +119,25 @@ class MoeBlock(nn.Module):
                               shared, None, None)
             self.shared_gate_up_weight = self.shared_down_weight = _empty(self.router_weight)
         self.gate_up_weight = self.down_weight = _empty(self.router_weight)
+        self.core = self._core_experts()
+
+    def _core_experts(self) -> _core.MoeExperts | None:
+        """The core's kernel over the experts' own matrices, when every expert is a QuantLinear pair (CPU) and the
+        activation is one it has."""
+        mlps = self.experts or []
+        quant = [(m.gate_up, m.down) for m in mlps if isinstance(m.gate_up, QuantLinear)
+                 and isinstance(m.down, QuantLinear)]
+        if not mlps or len(quant) != len(mlps) or self.custom_act or self.activation not in ("silu", "gelu_tanh"):
+            return None
+
+        def biases(lins: list[QuantLinear]) -> torch.Tensor | None:
+            present = [lin.bias for lin in lins if lin.bias is not None]
+            return torch.stack(present) if len(present) == len(lins) and present else None
+
+        gub, db = biases([g for g, _ in quant]), biases([d for _, d in quant])
+        return _core.MoeExperts([g.matrix for g, _ in quant], [d.matrix for _, d in quant], self.activation,
+                                self.clamp, None if gub is None else gub.numpy(), None if db is None else db.numpy(),
+                                self.first, self.cfg.num_experts)
 
     def linears(self) -> list[Linear]:
         """Every expert's (and the shared expert's) linears, as built."""
@@ -129,6 +163,8 @@ class MoeBlock(nn.Module):
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert[ids[t, j]](x[t]) for each token t, over this block's experts only (all of
         them unless expert parallel), touching only the chosen ones."""
+        if self.core is not None and self._core_takes(x, ids):
+            return self._run_core(x, weights, ids)
         assert self.experts is not None
         k = ids.shape[1]
         flat = ids.reshape(-1)
@@ -149,3 +185,22 @@ class MoeBlock(nn.Module):
         out = torch.zeros_like(x)
         out.index_add_(0, rows, ys)
         return out
+
+    def _core_takes(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether the loop would run every expert of this step on the int8 kernels (then the core runs them):
+        QuantLinear turns a call of DENSE_MIN_ROWS rows into a dense bf16 GEMM on CPUs with native bf16."""
+        if x.device.type != "cpu":
+            return False
+        if x.shape[0] < DENSE_MIN_ROWS or invariant.enabled() or not cpu_has_fast_bf16():
+            return True
+        mine = self.cfg.expert_range
+        counts = torch.bincount(ids.reshape(-1), minlength=self.cfg.num_experts)[mine.start:mine.stop]
+        return int(counts.max()) < DENSE_MIN_ROWS
+
+    def _run_core(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        assert self.core is not None
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        out = torch.zeros(xf.shape, dtype=torch.float32)
+        self.streamed += self.core.run(xf.numpy(), ids.contiguous().numpy(), weights.float().contiguous().numpy(),
+                                       out.numpy(), torch.get_num_threads())
+        return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -64,8 +64,18 @@ impl Isa {
         })
     }
 
+    /// `isa`, or [`Isa::best`] for `None`; an error when this CPU cannot run it.
+    pub(crate) fn pick(isa: Option<Isa>) -> CoreResult<Isa> {
+        let isa = isa.unwrap_or_else(Isa::best);
+        if !isa.available() {
+            let r = format!("{} is not supported by this CPU", isa.name());
+            return Err(CoreError::invalid("isa", r));
+        }
+        Ok(isa)
+    }
+
     /// Activation rows per register tile (16 ymm registers hold 2 rows' accumulators).
-    fn tile_rows(self) -> usize {
+    pub(super) fn tile_rows(self) -> usize {
         match self {
             Isa::Avx512Vnni => 8,
             Isa::Scalar => 4,
@@ -99,10 +109,10 @@ impl Default for MatmulOpts<'_> {
 }
 
 /// Runs one tile: `(format, group blocks, blocks per row, activations, first row, rows, out)`.
-type TileFn = fn(Format, &[u8], usize, &QActs, usize, usize, &mut Tile);
+pub(super) type TileFn = fn(Format, &[u8], usize, &QActs, usize, usize, &mut Tile);
 
 /// The output pointer shared by the parts: each writes only the columns of the groups it claimed.
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub *mut f32);
 // SAFETY: the parts write disjoint column ranges of `out` (see `matmul`), and `run_parts`
 // returns only after all of them finish.
 unsafe impl Sync for OutPtr {}
@@ -132,73 +142,115 @@ impl QMatrix {
                 return Err(CoreError::invalid("bias", r));
             }
         }
-        let isa = opts.isa.unwrap_or_else(Isa::best);
-        if !isa.available() {
-            let r = format!("{} is not supported by this CPU", isa.name());
-            return Err(CoreError::invalid("isa", r));
-        }
+        let isa = Isa::pick(opts.isa)?;
         if m == 0 {
             return Ok(());
         }
         let acts = act::quantize(x, m, k, opts.threads);
-        let tile: TileFn = match isa {
-            Isa::Scalar => tile_scalar,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => super::x86::tile_avx2,
-            #[cfg(target_arch = "x86_64")]
-            Isa::AvxVnni => super::x86::tile_avx_vnni,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni => super::x86::tile_avx512_vnni,
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => unreachable!("only Scalar is available"),
-        };
-        let (groups, nb, mr) = (self.groups(), self.blocks_per_row(), isa.tile_rows());
-        let fmt = self.format();
-        let parts = opts.threads.clamp(1, groups);
-        // Each part owns a contiguous range of groups (so repeated calls find the same weights
-        // in the same core's cache) and hands it out in small chunks; a part that finishes
-        // takes chunks from the others. A thread that falls behind (descheduled on a shared
-        // machine) then delays the call by about a chunk, not by its whole share; the join
-        // still waits for every thread to arrive once.
-        let chunk = (groups / (8 * parts)).max(1);
-        let next: Vec<AtomicUsize> = (0..parts)
-            .map(|p| AtomicUsize::new(groups * p / parts))
-            .collect();
+        let tile = tile_fn(isa);
         let dst = OutPtr(out.as_mut_ptr());
         let dst = &dst;
-        crate::cpu::parallel::run_parts(parts, &|p| {
-            let mut res: Tile = [[0.0; ROWS]; 8];
-            for owner in (0..parts).map(|i| (p + i) % parts) {
-                let end = groups * (owner + 1) / parts;
-                loop {
-                    let first = next[owner].fetch_add(chunk, Ordering::Relaxed);
-                    if first >= end {
-                        break;
-                    }
-                    for g in first..(first + chunk).min(end) {
-                        let blocks = self.group(g);
-                        let cols = ROWS.min(n - g * ROWS);
-                        for i0 in (0..m).step_by(mr) {
-                            let rows = mr.min(m - i0);
-                            tile(fmt, blocks, nb, &acts, i0, rows, &mut res);
-                            for (r, vals) in res[..rows].iter().enumerate() {
-                                // SAFETY: row i0 + r < m and columns g*16 .. g*16 + cols < n
-                                // lie inside `out`; `fetch_add` hands each group to exactly
-                                // one part, so no other thread touches these columns.
-                                let o = unsafe {
-                                    let at = dst.0.add((i0 + r) * n + g * ROWS);
-                                    std::slice::from_raw_parts_mut(at, cols)
-                                };
-                                let bias = opts.bias.map(|b| &b[g * ROWS..g * ROWS + cols]);
-                                epilogue(o, &vals[..cols], bias, opts.accumulate);
-                            }
-                        }
-                    }
-                }
+        steal(opts.threads, self.groups(), &|g, res| {
+            // SAFETY: `out` is `[m, rows]` (checked above) and `steal` hands group `g`, i.e.
+            // columns g*16 .. g*16 + 16, to exactly one part.
+            unsafe {
+                self.group_into(
+                    g,
+                    tile,
+                    isa,
+                    &acts,
+                    0..m,
+                    dst,
+                    opts.bias,
+                    opts.accumulate,
+                    res,
+                )
             }
         });
         Ok(())
     }
+
+    /// Activation rows `rows` of `acts` times row group `g` into `dst` (row `i` of `acts` goes
+    /// to row `i` of a row-major `[_, self.rows]` output), `+ bias`, added with `accumulate`.
+    ///
+    /// # Safety
+    /// `dst` must hold `rows.end` rows of `self.rows` columns, and no other thread may touch
+    /// columns `g*16 .. g*16 + 16` of those rows meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn group_into(
+        &self,
+        g: usize,
+        tile: TileFn,
+        isa: Isa,
+        acts: &QActs,
+        rows: std::ops::Range<usize>,
+        dst: &OutPtr,
+        bias: Option<&[f32]>,
+        accumulate: bool,
+        res: &mut Tile,
+    ) {
+        let (n, nb, mr) = (self.rows, self.blocks_per_row(), isa.tile_rows());
+        let (blocks, fmt) = (self.group(g), self.format());
+        let cols = ROWS.min(n - g * ROWS);
+        let bias = bias.map(|b| &b[g * ROWS..g * ROWS + cols]);
+        for i0 in rows.clone().step_by(mr) {
+            let count = mr.min(rows.end - i0);
+            tile(fmt, blocks, nb, acts, i0, count, res);
+            for (r, vals) in res[..count].iter().enumerate() {
+                // SAFETY: row i0 + r < rows.end and columns g*16 .. g*16 + cols < n lie inside
+                // `dst`, which the caller reserves for this group.
+                let o = unsafe {
+                    std::slice::from_raw_parts_mut(dst.0.add((i0 + r) * n + g * ROWS), cols)
+                };
+                epilogue(o, &vals[..cols], bias, accumulate);
+            }
+        }
+    }
+}
+
+/// The tile function of `isa` (which must be available).
+pub(super) fn tile_fn(isa: Isa) -> TileFn {
+    match isa {
+        Isa::Scalar => tile_scalar,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => super::x86::tile_avx2,
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni => super::x86::tile_avx_vnni,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => super::x86::tile_avx512_vnni,
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("only Scalar is available"),
+    }
+}
+
+/// `f(item, scratch)` for every item of `0..items` on up to `threads` parts.
+///
+/// Each part owns a contiguous range of items (so repeated calls find the same weights in the
+/// same core's cache) and hands it out in small chunks; a part that finishes takes chunks from
+/// the others. A thread that falls behind (descheduled on a shared machine) then delays the
+/// call by about a chunk, not by its whole share; the join still waits for every thread to
+/// arrive once.
+pub(super) fn steal(threads: usize, items: usize, f: &(dyn Fn(usize, &mut Tile) + Sync)) {
+    let parts = threads.clamp(1, items.max(1));
+    let chunk = (items / (8 * parts)).max(1);
+    let next: Vec<AtomicUsize> = (0..parts)
+        .map(|p| AtomicUsize::new(items * p / parts))
+        .collect();
+    crate::cpu::parallel::run_parts(parts, &|p| {
+        let mut res: Tile = [[0.0; ROWS]; 8];
+        for owner in (0..parts).map(|i| (p + i) % parts) {
+            let end = items * (owner + 1) / parts;
+            loop {
+                let first = next[owner].fetch_add(chunk, Ordering::Relaxed);
+                if first >= end {
+                    break;
+                }
+                for item in first..(first + chunk).min(end) {
+                    f(item, &mut res);
+                }
+            }
+        }
+    });
 }
 
 fn epilogue(out: &mut [f32], vals: &[f32], bias: Option<&[f32]>, accumulate: bool) {

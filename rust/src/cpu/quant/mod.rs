@@ -45,15 +45,19 @@ mod act;
 mod dequant;
 pub mod ggml;
 mod kernel;
+mod moe;
 mod parts;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 #[cfg(test)]
+mod moe_tests;
+#[cfg(test)]
 mod tests;
 
 pub use dequant::DequantOut;
 pub use kernel::{Isa, MatmulOpts};
+pub use moe::{Experts, MoeAct, Routing};
 
 use crate::error::{CoreError, CoreResult};
 
