@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -78,7 +80,7 @@ CHI2_CRIT = {3: 21.1, 4: 23.5, 5: 25.7, 9: 33.7, 11: 37.3}
 def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax() -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, 300) * 4
-    s = make(300, [SP(temperature=0.0)] * 6)
+    s = make(300, [SP(temperature=0.0, logprobs=0)] * 6)
     out = s.step(logits, np.arange(6))
     assert np.array_equal(out.token_ids, logits.argmax(-1).numpy())
     ref = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
@@ -86,10 +88,37 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax() -> None:
     assert out.top_ids is None and out.top_logprobs is None
 
 
+@pytest.mark.parametrize("params", [SP(temperature=0.0), SP(temperature=0.8, top_k=5, presence_penalty=0.5)])
+def test_no_logprobs_asked_skips_them_and_keeps_the_tokens(params: SP) -> None:
+    torch.manual_seed(7)
+    logits = torch.randn(3, 400) * 3
+    asked = make(400, [dataclasses.replace(params, logprobs=0)] * 3, prompts=[[1, 2]] * 3, seeds=[5, 6, 7])
+    plain = make(400, [params] * 3, prompts=[[1, 2]] * 3, seeds=[5, 6, 7])
+    for _ in range(3):
+        want, got = asked.step(logits, np.arange(3)), plain.step(logits, np.arange(3))
+        np.testing.assert_array_equal(got.token_ids, want.token_ids)
+        assert np.isnan(got.logprobs).all() and not np.isnan(want.logprobs).any()
+
+
+def test_a_lone_rows_logprob_has_the_bits_it_has_in_a_batch() -> None:
+    # two threads: torch would split a lone row's sum over them (another order than a batch row's sum)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(8)
+        logits = torch.randn(3, 1 << 16) * 5
+        s = make(1 << 16, [SP(temperature=0.0, logprobs=0)] * 3)
+        batch = s.step(logits, np.arange(3)).logprobs
+        for i in range(3):
+            assert s.step(logits[i:i + 1].contiguous(), np.array([i])).logprobs[0] == batch[i]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_chosen_logprob_is_raw_even_when_processing_changes_the_distribution() -> None:
     torch.manual_seed(1)
     logits = torch.randn(4, 200) * 3
-    params = [SP(temperature=0.5, top_k=10), SP(temperature=2.0, repetition_penalty=1.7),
+    params = [SP(temperature=0.5, top_k=10, logprobs=0), SP(temperature=2.0, repetition_penalty=1.7),
               SP(temperature=0, logit_bias={7: 100}), SP(min_p=0.1, presence_penalty=1.0)]
     s = make(200, params, prompts=[[1, 2, 3]] * 4)
     out = s.step(logits, np.arange(4))
@@ -465,3 +494,17 @@ def test_sample_checks_its_per_row_arrays() -> None:
         s.sample(x, np.array([0]), np.array([0, 1]))
     with pytest.raises(ValueError, match="ban_stop"):
         s.sample(x, np.array([0]), np.array([0]), np.array([True, False]))
+
+
+def test_greedy_row_max_is_torchs_first_maximal_index_ties_and_nan_included() -> None:
+    from ironlm.sampler.sampler import _row_max
+
+    torch.manual_seed(9)
+    logits = torch.randn(4, 1000)
+    logits[1, [17, 400]] = 50.0  # a tie: the first index wins
+    logits[2, [3, 900]] = float("nan")  # NaN counts as the maximum, first one
+    logits[3] = float("-inf")
+    values, indices = _row_max(logits)
+    want_values, want_indices = logits.max(dim=-1)
+    assert torch.equal(indices, want_indices) and indices.tolist()[:3] == [int(logits[0].argmax()), 17, 3]
+    torch.testing.assert_close(values, want_values, equal_nan=True)

@@ -172,6 +172,12 @@ def rms_norm(x: _Floats, weight: _Floats | None, eps: float, out: _Floats, dtype
     """``out = x / sqrt(mean(x^2, -1) + eps) * weight`` over the last axis (``weight`` None = ones), statistics
     in f32. ``x``/``out`` C-contiguous, same shape."""
 
+def residual_add(x: _Floats, h: _Floats, norm: bool = False, weight: _Floats | None = None, eps: float = 1e-6,
+                 scale: float | None = None, dtype: str = "float32", threads: int = 1) -> None:
+    """``h += [scale *] [rms_norm(] x [, weight, eps)]`` in place over the last axis (``norm`` False: no norm;
+    ``weight`` None = ones), each step rounded to ``dtype`` as the separate ops are. ``x``/``h`` C-contiguous, same
+    size; ``weight`` only with ``norm``."""
+
 def rope_inplace(x: _Floats, positions: npt.NDArray[np.int64], table: _Floats, heads: int, head_dim: int,
                  dtype: str = "float32", threads: int = 1) -> None:
     """Rotate (neox rotate-half) the first ``heads`` heads of ``head_dim`` of every row of ``x`` ``[rows, width]``

@@ -171,7 +171,7 @@ def _normed(layer: Any, weight: np.ndarray | None, ws: LeanBuffers,
 def _branch(layer: Any, out: Any, x: torch.Tensor, x_np: np.ndarray, fused: bool, norm: np.ndarray | None,
             ws: LeanBuffers, step: LeanStep) -> None:
     """`DecoderLayer._residual` in place on `ws.h`: the add inside the matmul when nothing comes between, else
-    the branch into `ws.br`, [normed into `ws.x`,] [scaled,] then added."""
+    the branch into `ws.br`, then [normed,] [scaled and] added by the core."""
     if fused:
         if not layer.owns_residual:
             ws.h.zero_()
@@ -182,10 +182,6 @@ def _branch(layer: Any, out: Any, x: torch.Tensor, x_np: np.ndarray, fused: bool
     out.into(x, ws.br, x_np, ws.br_np)
     if layer.tp is not None:
         layer.tp.all_reduce(ws.br)
-    branch = ws.br
-    if norm is not None:
-        _core.rms_norm(ws.br_np, norm, layer.eps, ws.x_np, step.dtype, step.threads)
-        branch = ws.x
-    if layer.residual_scale is not None:
-        branch.mul_(layer.residual_scale)
-    ws.h.add_(branch)
+    # [norm,] [scale,] add: one core pass, rounded after each step as `DecoderLayer._add`'s ops are
+    _core.residual_add(ws.br_np, ws.h_np, norm=norm is not None, weight=norm, eps=layer.eps,
+                       scale=layer.residual_scale, dtype=step.dtype, threads=step.threads)

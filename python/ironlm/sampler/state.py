@@ -28,6 +28,7 @@ F_PENALTY = F_REP | F_PRES | F_FREQ
 F_BIAS = 128
 F_MIN_TOKENS = 256  # has stop ids to mask on the rows the core bans (min_tokens not reached)
 F_LOGPROBS = 512  # asks for top-N (N >= 1) logprobs
+F_CHOSEN = 1024  # reports logprobs (`logprobs` set, 0 included): needs its chosen token's logprob
 
 
 def _extend(arr: np.ndarray, extra: int, fill: int = 0) -> np.ndarray:
@@ -125,6 +126,7 @@ class SlotState:
         flags |= F_PRES if params.presence_penalty != 0.0 else 0
         flags |= F_FREQ if params.frequency_penalty != 0.0 else 0
         flags |= F_LOGPROBS if params.logprobs else 0
+        flags |= F_CHOSEN if params.logprobs is not None else 0
         self.inv_temp[slot] = 1.0 / params.temperature if flags & F_RANDOM else 1.0
         self.top_k[slot] = params.top_k if flags & F_TOP_K else 0
         self.top_p[slot] = params.top_p

@@ -138,6 +138,60 @@ simd_dispatch! {
     }
 }
 
+/// The norm of [`residual_add`]'s branch: RMSNorm with `weight` (`None` = all ones).
+#[derive(Clone, Copy, Debug)]
+pub struct BranchNorm<'a, T> {
+    pub weight: Option<&'a [T]>,
+    pub eps: f32,
+}
+
+/// `h += [scale *] [rms_norm(] x [)]` over rows of `dim`, in place on the residual stream `h`: a
+/// branch's post-norm (Gemma, OLMo 2) and residual multiplier (Granite) and its add in one pass.
+/// Each step rounds to `T` as the separate ops do (norm, then scale, then add), so the result
+/// has the bits of `h + rms_norm(x) * scale` computed op by op.
+pub fn residual_add<T: Elem>(
+    x: &[T],
+    norm: Option<BranchNorm<'_, T>>,
+    scale: Option<f32>,
+    h: &mut [T],
+    dim: usize,
+    threads: usize,
+) -> CoreResult<()> {
+    if dim == 0 || !x.len().is_multiple_of(dim) {
+        let r = format!("{} elements are not rows of {dim}", x.len());
+        return Err(CoreError::invalid("x", r));
+    }
+    check_len("h", h.len(), x.len())?;
+    if let Some(w) = norm.and_then(|n| n.weight) {
+        check_len("weight", w.len(), dim)?;
+    }
+    par_rows(h, dim, threads, &|first, rows| {
+        let x = &x[first * dim..first * dim + rows.len()];
+        add_rows(x, norm, scale, rows, dim)
+    });
+    Ok(())
+}
+
+simd_dispatch! {
+    fn add_rows<T: Elem>(x: &[T], norm: Option<BranchNorm<'_, T>>, scale: Option<f32>, h: &mut [T],
+                         dim: usize) {
+        for (xr, hr) in x.chunks_exact(dim).zip(h.chunks_exact_mut(dim)) {
+            let inv = norm.map(|n| 1.0 / (sum_squares(xr) / dim as f32 + n.eps).sqrt());
+            let weight = norm.and_then(|n| n.weight);
+            for (i, (o, &v)) in hr.iter_mut().zip(xr).enumerate() {
+                let mut b = v.load();
+                if let Some(inv) = inv {
+                    b = T::store(b * inv * weight.map_or(1.0, |w| w[i].load())).load();
+                }
+                if let Some(s) = scale {
+                    b = T::store(b * s).load();
+                }
+                *o = T::store(o.load() + b);
+            }
+        }
+    }
+}
+
 /// Sixteen independent partial sums, so the reduction vectorises (float addition does not
 /// reassociate on its own).
 #[inline(always)]

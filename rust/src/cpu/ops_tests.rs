@@ -275,3 +275,85 @@ fn exp_is_close_to_libm_on_both_sides() {
     assert_eq!(exp(0.0), 1.0);
     assert!(exp(1000.0).is_finite() && exp(-1000.0) > 0.0);
 }
+
+/// `residual_add` against the ops it fuses run one by one (`rms_norm`, then the scale and the add,
+/// each rounded to `T`): the same bits; and the f32 case against an f64 reference.
+fn residual_add_case<T: Elem>(rng: &mut Rng, rows: usize, dim: usize, threads: usize) {
+    let x = cast::<T>(&rng.floats(rows * dim));
+    let h0 = cast::<T>(&rng.floats(rows * dim));
+    let w = cast::<T>(&rng.floats(dim));
+    for (normed, weighted, scale) in [
+        (true, true, None),
+        (true, false, Some(0.22f32)),
+        (true, true, Some(1.7)),
+        (false, false, Some(0.22)),
+        (false, false, None),
+    ] {
+        let norm = normed.then_some(BranchNorm {
+            weight: weighted.then_some(&w[..]),
+            eps: 1e-6,
+        });
+        let mut h = h0.clone();
+        residual_add(&x, norm, scale, &mut h, dim, threads).unwrap();
+        let mut branch = x.clone();
+        if let Some(n) = norm {
+            rms_norm(&x, n.weight, n.eps, &mut branch, dim, 1).unwrap();
+        }
+        if let Some(s) = scale {
+            branch.iter_mut().for_each(|b| *b = T::store(b.load() * s));
+        }
+        let want: Vec<T> = h0
+            .iter()
+            .zip(&branch)
+            .map(|(a, b)| T::store(a.load() + b.load()))
+            .collect();
+        assert_eq!(
+            widen(&h),
+            widen(&want),
+            "rows={rows} dim={dim} normed={normed} scale={scale:?}"
+        );
+        if std::mem::size_of::<T>() == 4 {
+            let (xf, hf, wf) = (widen(&x), widen(&h0), widen(&w));
+            let mut reference = Vec::new();
+            for (xr, hr) in xf.chunks(dim).zip(hf.chunks(dim)) {
+                let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / dim as f64;
+                let inv = if normed {
+                    1.0 / (ms + 1e-6).sqrt()
+                } else {
+                    1.0
+                };
+                for (i, (&v, &a)) in xr.iter().zip(hr).enumerate() {
+                    let wi = if weighted { wf[i] as f64 } else { 1.0 };
+                    let s = scale.map_or(1.0, |s| s as f64);
+                    reference.push(a as f64 + v as f64 * inv * wi * s);
+                }
+            }
+            let err = worst(&widen(&h), &reference);
+            assert!(err < 1e-5, "rows={rows} dim={dim}: {err}");
+        }
+    }
+}
+
+#[test]
+fn residual_add_is_the_norm_scale_and_add_op_by_op() {
+    let mut rng = Rng(11);
+    for (rows, dim, threads) in [(1, 640, 1), (3, 7, 2), (130, 1000, 3)] {
+        residual_add_case::<f32>(&mut rng, rows, dim, threads);
+        residual_add_case::<Bf16>(&mut rng, rows, dim, threads);
+        residual_add_case::<F16>(&mut rng, rows, dim, threads);
+    }
+}
+
+#[test]
+fn residual_add_rejects_mismatched_lengths() {
+    let (x, w) = (vec![1.0f32; 8], vec![1.0f32; 3]);
+    let mut h = vec![0.0f32; 6];
+    assert!(residual_add(&x, None, None, &mut h, 4, 1).is_err());
+    let mut h = vec![0.0f32; 8];
+    assert!(residual_add(&x, None, None, &mut h, 3, 1).is_err());
+    let norm = Some(BranchNorm {
+        weight: Some(&w[..]),
+        eps: 1e-6,
+    });
+    assert!(residual_add(&x, norm, None, &mut h, 4, 1).is_err());
+}

@@ -281,6 +281,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attn::parallel_runtime, m)?)?;
     m.add_function(wrap_pyfunction!(attn::decode_attention_qkv, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::residual_add, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rope_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(ops::silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(ops::gelu_tanh_and_mul, m)?)?;

@@ -1,4 +1,4 @@
-//! `rms_norm`, `qk_norm_inplace`, `rope_inplace`, `silu_and_mul`, `gelu_tanh_and_mul` and
+//! `rms_norm`, `residual_add`, `qk_norm_inplace`, `rope_inplace`, `silu_and_mul`, `gelu_tanh_and_mul` and
 //! `cpu_features`: the fused CPU kernels of
 //! `crate::cpu::ops` over numpy views of torch tensors, run with the GIL released.
 //!
@@ -257,6 +257,43 @@ pub(crate) fn rms_norm(
         let ws = weight.as_ref().map(|w| w.slice::<T>("weight")).transpose()?;
         let (os, _) = out.slice::<T>("out")?;
         py.detach(|| ops::rms_norm(xs, ws, eps, os, dim, threads))?;
+    });
+    Ok(())
+}
+
+/// `h += [scale *] [rms_norm(] x [, weight, eps)]` in place over the last axis (`norm` False:
+/// no norm; weight None = ones): a branch's post-norm, residual multiplier and add in one call,
+/// rounded step by step as the separate ops are.
+#[pyfunction]
+#[pyo3(signature = (x, h, norm = false, weight = None, eps = 1e-6, scale = None, dtype = "float32",
+                    threads = 1))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn residual_add(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    h: &Bound<'_, PyAny>,
+    norm: bool,
+    weight: Option<&Bound<'_, PyAny>>,
+    eps: f32,
+    scale: Option<f32>,
+    dtype: &str,
+    threads: usize,
+) -> PyResult<()> {
+    let dt = dtype_arg(dtype)?;
+    let x = ro(x, "x", dt)?;
+    let weight = weight.map(|w| ro(w, "weight", dt)).transpose()?;
+    if weight.is_some() && !norm {
+        return Err(value_error("weight", "is only read with norm=True"));
+    }
+    let mut h = rw(h, "h", dt)?;
+    with_elem!(dt, T => {
+        let xs = x.slice::<T>("x")?;
+        let shape = x.rows::<T>("x")?.shape;
+        let dim = shape.last().copied().unwrap_or(1);
+        let ws = weight.as_ref().map(|w| w.slice::<T>("weight")).transpose()?;
+        let (hs, _) = h.slice::<T>("h")?;
+        let branch = norm.then_some(ops::BranchNorm { weight: ws, eps });
+        py.detach(|| ops::residual_add(xs, branch, scale, hs, dim, threads))?;
     });
     Ok(())
 }
