@@ -98,7 +98,7 @@ def test_stop_strings_inside_an_accepted_run(engines):
     assert a.finish_reason == "stop"
 
 
-def test_penalties_and_grammars_do_not_speculate(engines):
+def test_penalties_do_not_speculate(engines):
     _, spec = engines
     prompt = _prompts(spec.engine.model_config.vocab_size)[0]
     before = spec.get_metrics()["spec_decode_num_draft_tokens"]

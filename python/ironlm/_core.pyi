@@ -625,9 +625,17 @@ class Scheduler:
         rows reserved for proposals handed in by `set_proposals`."""
     def set_proposals(self, plan: SchedulerPlan, tokens: npt.ArrayLike) -> None:
         """One token per sample row of `plan` (the last one scheduled) with `sample_draft >= 0`, in row order:
-        written into the core's plan and `plan.input_ids` / `plan.sample_draft`."""
+        written into the core's plan and `plan.input_ids` / `plan.sample_draft`. Constrained sequences' masks
+        for these rows start now (and their matchers are rolled back from `draft_masks`' walk)."""
+    def draft_masks(self, rows: npt.ArrayLike,
+                    prev: npt.ArrayLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]] | None:
+        """Grammar masks for a draft model's next proposals: ``rows`` are sample rows of the last plan that
+        verify a proposal (the ``j``-th of their sequence's run), ``prev[i]`` the draft's proposal before
+        ``rows[i]`` (-1 for the first of a run), which the row's matcher takes first. ``(idx, bits)``:
+        ``bits[i]`` is the mask of ``rows[idx[i]]``; None when no row is constrained."""
     def spec_stats(self) -> dict[str, Any]:
-        """``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``."""
+        """``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``,
+        ``grammar_cut_tokens`` (proposed tokens a grammar rejected)."""
     def stats(self) -> dict[str, int]:
         """Counters without a scan: num_waiting, num_running, num_preemptions, num_timeouts,
         prefix_queries, prefix_hits, blocks_total, blocks_free, blocks_used, blocks_cached,

@@ -460,6 +460,7 @@ class LLMEngine:
             "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
             "spec_decode_accepted_per_pos": list(s["accepted_per_pos"]),
             "spec_decode_acceptance_per_pos": [a / drafts for a in s["accepted_per_pos"]] if drafts else [],
+            "spec_decode_grammar_cut_tokens": s["grammar_cut_tokens"],
         }
 
     def step_breakdown(self) -> dict[str, float]:

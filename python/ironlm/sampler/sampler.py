@@ -165,10 +165,12 @@ class Sampler:
 
     @torch.inference_mode()
     def propose(self, logits: torch.Tensor, slots: np.ndarray, output_lens: np.ndarray,
-                ban_stop: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
+                ban_stop: np.ndarray, token_bitmask: tuple[np.ndarray, np.ndarray] | None = None,
+                ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
         """A draft model's next token per row of its `logits` [S, V] (same slots, positions and bans as the
         target rows that will verify them): greedy rows take the argmax, random rows a draw from the filtered
-        draft distribution q. Returns (tokens, random rows mask, q of the random rows or None)."""
+        draft distribution q (under the rows' grammar masks, `Scheduler.draft_masks`, as `sample`'s).
+        Returns (tokens, random rows mask, q of the random rows or None)."""
         slots = np.asarray(slots, dtype=np.int64)
         positions = np.asarray(output_lens, dtype=np.int64)
         if logits.dtype != torch.float32:
@@ -176,7 +178,8 @@ class Sampler:
         st = self.state
         ban = np.asarray(ban_stop, dtype=bool)
         flags = np.where(ban, st.flags[slots], st.flags[slots] & ~F_MIN_TOKENS)
-        proc = self._process(logits, slots, flags, int(np.bitwise_or.reduce(flags)))
+        batch = int(np.bitwise_or.reduce(flags)) | (F_GRAMMAR if token_bitmask is not None else 0)
+        proc = self._process(logits, slots, flags, batch, token_bitmask)
         tokens = proc.argmax(dim=-1)
         rnd = (flags & F_RANDOM) != 0
         q = None

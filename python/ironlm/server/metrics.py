@@ -55,6 +55,8 @@ _COUNTERS = (
     ("spec_decode_num_drafts", "spec_decode_num_drafts", "Sequence-steps that verified speculative proposals."),
     ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Speculative tokens proposed."),
     ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative tokens accepted."),
+    ("spec_decode_grammar_cut_tokens", "spec_decode_grammar_cut_tokens",
+     "Speculative tokens a structured-output grammar rejected before verification."),
 )
 _TIERS = ("device", "host", "disk")
 _TIER_OF_KIND = {"memory": "host", "disk": "disk"}  # LLMEngine.stats()["kv_tier"] -> the tier label

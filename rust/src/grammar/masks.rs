@@ -78,6 +78,76 @@ impl SeqMatcher {
     pub fn is_stopped(&self) -> bool {
         self.lock().is_stopped()
     }
+
+    /// How many leading tokens of a proposal the grammar allows in turn from here, without
+    /// advancing: the proposal is cut there. An id past the tokenizer's (LM-head padding, which
+    /// llguidance would take for an internal error and fail the matcher on) cuts it too.
+    pub fn allowed_prefix(&self, draft: &[u32]) -> usize {
+        let mut m = self.lock();
+        if draft.is_empty() || m.is_stopped() {
+            return 0;
+        }
+        let Ok(env) = m.tok_env() else {
+            return 0;
+        };
+        let n_vocab = env.tok_trie().vocab_size();
+        let known = draft
+            .iter()
+            .position(|&t| t as usize >= n_vocab)
+            .unwrap_or(draft.len());
+        // An EOS ends the sequence: nothing after it is worth a row.
+        let ok = m.validate_tokens(&draft[..known]).unwrap_or(0);
+        match draft[..ok].iter().position(|t| self.eos.contains(t)) {
+            Some(i) => i + 1,
+            None => ok,
+        }
+    }
+
+    /// Take `token` if the grammar allows it here (false: left as it was).
+    pub(crate) fn try_advance(&self, token: u32) -> bool {
+        self.allowed_prefix(&[token]) == 1 && self.lock().consume_token(token).is_ok()
+    }
+
+    /// Undo the last `n` tokens taken. A failure leaves the matcher in its error state: the next
+    /// `advance` ends the sequence, as any grammar failure does.
+    pub(crate) fn rollback(&self, n: usize) {
+        if n > 0 {
+            let _ = self.lock().rollback(n);
+        }
+    }
+
+    /// Masks for a run of rows: row 0 at the current state, row `j` after `draft[..j]`
+    /// (`out` holds `draft.len() + 1` rows). The matcher is rolled back to where it was; a
+    /// proposal its previous row's mask rejects ends the walk, and the rows after it (never
+    /// reached: verification stops at that proposal) repeat the last mask.
+    fn fill_run(&self, out: &mut [u32], draft: &[u32]) {
+        let words = self.mask_words;
+        let (first, rest) = out.split_at_mut(words);
+        self.fill_mask(first);
+        if draft.is_empty() {
+            return;
+        }
+        let mut prev: &mut [u32] = first;
+        let mut rows = rest.chunks_exact_mut(words);
+        let mut taken = 0;
+        for &t in draft {
+            let row = rows.next().expect("one row per proposal");
+            let allowed = prev
+                .get(t as usize / 32)
+                .is_some_and(|w| w >> (t % 32) & 1 == 1);
+            if !allowed || self.lock().consume_token(t).is_err() {
+                row.copy_from_slice(prev);
+                for r in rows.by_ref() {
+                    r.copy_from_slice(prev);
+                }
+                break;
+            }
+            taken += 1;
+            self.fill_mask(row);
+            prev = row;
+        }
+        self.rollback(taken);
+    }
 }
 
 impl fmt::Debug for SeqMatcher {
@@ -98,20 +168,44 @@ pub struct TokenBitmask {
     pub compute_ns: u64,
 }
 
+/// One constrained sequence's share of a step's masks: one row, plus one per proposed token it
+/// verifies (the masks after each proposal in turn).
+#[derive(Debug, Clone)]
+pub struct MaskUnit {
+    pub matcher: SeqMatcher,
+    pub draft: Vec<u32>,
+}
+
+impl MaskUnit {
+    pub fn rows(&self) -> usize {
+        1 + self.draft.len()
+    }
+}
+
+impl From<SeqMatcher> for MaskUnit {
+    fn from(matcher: SeqMatcher) -> Self {
+        Self {
+            matcher,
+            draft: Vec::new(),
+        }
+    }
+}
+
 /// A step's mask computation, running on its own thread from `start` until `join`.
 pub struct MaskJob {
     handle: JoinHandle<TokenBitmask>,
 }
 
 impl MaskJob {
-    /// Compute `matchers[i]`'s mask as row `i`, over `threads` threads at most.
+    /// Compute the units' masks, in order, one row each plus one per proposal, over `threads`
+    /// threads at most.
     pub fn start(
         rows: Vec<i64>,
-        matchers: Vec<SeqMatcher>,
+        units: Vec<MaskUnit>,
         words_per_row: usize,
         threads: usize,
     ) -> Self {
-        let handle = std::thread::spawn(move || compute(rows, matchers, words_per_row, threads));
+        let handle = std::thread::spawn(move || compute(rows, units, words_per_row, threads));
         Self { handle }
     }
 
@@ -127,27 +221,35 @@ impl MaskJob {
 /// Compute the masks now, on the calling thread and up to `threads - 1` helpers.
 pub(crate) fn compute(
     rows: Vec<i64>,
-    matchers: Vec<SeqMatcher>,
+    units: Vec<MaskUnit>,
     words_per_row: usize,
     threads: usize,
 ) -> TokenBitmask {
     let t0 = Instant::now();
-    let n = matchers.len();
+    let n: usize = units.iter().map(MaskUnit::rows).sum();
     let mut bits = vec![0u32; n * words_per_row];
     if n > 0 && words_per_row > 0 {
-        let parts = threads.clamp(1, n);
-        // Contiguous runs of rows per thread: neighbouring rows often share a grammar.
-        let per = n.div_ceil(parts);
-        std::thread::scope(|scope| {
-            let mut chunks = bits
-                .chunks_mut(per * words_per_row)
-                .zip(matchers.chunks(per));
-            let first = chunks.next();
-            for (out, ms) in chunks {
-                scope.spawn(move || fill(out, ms, words_per_row));
+        // Contiguous runs of units per thread (neighbouring rows often share a grammar), of
+        // about the same number of rows; a unit's rows stay together (each follows the last).
+        let per = n.div_ceil(threads.clamp(1, units.len()));
+        let mut parts: Vec<(&mut [u32], &[MaskUnit])> = Vec::new();
+        let (mut rest, mut from, mut taken) = (&mut bits[..], 0, 0);
+        for (i, u) in units.iter().enumerate() {
+            taken += u.rows();
+            if taken >= per || i + 1 == units.len() {
+                let (out, tail) = std::mem::take(&mut rest).split_at_mut(taken * words_per_row);
+                parts.push((out, &units[from..=i]));
+                (rest, from, taken) = (tail, i + 1, 0);
             }
-            if let Some((out, ms)) = first {
-                fill(out, ms, words_per_row);
+        }
+        std::thread::scope(|scope| {
+            let mut parts = parts.into_iter();
+            let first = parts.next();
+            for (out, us) in parts {
+                scope.spawn(move || fill(out, us, words_per_row));
+            }
+            if let Some((out, us)) = first {
+                fill(out, us, words_per_row);
             }
         });
     }
@@ -159,9 +261,11 @@ pub(crate) fn compute(
     }
 }
 
-fn fill(out: &mut [u32], matchers: &[SeqMatcher], words: usize) {
-    for (row, m) in out.chunks_exact_mut(words).zip(matchers) {
-        m.fill_mask(row);
+fn fill(mut out: &mut [u32], units: &[MaskUnit], words: usize) {
+    for u in units {
+        let (run, rest) = std::mem::take(&mut out).split_at_mut(u.rows() * words);
+        u.matcher.fill_run(run, &u.draft);
+        out = rest;
     }
 }
 

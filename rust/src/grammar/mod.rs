@@ -10,6 +10,11 @@
 //! `ceil(vocab_size / 32)` 32-bit words, bit `t % 32` of word `t / 32` set when token `t` is
 //! allowed. Unconstrained rows get no row at all: `mask_rows` says which sample row each mask
 //! row belongs to, so a batch without constraints costs nothing.
+//!
+//! Speculation: a constrained sequence's proposal is cut where the grammar rejects it
+//! (`SeqMatcher::allowed_prefix`), and each of its verification rows gets the mask of the state
+//! after the proposals before it (`MaskUnit`: the worker advances the matcher through the
+//! proposal and rolls it back); `update` then advances it by the tokens actually accepted.
 
 mod compile;
 mod masks;
@@ -17,7 +22,8 @@ mod shape;
 mod vocab;
 
 pub use compile::{CompileError, CompiledGrammar, GrammarCompiler, GrammarLimits};
-pub use masks::{apply_bitmask, MaskJob, SeqMatcher, TokenBitmask};
+pub(crate) use masks::compute;
+pub use masks::{apply_bitmask, MaskJob, MaskUnit, SeqMatcher, TokenBitmask};
 pub use shape::ShapeLimits;
 pub use vocab::Vocab;
 

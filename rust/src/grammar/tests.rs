@@ -237,13 +237,78 @@ fn grammar_mask_job_matches_serial_masks() {
         .collect();
     let words = g1.mask_words();
     let rows: Vec<i64> = (0..ms.len() as i64).map(|r| r * 2).collect();
-    let job = MaskJob::start(rows.clone(), ms.clone(), words, 4).join();
+    let units = ms.iter().cloned().map(MaskUnit::from).collect();
+    let job = MaskJob::start(rows.clone(), units, words, 4).join();
     assert_eq!(job.rows, rows);
     for (i, m) in ms.iter().enumerate() {
         let mut row = vec![0u32; words];
         m.fill_mask(&mut row);
         assert_eq!(&job.bits[i * words..(i + 1) * words], &row[..], "row {i}");
     }
+}
+
+#[test]
+fn grammar_proposal_runs_get_the_mask_after_each_proposal_and_roll_back() {
+    let c = compiler();
+    let g = c.compile(r#"start: /[a-c]+[0-9]/"#).unwrap();
+    let words = g.mask_words();
+    let (a, b, one) = (b'a' as u32, b'b' as u32, b'1' as u32);
+    // Drafts of 0..4 tokens, some rejected midway ("1" ends the grammar; "z" is never allowed).
+    let drafts: Vec<Vec<u32>> = vec![
+        vec![],
+        vec![a, b, a],
+        vec![b, one, a],
+        vec![b'z' as u32, a],
+        vec![a, a, a, one],
+        vec![b],
+    ];
+    let units: Vec<MaskUnit> = (0..13)
+        .map(|i| MaskUnit {
+            matcher: g.new_matcher(),
+            draft: drafts[i % drafts.len()].clone(),
+        })
+        .collect();
+    let before: Vec<Vec<u32>> = units.iter().map(|u| allowed(&u.matcher, words)).collect();
+    let n: usize = units.iter().map(MaskUnit::rows).sum();
+    let job = MaskJob::start((0..n as i64).collect(), units.clone(), words, 4).join();
+    assert_eq!(job.bits.len(), n * words);
+    let mut at = 0;
+    for (i, u) in units.iter().enumerate() {
+        // The serial walk: a fresh matcher advanced through the proposals it allows.
+        let m = g.new_matcher();
+        let ok = m.allowed_prefix(&u.draft);
+        let mut want = vec![0u32; words];
+        for j in 0..u.rows() {
+            if j > 0 && j <= ok {
+                m.advance(u.draft[j - 1]);
+                m.fill_mask(&mut want);
+            } else if j == 0 {
+                m.fill_mask(&mut want);
+            }
+            let got = &job.bits[(at + j) * words..(at + j + 1) * words];
+            assert_eq!(got, &want[..], "unit {i} row {j}");
+        }
+        at += u.rows();
+        assert_eq!(
+            allowed(&u.matcher, words),
+            before[i],
+            "unit {i} rolled back"
+        );
+    }
+    let m = g.new_matcher();
+    assert_eq!(m.allowed_prefix(&[a, b, one, a]), 3);
+    assert_eq!(m.allowed_prefix(&[one]), 0);
+    assert_eq!(
+        m.allowed_prefix(&[a, VOCAB as u32 + 5]),
+        1,
+        "ids past the vocabulary cut"
+    );
+    assert_eq!(
+        m.allowed_prefix(&[a, one, eos(), a]),
+        3,
+        "nothing after EOS"
+    );
+    assert_eq!(allowed(&m, words), before[0]);
 }
 
 // ---- in the scheduler ---------------------------------------------------------------------

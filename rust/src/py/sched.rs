@@ -355,19 +355,34 @@ impl PyScheduler {
         py: Python<'py>,
     ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
         let inner = &mut self.inner;
-        let Some(m) = py.detach(|| inner.take_bitmask()) else {
-            return Ok(None);
-        };
-        let rows = PyArray1::from_slice(py, &m.rows).into_any();
-        // SAFETY: a fresh C-contiguous array owned by nobody else; every element is written.
-        let bits = unsafe { PyArray2::<i32>::new(py, [m.rows.len(), m.words_per_row], false) };
-        if !m.bits.is_empty() {
-            let out = unsafe { bits.as_slice_mut() }.map_err(|e| value_error("bitmask", e))?;
-            for (o, &b) in out.iter_mut().zip(&m.bits) {
-                *o = b as i32;
-            }
+        match py.detach(|| inner.take_bitmask()) {
+            Some(m) => bitmask_arrays(py, &m).map(Some),
+            None => Ok(None),
         }
-        Ok(Some((rows, bits.into_any())))
+    }
+
+    /// Masks for a draft model's proposals under each constrained sequence's grammar:
+    /// ``rows`` are sample rows of the last plan that verify a proposal (the ``j``-th of their
+    /// run), ``prev[i]`` the draft's proposal before ``rows[i]`` (-1 for the first of a run),
+    /// which its matcher takes first. ``(idx, bits)``: mask ``bits[i]`` is for ``rows[idx[i]]``;
+    /// None when none of the rows is constrained. ``set_proposals`` rolls the matchers back.
+    fn draft_masks<'py>(
+        &mut self,
+        py: Python<'py>,
+        rows: &Bound<'py, PyAny>,
+        prev: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>> {
+        let rows = as_i64_array(rows, "rows")?
+            .to_vec()
+            .map_err(|e| value_error("rows", e))?;
+        let prev = as_i64_array(prev, "prev")?
+            .to_vec()
+            .map_err(|e| value_error("prev", e))?;
+        let inner = &mut self.inner;
+        match py.detach(|| inner.draft_masks(&rows, &prev))? {
+            Some(m) => bitmask_arrays(py, &m).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Where the mask computation's time went: ``steps``, ``rows``, ``compute_s`` (worker
@@ -484,7 +499,8 @@ impl PyScheduler {
     }
 
     /// Speculation counters: ``num_drafts`` (sequence-steps that verified proposals),
-    /// ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos`` (list).
+    /// ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos`` (list),
+    /// ``grammar_cut_tokens`` (proposed tokens a grammar rejected).
     fn spec_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.spec_stats();
         let d = PyDict::new(py);
@@ -492,6 +508,7 @@ impl PyScheduler {
         d.set_item("num_draft_tokens", s.num_draft_tokens)?;
         d.set_item("num_accepted_tokens", s.num_accepted_tokens)?;
         d.set_item("accepted_per_pos", s.accepted_per_pos.clone())?;
+        d.set_item("grammar_cut_tokens", s.grammar_cut_tokens)?;
         Ok(d)
     }
 
@@ -726,4 +743,21 @@ impl PyScheduler {
             self.inner.num_waiting()
         )
     }
+}
+
+/// A bitmask as numpy arrays: ``rows`` int64, ``bits`` int32 ``[len(rows), words_per_row]``.
+fn bitmask_arrays<'py>(
+    py: Python<'py>,
+    m: &crate::grammar::TokenBitmask,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let rows = PyArray1::from_slice(py, &m.rows).into_any();
+    // SAFETY: a fresh C-contiguous array owned by nobody else; every element is written.
+    let bits = unsafe { PyArray2::<i32>::new(py, [m.rows.len(), m.words_per_row], false) };
+    if !m.bits.is_empty() {
+        let out = unsafe { bits.as_slice_mut() }.map_err(|e| value_error("bitmask", e))?;
+        for (o, &b) in out.iter_mut().zip(&m.bits) {
+            *o = b as i32;
+        }
+    }
+    Ok((rows, bits.into_any()))
 }

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use crate::grammar::SeqMatcher;
+use crate::grammar::MaskUnit;
 use crate::sched::sequence::Finished;
 
 #[derive(Debug, Default, Clone)]
@@ -30,7 +30,9 @@ pub struct Plan {
     /// of the same sequence to count (speculative decoding), or -1 (the run ends there).
     pub sample_draft: Vec<i64>,
     /// Sample rows of grammar-constrained sequences, ascending: row `i` of the step's token
-    /// bitmask (`Scheduler::take_bitmask`) is for sample row `mask_rows[i]`.
+    /// bitmask (`Scheduler::take_bitmask`) is for sample row `mask_rows[i]`. A speculating
+    /// sequence has one per verification row, each under the grammar state after the
+    /// proposals before it.
     pub mask_rows: Vec<i64>,
     /// [K * 2], (src, dst) pairs.
     pub cow_pairs: Vec<i64>,
@@ -57,8 +59,8 @@ pub struct Plan {
     pub(crate) sample_gens: Vec<u32>,
     /// Generation of each batch row's sequence.
     pub(crate) row_gens: Vec<u32>,
-    /// The matcher of each `mask_rows` entry.
-    pub(crate) mask_matchers: Vec<SeqMatcher>,
+    /// The matchers of the `mask_rows` entries, with the proposals each run of rows verifies.
+    pub(crate) mask_units: Vec<MaskUnit>,
 }
 
 impl Plan {
@@ -77,7 +79,7 @@ impl Plan {
         self.sample_ban_stop.clear();
         self.sample_draft.clear();
         self.mask_rows.clear();
-        self.mask_matchers.clear();
+        self.mask_units.clear();
         self.cow_pairs.clear();
         self.kv_demote.clear();
         self.kv_promote.clear();

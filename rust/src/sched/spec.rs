@@ -48,7 +48,7 @@ impl SpecConfig {
 /// A sequence's adaptive proposal state.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct SpecState {
-    /// The request may speculate (no grammar, the sampler can verify its rows).
+    /// The request may speculate (the sampler can verify its rows exactly).
     pub allowed: bool,
     /// Proposal length for the next step.
     pub k: usize,
@@ -95,6 +95,9 @@ pub struct SpecStats {
     pub num_accepted_tokens: u64,
     /// Accepted tokens by position in the proposal (0 = the first proposed token).
     pub accepted_per_pos: Vec<u64>,
+    /// Proposed tokens a constrained sequence's grammar rejected (with those after them): cut
+    /// before verification (n-gram), or verified and certain to fail (a draft model's).
+    pub grammar_cut_tokens: u64,
 }
 
 impl SpecStats {

@@ -122,13 +122,18 @@ class DraftModel:
                for f, s, n, sl in zip(first, start, length, slots, strict=True)]
         logits = self._forward(ids, [np.arange(s, n) for s, n in zip(start, length, strict=True)], start, tables)
         prev = np.zeros(len(first), np.int64)
+        constrained = len(plan.mask_rows) > 0
         for j in range(int(k.max())):
             live = np.flatnonzero(k > j)
             if j > 0:  # then one token a forward: the previous proposal, right after the known tokens
                 pos = length[live] + j - 1
                 logits = self._forward([prev[i:i + 1] for i in live], [p[None] for p in pos], pos, tables[live])
             r = first[live] + j
-            tok, rnd, qr = sampler.propose(logits, ss[r], plan.sample_output_lens[r], plan.sample_ban_stop[r])
+            # A grammar's sequences propose only what it allows after their proposals so far (the core walks
+            # their matchers and rolls them back in `set_proposals`).
+            masks = scheduler.draft_masks(r, prev[live] if j else np.full(len(r), -1)) if constrained else None
+            tok, rnd, qr = sampler.propose(logits, ss[r], plan.sample_output_lens[r], plan.sample_ban_stop[r],
+                                           token_bitmask=masks)
             at = np.searchsorted(rows, r)
             out[at], random[at], prev[live] = tok, rnd, tok
             if qr is not None:

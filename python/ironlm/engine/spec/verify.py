@@ -7,8 +7,7 @@ from ironlm.sampling_params import SamplingParams
 
 def may_speculate(params: SamplingParams) -> bool:
     """Penalties depend on the tokens sampled before a row in the same step (the proposals' rows would see a
-    stale history), and a grammar may reject a proposal mid-run: those requests decode one token a step (the
-    core also never speculates for a grammar-constrained sequence)."""
-    penalties = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                 or params.frequency_penalty != 0.0)
-    return not penalties and params.structured_outputs is None
+    stale history): those requests decode one token a step. A grammar-constrained request speculates: the core
+    cuts its proposal where the grammar rejects it and masks each verification row with the grammar state
+    after the proposals before it."""
+    return params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0

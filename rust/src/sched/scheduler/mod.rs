@@ -388,10 +388,8 @@ impl Scheduler {
             s.max_len = max_len;
             s.victim_key = (prio_key, OrdF64(arrival), add_seq, k as u32);
             s.grammar = params.grammar.as_ref().map(|g| g.new_matcher());
-            // A grammar could reject a proposal mid-run: constrained sequences never speculate.
             let k = self.spec.as_ref().map_or(0, |c| c.num_speculative_tokens);
-            s.spec
-                .reset(params.speculate && params.grammar.is_none(), k);
+            s.spec.reset(params.speculate, k);
             slots.push(slot);
         }
         slots

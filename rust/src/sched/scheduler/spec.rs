@@ -39,7 +39,7 @@ impl Scheduler {
         );
         let s = &mut self.seqs[slot as usize];
         let len = s.tokens.len();
-        let plain = !s.prefilling && !s.is_fork_parent && s.grammar.is_none();
+        let plain = !s.prefilling && !s.is_fork_parent;
         if !s.spec.allowed || !plain || s.computed + 1 != len {
             return 0;
         }
@@ -64,6 +64,12 @@ impl Scheduler {
             self.spec_draft.resize(k, last);
         } else {
             ngram_propose(&s.tokens, min_n, max_n, k, &mut self.spec_draft);
+            if let Some(g) = &s.grammar {
+                // Past the first token the grammar rejects, no row could be accepted.
+                let ok = g.allowed_prefix(&self.spec_draft);
+                self.spec_stats.grammar_cut_tokens += (self.spec_draft.len() - ok) as u64;
+                self.spec_draft.truncate(ok);
+            }
         }
         let bs = self.cfg.block_size;
         // Only free blocks: a proposal never evicts a cached block or preempts anyone.
@@ -90,6 +96,14 @@ impl Scheduler {
             ));
         }
         let p = &mut self.plan;
+        let constrained = p.mask_rows.iter().any(|&r| p.sample_draft[r as usize] >= 0);
+        if constrained && !self.masks.deferred {
+            // Their masks were computed for the placeholders already.
+            return Err(CoreError::invalid(
+                "proposals",
+                "the plan's token masks were taken before its proposals came",
+            ));
+        }
         let want = p.sample_draft.iter().filter(|&&d| d >= 0).count();
         if tokens.len() != want {
             return Err(CoreError::invalid(
@@ -115,6 +129,22 @@ impl Scheduler {
                 p.input_ids[p.logits_indices[r] as usize + 1] = t;
             }
         }
+        // Constrained sequences' masks waited for these proposals (`start_masks`). Rows cannot
+        // be taken out of the plan any more: the grammar's cut only counts here, and the rows
+        // past it are never accepted (their target probability is masked to 0).
+        self.unwalk();
+        let p = &mut self.plan;
+        let mut at = 0;
+        for u in &mut p.mask_units {
+            let r0 = p.mask_rows[at] as usize;
+            at += u.rows();
+            for (j, d) in u.draft.iter_mut().enumerate() {
+                *d = p.sample_draft[r0 + j] as u32;
+            }
+            let ok = u.matcher.allowed_prefix(&u.draft);
+            self.spec_stats.grammar_cut_tokens += (u.draft.len() - ok) as u64;
+        }
+        self.launch_masks();
         Ok(())
     }
 

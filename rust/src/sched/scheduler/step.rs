@@ -2,6 +2,7 @@
 
 use super::{Finished, Scheduler};
 use crate::error::{CoreError, CoreResult};
+use crate::grammar::MaskUnit;
 use crate::sched::ord::OrdF64;
 use crate::sched::plan::Plan;
 use crate::sched::queue::{monotonic, Policy};
@@ -569,8 +570,12 @@ impl Scheduler {
         let row = p.input_ids.len() as i64 - 1 - k as i64;
         let (out_len, ban_stop) = (s.num_generated() as i64, s.ban_stop());
         if let Some(g) = &s.grammar {
-            p.mask_rows.push(p.sample_slots.len() as i64);
-            p.mask_matchers.push(g.clone());
+            let r0 = p.sample_slots.len() as i64;
+            p.mask_rows.extend(r0..=r0 + k as i64);
+            p.mask_units.push(MaskUnit {
+                matcher: g.clone(),
+                draft: draft.to_vec(),
+            });
         }
         // Row j verifies the proposal draft[j] (and samples the token after the run).
         for j in 0..=k {
@@ -593,7 +598,7 @@ impl Scheduler {
                 // Each child has its own matcher, still in the start state like the parent's.
                 if let Some(g) = &self.seqs[c as usize].grammar {
                     p.mask_rows.push(p.sample_slots.len() as i64);
-                    p.mask_matchers.push(g.clone());
+                    p.mask_units.push(g.clone().into());
                 }
                 p.logits_indices.push(row);
                 p.sample_slots.push(c as i64);
