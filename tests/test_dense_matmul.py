@@ -10,6 +10,8 @@ import torch
 from ironlm import _core, invariant
 from ironlm.core_views import CORE_DTYPES, as_numpy
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.model import linear
+from ironlm.model.layers import cpu_has_fast_bf16
 from ironlm.model.linear import CORE_MAX_COLS, CORE_MAX_ROWS, DenseLinear
 
 DTYPES = list(CORE_DTYPES)
@@ -96,13 +98,45 @@ def test_dense_linear_routes_small_batches_to_the_core() -> None:
     lin.accumulate(small, out.copy_(resid))
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
     big = torch.randn(CORE_MAX_ROWS + 1, 64, generator=g).bfloat16()
-    assert torch.equal(lin(big), torch.addmm(bias, big, w))  # torch's GEMM beyond CORE_MAX_ROWS
+    f32 = DenseLinear(w.float(), bias.float())  # f32 beyond CORE_MAX_ROWS: torch's GEMM (bf16: test below)
+    assert torch.equal(f32(big.float()), torch.addmm(bias.float(), big.float(), w.float()))
+    assert f32._packed is None
     wide = torch.randn(64, CORE_MAX_COLS + 1, generator=g).bfloat16()
     assert torch.equal(DenseLinear(wide)(small), torch.mm(small, wide))  # torch's GEMM for wide outputs (the head)
     with invariant.scope(True):  # batch-invariant mode: torch in fixed tiles at every size, the same bits per row
         inv = lin(big)
         assert torch.equal(inv[:1].view(torch.int16), lin(big[:1]).view(torch.int16))
         assert torch.equal(inv[:1].view(torch.int16), lin._tiled(big[:1], None).view(torch.int16))
+
+
+@pytest.mark.skipif(not cpu_has_fast_bf16() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"),
+                    reason="oneDNN's packed bf16 GEMM needs native bf16 and torch's mkldnn ops")
+def test_bf16_batches_beyond_the_core_run_on_the_prepacked_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every entry point (call, call with residual, into, accumulate) of a bf16 batch over CORE_MAX_ROWS rows takes
+    oneDNN's packed GEMM and is within the f32-accumulation bound of the exact result, the residual rounded once
+    with the product; past the PACK_MAX_BYTES budget a layer keeps torch's GEMM."""
+    g = torch.Generator().manual_seed(11)
+    k, n = 200, 96
+    w = torch.randn(k, n, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    lin = DenseLinear(w, bias)
+    for m in (CORE_MAX_ROWS + 1, 8, 64, 130):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        resid = torch.randn(m, n, generator=g).bfloat16()
+        outs = {"call": lin(x), "residual": lin(x, resid)}
+        lin.into(x, into := torch.empty(m, n, dtype=torch.bfloat16))
+        lin.accumulate(x, acc := resid.clone())
+        outs.update(into=into, accumulate=acc)
+        for name, got in outs.items():
+            extra = bias.double() + (resid.double() if name in ("residual", "accumulate") else 0)
+            exact, tol = bound(x, w, extra, torch.bfloat16)
+            assert ((got.double() - exact).abs() <= tol).all(), (m, name, (got.double() - exact).abs().max())
+        assert lin._packed is not None and lin._packed[1] is not None
+    monkeypatch.setattr(linear, "PACK_MAX_BYTES", linear._packed_bytes)  # the budget spent: torch's GEMM
+    late = DenseLinear(w, bias)
+    x = torch.randn(CORE_MAX_ROWS + 1, k, generator=g).bfloat16()
+    assert torch.equal(late(x), torch.addmm(bias, x, w))
+    assert late._packed is not None and late._packed[1] is None
 
 
 def test_bad_arguments_name_the_parameter() -> None:

@@ -5,7 +5,8 @@ path gathers every sequence's pages into a padded buffer before SDPA (the cache 
 again); ``ironlm._core.paged_decode_attention`` reads each page once, in place, with the GIL released and
 the sequences split across torch's thread count. It reads f32, bf16 and fp16 caches (accumulating in f32); when
 every row of the step is a decode row it also writes the step's K/V into the cache in the same call, so a decode
-step's attention is one call per layer. Prefill chunks are matmul-shaped and stay on SDPA. Steps where every
+step's attention is one call per layer. Prefill chunks are matmul-shaped and stay on SDPA, bf16 ones in bf16
+(the torch backend, the kernels' reference, upcasts them to fp32). Steps where every
 decode sequence starts with the same cached blocks (a shared system prompt, n > 1 forks) go to the torch path
 whole: its cascade attention reads the shared blocks once for all sequences, where the kernel would read them
 once each.
@@ -95,7 +96,7 @@ class CpuAttention(TorchAttention):
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:
-            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap, sinks)
+            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap, sinks, half=True)
         return out
 
     def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -7,7 +7,8 @@ kernel quantizes the activations to int8 and adds into the residual in place.
 
 One- and two-row CPU calls (decode) into narrow f32 / bf16 / f16 dense weights run on the core's dense kernels
 (`_core.dense_matmul`), which read the weights where torch keeps them and stream them once per call, where they
-measured faster than torch's GEMM; everything else keeps torch's.
+measured faster than torch's GEMM; larger bf16 CPU batches run oneDNN on a prepacked copy of the weight
+(PACK_MAX_BYTES); everything else keeps torch's.
 
 `into` / `accumulate` serve the lean decode step, which keeps preallocated buffers and their numpy views: passing
 the views saves a tensor-to-numpy conversion per call (4 matmuls x 30 layers a token).
@@ -37,6 +38,15 @@ DENSE_MIN_ROWS = 128
 CORE_MAX_ROWS = 2
 CORE_MAX_COLS = 1024
 
+# bf16 GEMMs above CORE_MAX_ROWS rows go through oneDNN on a copy of the weight prepacked once in its blocked
+# layout (as vLLM-CPU's onednn_mm does) instead of torch.mm, which reorders the whole weight on every call: measured
+# on a loaded 2-core Sapphire Rapids, one thread (benches/profile_w.py's notes in BENCHMARKS.md), SmolLM2-135M's
+# 30 layers + LM head took 84 vs 142 ms at M = 8, 74 vs 142 at 16, 109 vs 181 at 64 and 480 vs 528 at 512. The copy
+# doubles the weights' memory, so only the first PACK_MAX_BYTES of them (process-wide) are packed; the rest keep
+# torch.mm.
+PACK_MAX_BYTES = 2 << 30
+_packed_bytes = 0
+
 
 def _core_weight(weight: torch.Tensor) -> np.ndarray | None:
     """A numpy view the core's dense kernels take (`[in, out]` C-contiguous, or the transpose of a C-contiguous
@@ -48,6 +58,22 @@ def _core_weight(weight: torch.Tensor) -> np.ndarray | None:
     return as_numpy(weight.detach())
 
 
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's prepacked copy of a bf16 `[in, out]` CPU weight, or None (other dtypes, no native bf16, the
+    PACK_MAX_BYTES budget spent, or a torch without the op)."""
+    global _packed_bytes
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not cpu_has_fast_bf16():
+        return None
+    size = weight.numel() * weight.element_size()
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if reorder is None or _packed_bytes + size > PACK_MAX_BYTES:
+        return None
+    with torch.inference_mode(False), torch.no_grad():  # reused in and out of inference mode
+        packed = reorder(weight.detach().t(), 64)  # [out, in], blocked for batches around 64 (fine at any M)
+    _packed_bytes += size
+    return packed
+
+
 class DenseLinear:
     """`x @ weight (+ bias)`, `weight` an `[in, out]` tensor (usually a view of a model parameter)."""
 
@@ -55,6 +81,24 @@ class DenseLinear:
         self.weight = weight
         self.bias = bias
         self._np: tuple[int, np.ndarray, np.ndarray | None] | None = None  # (data_ptr, weight, f32 bias) for the core
+        self._packed: tuple[int, torch.Tensor | None] | None = None  # (data_ptr, oneDNN-packed weight or None)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The prepacked weight when this call goes to oneDNN's packed GEMM (a bf16 CPU batch of more than
+        CORE_MAX_ROWS rows outside batch-invariant mode), else None."""
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[0] <= CORE_MAX_ROWS or invariant.enabled():
+            return None
+        ptr = self.weight.data_ptr()
+        if self._packed is None or self._packed[0] != ptr:  # (re)built if the parameter's storage was swapped
+            self._packed = (ptr, _pack(self.weight))
+        return self._packed[1]
+
+    def _run_packed(self, packed: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous()
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        # the residual added to the f32 accumulator and rounded once, as addmm does
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), packed, self.bias, "add")
 
     def _core(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None] | None:
         """The weight's and bias's numpy views when this call goes to the core's dense kernels: a CPU batch of at
@@ -90,6 +134,9 @@ class DenseLinear:
             out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype)
             self._run_core(views, as_numpy(x), as_numpy(out), False)
             return out if residual is None else out.add_(residual)
+        packed = self._onednn(x)
+        if packed is not None and (residual is None or residual.dtype == x.dtype):
+            return self._run_packed(packed, x, residual)
         if invariant.enabled() and x.device.type == "cpu":
             return self._tiled(x, residual)
         if residual is not None:  # the residual add fused into the GEMM
@@ -123,6 +170,10 @@ class DenseLinear:
             self._run_core(views, as_numpy(x.contiguous()) if x_np is None else x_np,
                            as_numpy(out) if out_np is None else out_np, False)
             return
+        packed = self._onednn(x)
+        if packed is not None and out.dtype == x.dtype:
+            out.copy_(self._run_packed(packed, x, None))
+            return
         if invariant.enabled():
             out.copy_(self._tiled(x, None))
             return
@@ -138,6 +189,10 @@ class DenseLinear:
         if views is not None and out.is_contiguous() and out.dtype == x.dtype:
             self._run_core(views, as_numpy(x.contiguous()) if x_np is None else x_np,
                            as_numpy(out) if out_np is None else out_np, True)
+            return
+        packed = self._onednn(x)
+        if packed is not None and out.dtype == x.dtype:
+            out.copy_(self._run_packed(packed, x, out))
             return
         if invariant.enabled():
             out.copy_(self._tiled(x, out))
