@@ -55,8 +55,9 @@ test-rust:
 	cargo test
 	cargo test --release
 
+# --durations: every run (CI's included) lists the slowest tests, the first place to look when the suite grows.
 test-python: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test: lint test-rust test-python
 
