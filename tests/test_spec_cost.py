@@ -82,6 +82,24 @@ def test_a_cheaper_verification_path_is_used_when_measured():
     assert b.choose(8, 8) == 0
 
 
+def test_prefill_steps_do_not_make_plain_decode_look_slow():
+    """A W-like batch: decode-only steps of 64 rows are fast (the lean step), steps with a prefill chunk in the
+    same row range slow, verification steps in between. Against the decode-only curve speculation loses."""
+    b = SpecBudget(5)
+    for _ in range(30):
+        b.acceptance.record(10, 9)
+    for _ in range(10):
+        b.observe(64, 0, 0, 0.05)
+        b.observe(100, 0, 0, 0.25, prefill=True)
+        b.observe(69, 5, 4, 0.12)
+        b.observe(74, 10, 9, 0.13)
+        b.observe(130, 5, 4, 0.30, prefill=True)
+    assert b.choose(64, 64) == 0
+    assert b.paused_steps == 1
+    # With a prefill chunk in the step as well, the comparison is against steps with prefill rows.
+    assert b.gain(100, 5, prefill=True) is not None
+
+
 def test_the_learner_converges_on_a_noisy_stream_with_outliers():
     rng = random.Random(0)
     costs = StepCosts()

@@ -5,7 +5,9 @@ one weight pass, but past a knee every row costs its own compute and a rejected 
 useful row. Where the knee lies depends on the machine, the model, the batch and which code path a step takes
 (a decode-only batch may run the lean CPU step while a verification runs another), so nothing here is assumed:
 `StepCosts` learns t(rows), the wall time of a step of that many query rows, from the steps the engine runs, one
-curve for steps without proposals and one for steps with them. `SpecBudget.choose` then picks the proposal
+curve for each kind of step: with or without proposals, with or without prefill rows (a decode-only batch may
+take a faster path than one with a prefill chunk at the same row count; mixing them would make a plain decode
+step look as slow as a prefill step, and speculation look cheap). `SpecBudget.choose` then picks the proposal
 budget P that maximises rows of work per second, (n + a P) / t_spec(n + P) against n / t_plain(n) for n base
 rows (decode + prefill) and a accepted tokens per proposed one; 0 pauses speculation for the step (vLLM's
 dynamic speculation and SmartSpec make the same goodput comparison). Prefill rows count as work like decode
@@ -128,8 +130,9 @@ class SpecBudget:
     def __init__(self, k: int, cap: int | None = None, table: Sequence[tuple[int, float]] | None = None,
                  margin: float = 0.02, probe_every: int = 64) -> None:
         self.k, self.cap, self.margin, self.probe_every = k, cap, margin, probe_every
-        self.plain = StepCosts(table=table)
-        self.spec = StepCosts(table=table)
+        # Decode-only steps without / with proposals, then the same with prefill rows in the step.
+        self.plain, self.spec = StepCosts(table=table), StepCosts(table=table)
+        self.plain_prefill, self.spec_prefill = StepCosts(table=table), StepCosts(table=table)
         self.acceptance = Acceptance()
         self.steps = 0  # observations
         self.budget: int | None = None  # the last choice (None: none made yet)
@@ -141,18 +144,24 @@ class SpecBudget:
         t = curve.estimate(rows)
         return other.estimate(rows) if t is None else t
 
-    def gain(self, rows: int, p: int) -> float | None:
+    def _curves(self, prefill: bool) -> tuple[StepCosts, StepCosts]:
+        return (self.plain_prefill, self.spec_prefill) if prefill else (self.plain, self.spec)
+
+    def gain(self, rows: int, p: int, prefill: bool = False) -> float | None:
         """Rows of work per second with a budget of `p` proposals over `rows` base rows, relative to none; None
         where neither curve has measured anything that large."""
-        base = self._cost(self.plain, self.spec, rows)
-        t = self._cost(self.spec, self.plain, rows + p)
+        plain, spec = self._curves(prefill)
+        base = self._cost(plain, spec, rows)
+        t = self._cost(spec, plain, rows + p)
         if base is None or t is None or t <= 0:
             return None
         return (rows + self.acceptance.rate * p) / t * base / rows
 
     def choose(self, decode: int, rows: int) -> int:
-        """The budget for a step expected to hold `decode` decoding sequences in `rows` base rows (>= decode)."""
+        """The budget for a step expected to hold `decode` decoding sequences in `rows` base rows (more than
+        `decode`: prefill rows too)."""
         rows = max(rows, decode)
+        prefill = rows > decode
         most = decode * self.k
         if self.cap is not None:
             most = min(most, self.cap - decode)
@@ -160,7 +169,7 @@ class SpecBudget:
             self.budget = 0
             return 0
         grid = sorted({most, min(self.k, most), *(1 << i for i in range(most.bit_length()) if 1 << i < most)})
-        gains = [(g, p) for p in grid if (g := self.gain(rows, p)) is not None]
+        gains = [(g, p) for p in grid if (g := self.gain(rows, p, prefill)) is not None]
         if not gains:
             best = most  # nothing measured yet: speculate as a static budget would, and measure
         else:
@@ -168,7 +177,8 @@ class SpecBudget:
             best = p if g > 1.0 + self.margin else 0
         # The kind of step the decision avoids is measured again now and then, with a cheap step.
         probe = min(self.k, most) if best == 0 else 0
-        curve, at = (self.spec, rows + probe) if best == 0 else (self.plain, rows)
+        plain, spec = self._curves(prefill)
+        curve, at = (spec, rows + probe) if best == 0 else (plain, rows)
         if (self.steps - self.last_probe >= self.probe_every and curve.stale(at, self.steps, self.probe_every)):
             self.last_probe = self.steps
             self.probes += 1
@@ -178,8 +188,10 @@ class SpecBudget:
         self.budget = best
         return best
 
-    def observe(self, rows: int, proposed: int, accepted: int, seconds: float) -> None:
-        """One step ran: `rows` query rows in all, `proposed` of them proposals of which `accepted` were right."""
+    def observe(self, rows: int, proposed: int, accepted: int, seconds: float, prefill: bool = False) -> None:
+        """One step ran: `rows` query rows in all, `proposed` of them proposals of which `accepted` were right,
+        `prefill`: some of them prompt rows."""
         self.steps += 1
-        (self.spec if proposed else self.plain).observe(rows, seconds, self.steps)
+        plain, spec = self._curves(prefill)
+        (spec if proposed else plain).observe(rows, seconds, self.steps)
         self.acceptance.record(proposed, accepted)
