@@ -59,7 +59,8 @@ class StepCosts:
         return max(0, int(rows).bit_length() - 1)
 
     def _sort(self) -> None:
-        self._points = sorted((b.rows, b.seconds) for b in self.buckets.values() if b.count >= 1)
+        # A bucket counts from its third step on: one step of a loaded machine must not decide for 64.
+        self._points = sorted((b.rows, b.seconds) for b in self.buckets.values() if b.count >= 3)
 
     def observe(self, rows: int, seconds: float, clock: int | None = None) -> None:
         if self.frozen or rows < 1 or not (seconds > 0 and math.isfinite(seconds)):
