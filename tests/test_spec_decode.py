@@ -23,7 +23,7 @@ from ironlm.sampler import Sampler
 from tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-         "max_batch_tokens": 4096}
+         "max_batch_tokens": 4096, "cost_model": False}
 
 
 @pytest.fixture(scope="module")

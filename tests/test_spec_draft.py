@@ -49,7 +49,7 @@ def models(tmp_path_factory):
 
 
 def _spec(path: Path, k: int = 3) -> dict:
-    return {"model": str(path), "num_speculative_tokens": k, "max_batch_tokens": 4096}
+    return {"model": str(path), "num_speculative_tokens": k, "max_batch_tokens": 4096, "cost_model": False}
 
 
 def _prompts() -> list[list[int]]:

@@ -620,9 +620,14 @@ class Scheduler:
     def emitted(self) -> npt.NDArray[np.bool_]:
         """Per ``plan.sample_slots`` row of the last ``update``: whether its token was appended."""
     def set_speculation(self, num_speculative_tokens: int | None, prompt_lookup_max: int = 4,
-                        prompt_lookup_min: int = 1, max_batch_tokens: int = 32, external: bool = False) -> None:
+                        prompt_lookup_min: int = 1, max_batch_tokens: int | None = None,
+                        external: bool = False) -> None:
         """Speculative decoding for requests added from now (None: off): n-gram proposals, or with `external`
-        rows reserved for proposals handed in by `set_proposals`."""
+        rows reserved for proposals handed in by `set_proposals`. `max_batch_tokens`: no proposals once the
+        decode batch reaches it (None: no cap)."""
+    def set_spec_budget(self, budget: int | None) -> None:
+        """The most proposal tokens the next steps' plans may carry in all (0: speculation paused); None lifts
+        the limit. Kept until changed (the engine's cost model sets it every step)."""
     def set_proposals(self, plan: SchedulerPlan, tokens: npt.ArrayLike) -> None:
         """One token per sample row of `plan` (the last one scheduled) with `sample_draft >= 0`, in row order:
         written into the core's plan and `plan.input_ids` / `plan.sample_draft`. Constrained sequences' masks

@@ -226,7 +226,8 @@ class EngineConfig:
     speculative_config: str | Mapping[str, Any] | None = _opt(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' (n-gram prompt lookup in the core; greedy and seeded "
-        "outputs unchanged; pauses while a step's decode batch exceeds max_batch_tokens, default 32), or a draft "
+        "outputs unchanged; a measured cost model pauses it on steps it would slow down, \"cost_model\": false "
+        "turns that off, \"max_batch_tokens\": N caps decode rows + proposals), or a draft "
         "model sharing the tokenizer: '{\"model\": PATH, \"num_speculative_tokens\": 4}' (greedy output unchanged, "
         "sampled output exactly the target's distribution)", metavar="JSON")
     kv_pin_prefix: tuple[str, ...] = _opt(

@@ -16,10 +16,12 @@ import functools
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ironlm import _core
@@ -33,6 +35,7 @@ from ironlm.engine.prompt_logprobs import PromptLogprobs
 from ironlm.engine.prompt_logprobs import namespace as prompt_logprobs_namespace
 from ironlm.engine.prompts import PromptType, apply_chat_template, encode_prompt
 from ironlm.engine.sequence_table import EngineRequest, SequenceTable
+from ironlm.engine.spec.cost import SpecBudget
 from ironlm.engine.spec.draft import DraftModel
 from ironlm.engine.spec.verify import may_speculate
 from ironlm.engine.timing import StepTimer
@@ -82,6 +85,11 @@ class LLMEngine:
         # fail. AsyncLLMEngine counts such steps toward its restart policy like steps that raise.
         self.last_step_error: Exception | None = None
         self.timer = StepTimer()
+        # Each step's proposal budget from measured step costs (engine/spec/cost.py); kept across reset(): it
+        # describes the machine and the model, not the requests.
+        self.spec_budget = (SpecBudget(spec.num_speculative_tokens, spec.max_batch_tokens, spec.step_costs)
+                            if spec is not None and spec.cost_model and config.runner != "pooling" else None)
+        self._prefill_rows = 0  # the next step's, as far as the last one tells
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
@@ -259,6 +267,10 @@ class LLMEngine:
         self.last_step_error = None
         timer = self.timer
         timer.start()
+        began = time.perf_counter()
+        if self.spec_budget is not None:
+            running = self.scheduler.num_running
+            self.scheduler.set_spec_budget(self.spec_budget.choose(running, running + self._prefill_rows))
         plan = self.scheduler.schedule()
         timer.lap("schedule")
         touched: dict[str, EngineRequest] = {}
@@ -306,7 +318,24 @@ class LLMEngine:
         outputs = self._collect(touched)
         timer.lap("output")
         self.num_steps += 1
+        if self.spec_budget is not None:
+            self._measure(plan, time.perf_counter() - began)
         return outputs
+
+    def _measure(self, plan: _core.SchedulerPlan, seconds: float) -> None:
+        """Feed the cost model this step's rows, proposals, accepted proposals and wall time."""
+        assert self.spec_budget is not None
+        proposed = int(np.count_nonzero(plan.sample_draft >= 0))
+        accepted = 0
+        if proposed:  # the core's accepted run per sequence: emitted rows past each one's first
+            emitted = self.scheduler.emitted()
+            seqs = np.unique(plan.sample_slots[emitted]).size
+            accepted = max(0, int(np.count_nonzero(emitted)) - seqs)
+        # The next step prefills again if a prompt is part way (a sequence without a sampled row) or waiting.
+        sampled_seqs = np.unique(np.searchsorted(plan.query_start_loc, plan.logits_indices, side="right")).size
+        more = plan.num_prefill_tokens and (sampled_seqs < plan.num_seqs or self.scheduler.num_waiting > 0)
+        self._prefill_rows = plan.num_prefill_tokens if more else 0
+        self.spec_budget.observe(plan.num_tokens, proposed, accepted, seconds, plan.num_prefill_tokens > 0)
 
     def _draft(self, plan: _core.SchedulerPlan, timer: StepTimer) -> Drafts | None:
         """A draft model's proposals into the plan's reserved rows (None without a draft model)."""
@@ -461,6 +490,10 @@ class LLMEngine:
             "spec_decode_accepted_per_pos": list(s["accepted_per_pos"]),
             "spec_decode_acceptance_per_pos": [a / drafts for a in s["accepted_per_pos"]] if drafts else [],
             "spec_decode_grammar_cut_tokens": s["grammar_cut_tokens"],
+            # The cost model's: steps it paused speculation in, and its last budget (-1: no cost model).
+            "spec_decode_paused_steps": 0 if self.spec_budget is None else self.spec_budget.paused_steps,
+            "spec_decode_budget": -1 if self.spec_budget is None or self.spec_budget.budget is None
+            else self.spec_budget.budget,
         }
 
     def step_breakdown(self) -> dict[str, float]:

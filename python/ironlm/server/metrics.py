@@ -57,6 +57,8 @@ _COUNTERS = (
     ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Speculative tokens accepted."),
     ("spec_decode_grammar_cut_tokens", "spec_decode_grammar_cut_tokens",
      "Speculative tokens a structured-output grammar rejected before verification."),
+    ("spec_decode_paused_steps", "spec_decode_paused_steps",
+     "Steps the speculation cost model ran without proposals (predicted slower: compute-bound or poor acceptance)."),
 )
 _TIERS = ("device", "host", "disk")
 _TIER_OF_KIND = {"memory": "host", "disk": "disk"}  # LLMEngine.stats()["kv_tier"] -> the tier label
@@ -104,6 +106,10 @@ class _StatsCollector(Collector):
         for i, r in enumerate(s.get("spec_decode_acceptance_per_pos", ())):
             rate.add_metric([self._model, str(i)], float(r))
         yield rate
+        budget = GaugeMetricFamily("ironlm:spec_decode_budget", "The speculation cost model's proposal budget for "
+                                   "the last step (0: paused, -1: no cost model).", labels=["model_name"])
+        budget.add_metric([self._model], float(s.get("spec_decode_budget", -1)))
+        yield budget
         total = GaugeMetricFamily("ironlm:spec_decode_acceptance_rate", "Accepted / proposed speculative tokens.",
                                   labels=["model_name"])
         total.add_metric([self._model], float(s.get("spec_decode_acceptance_rate", 0.0)))

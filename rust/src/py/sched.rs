@@ -443,13 +443,14 @@ impl PyScheduler {
     /// Turn speculative decoding on (``num_speculative_tokens`` >= 1) for requests added from
     /// now; ``None`` turns it off. n-gram proposals, or with ``external`` rows reserved for
     /// proposals made outside (``set_proposals``).
-    #[pyo3(signature = (num_speculative_tokens, prompt_lookup_max = 4, prompt_lookup_min = 1, max_batch_tokens = 32, external = false))]
+    /// ``max_batch_tokens``: no proposals once the decode batch reaches it (None: no cap).
+    #[pyo3(signature = (num_speculative_tokens, prompt_lookup_max = 4, prompt_lookup_min = 1, max_batch_tokens = None, external = false))]
     fn set_speculation(
         &mut self,
         num_speculative_tokens: Option<i64>,
         prompt_lookup_max: i64,
         prompt_lookup_min: i64,
-        max_batch_tokens: i64,
+        max_batch_tokens: Option<i64>,
         external: bool,
     ) -> PyResult<()> {
         let cfg = match num_speculative_tokens {
@@ -458,11 +459,22 @@ impl PyScheduler {
                 num_speculative_tokens: count_arg("num_speculative_tokens", k, 1)?,
                 prompt_lookup_max: count_arg("prompt_lookup_max", prompt_lookup_max, 1)?,
                 prompt_lookup_min: count_arg("prompt_lookup_min", prompt_lookup_min, 1)?,
-                max_batch_tokens: count_arg("max_batch_tokens", max_batch_tokens, 0)?,
+                max_batch_tokens: match max_batch_tokens {
+                    Some(n) => count_arg("max_batch_tokens", n, 0)?,
+                    None => usize::MAX,
+                },
                 external,
             }),
         };
         Ok(self.inner.set_speculation(cfg)?)
+    }
+
+    /// The most proposal tokens the next steps' plans may carry in all (the engine's cost
+    /// model, per step; 0 pauses speculation); ``None`` lifts the limit.
+    fn set_spec_budget(&mut self, budget: Option<i64>) -> PyResult<()> {
+        let b = budget.map(|n| count_arg("budget", n, 0)).transpose()?;
+        self.inner.set_spec_budget(b);
+        Ok(())
     }
 
     /// External proposals for ``plan`` (the last ``schedule``'s): one token per sample row

@@ -107,6 +107,9 @@ pub struct Scheduler {
     /// Speculative decoding (n-gram prompt lookup); None: off.
     spec: Option<SpecConfig>,
     spec_stats: SpecStats,
+    /// The engine's per-step proposal budget (its cost model's choice); None: no limit but
+    /// `max_batch_tokens`.
+    spec_budget: Option<usize>,
     /// The proposal being planned (reused buffer).
     spec_draft: Vec<u32>,
     /// Per sample row of the last `update`: its token was appended (false: a row after a
@@ -182,6 +185,7 @@ impl Scheduler {
             tier: TierState::new(opts.swap),
             spec: None,
             spec_stats: SpecStats::default(),
+            spec_budget: None,
             spec_draft: Vec::new(),
             emitted: Vec::new(),
             cfg,
@@ -195,6 +199,12 @@ impl Scheduler {
         }
         self.spec = cfg;
         Ok(())
+    }
+
+    /// Most proposal tokens the next plans may carry, in all (0: those steps decode one token
+    /// a sequence); None lifts the limit. Kept until changed.
+    pub fn set_spec_budget(&mut self, budget: Option<usize>) {
+        self.spec_budget = budget;
     }
 
     pub fn speculation(&self) -> Option<&SpecConfig> {

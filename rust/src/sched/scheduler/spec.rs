@@ -12,13 +12,14 @@ use crate::sched::sequence::{Slot, Status};
 use crate::sched::spec::ngram_propose;
 
 impl Scheduler {
-    /// Tokens the step may still spend on proposals: none once the decode batch is past
-    /// `max_batch_tokens` (compute-bound), or with speculation off.
+    /// Tokens the step may spend on proposals: the engine's budget for the step, and none
+    /// once the decode batch is past `max_batch_tokens`, or with speculation off.
     pub(super) fn spec_allowance(&self) -> usize {
         match &self.spec {
-            Some(c) if self.sliding_window.is_none() => {
-                c.max_batch_tokens.saturating_sub(self.running.len())
-            }
+            Some(c) if self.sliding_window.is_none() => c
+                .max_batch_tokens
+                .saturating_sub(self.running.len())
+                .min(self.spec_budget.unwrap_or(usize::MAX)),
             _ => 0,
         }
     }

@@ -156,6 +156,29 @@ fn speculation_stays_off_where_it_must() {
     let plan = s.schedule(Some(1.0)).clone();
     assert_eq!(plan.num_tokens(), 2);
     assert!(plan.sample_draft.iter().all(|&d| d < 0));
+    // The engine's per-step budget: 0 pauses speculation, n caps the step's proposals (in
+    // running order), None lifts the limit again.
+    let mut s = sched(64, 4, 4);
+    for id in ["a", "b"] {
+        s.add_request(id, &prompt, params(12)).unwrap();
+    }
+    s.schedule(Some(0.0));
+    s.update(&[3, 3]).unwrap();
+    let proposals = |p: &Plan| p.sample_draft.iter().filter(|&&d| d >= 0).count();
+    s.set_spec_budget(Some(0));
+    let plan = s.schedule(Some(1.0)).clone();
+    assert_eq!((plan.num_tokens(), proposals(&plan)), (2, 0));
+    s.update(&[4, 4]).unwrap();
+    s.set_spec_budget(Some(3));
+    let plan = s.schedule(Some(2.0)).clone();
+    assert_eq!(proposals(&plan), 3);
+    assert_eq!(plan.num_tokens(), 5);
+    // All accepted, then "1": each sequence's suffix occurs earlier again.
+    let sampled: Vec<i64> = plan.sample_draft.iter().map(|&d| d.max(1)).collect();
+    s.update(&sampled).unwrap();
+    s.set_spec_budget(None);
+    let plan = s.schedule(Some(3.0)).clone();
+    assert!(proposals(&plan) > 3, "{:?}", plan.sample_draft);
     // Bad settings name the field.
     let err = s.set_speculation(Some(SpecConfig {
         prompt_lookup_min: 5,
@@ -254,8 +277,20 @@ fn randomized_accept_reject_cycles_keep_blocks_and_cache_exact() {
             if rng.chance(3) {
                 s.finish(rng.index(s.num_slots().max(1)) as Slot);
             }
+            // The engine's cost model changes the step's proposal budget at will.
+            let budget = match rng.index(4) {
+                0 => None,
+                1 => Some(0),
+                _ => Some(rng.index(12)),
+            };
+            s.set_spec_budget(budget);
             let plan = s.schedule(Some(step as f64)).clone();
             assert!(plan.num_tokens() <= s.config().max_num_batched_tokens);
+            let proposed = plan.sample_draft.iter().filter(|&&d| d >= 0).count();
+            assert!(
+                proposed <= budget.unwrap_or(usize::MAX),
+                "over the step's budget"
+            );
             run_plan(&s, &plan, &mut kv, bs);
             if rng.chance(3) {
                 continue; // never updated: rolled back (preempted) by the next schedule
