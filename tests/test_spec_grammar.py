@@ -23,7 +23,7 @@ from server_utils import RealServer
 from tiny_models import EOS_ID, IM_END_ID, make_tiny_model, make_tiny_tokenizer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-         "max_batch_tokens": 4096}
+         "max_batch_tokens": 4096, "cost_model": False}
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}}
 DOC = '{"name":"abcab","age":12}'
@@ -146,7 +146,7 @@ def test_a_draft_model_proposes_under_the_grammar(engines, model):
     accepted (unmasked, it proposed mostly invalid tokens and nearly all were rejected). Greedy output is the
     plain engine's; seeded sampling is valid and repeats."""
     plain, _ = engines
-    spec = LLM(model, speculative_config={"model": model, "num_speculative_tokens": 3}, **KW)
+    spec = LLM(model, speculative_config={"model": model, "num_speculative_tokens": 3, "cost_model": False}, **KW)
     prompts = [p for _, p in CASES]
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so) for so, _ in CASES]
     assert _gen(spec, params, prompts) == _gen(plain, params, prompts)
