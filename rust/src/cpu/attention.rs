@@ -274,79 +274,142 @@ unsafe fn run_seqs_avx2<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [
 #[inline(always)]
 fn run_seqs_generic<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
     let width = args.shape.num_q_heads * args.shape.head_dim;
+    let n = out.len() / width;
     let mut scratch = Scratch {
         scores: Vec::new(),
-        q: vec![0.0; width],
-        acc: vec![0.0; width],
+        q: Vec::new(),
+        acc: Vec::new(),
+        spans: Vec::new(),
     };
-    for (i, seq_out) in out.chunks_exact_mut(width).enumerate() {
-        attend(args, first + i, &mut scratch, seq_out);
+    let mut i = 0;
+    while i < n {
+        let mut end = i + 1;
+        while end < n && args.same_table(first + i, first + end) {
+            end += 1;
+        }
+        attend(
+            args,
+            first + i..first + end,
+            &mut scratch,
+            &mut out[i * width..end * width],
+        );
+        i = end;
     }
 }
 
-/// Per-thread f32 working rows: one sequence's logits, its query and its output accumulator.
+impl<T: Elem> DecodeArgs<'_, T> {
+    /// Rows with one block table are one sequence's consecutive query rows (a speculative
+    /// verification, a short chunk): they share their cache rows.
+    fn same_table(&self, a: usize, b: usize) -> bool {
+        let m = self.shape.max_blocks;
+        self.block_tables[a * m..(a + 1) * m] == self.block_tables[b * m..(b + 1) * m]
+    }
+}
+
+/// Per-thread f32 working rows: the group's logits, queries and output accumulators, and each
+/// row's attended positions with the offset of its logits.
 struct Scratch {
     scores: Vec<f32>,
     q: Vec<f32>,
     acc: Vec<f32>,
+    spans: Vec<(usize, usize, usize)>,
 }
 
-/// One sequence, all heads at once: the cache rows of a position (every KV head, contiguous)
-/// are read once and in order, a whole block at a time, so the prefetcher sees a stream.
-/// Two passes: logits for every position, softmax per head, then V rows weighted into `out`.
+/// Rows `rows` of one sequence (one block table), all heads at once: the cache rows of a
+/// position (every KV head, contiguous) are read once for the whole group, in order, a block at
+/// a time, so the prefetcher sees a stream and a verification of k rows reads the cache once, not
+/// k times. Two passes: logits for every position, softmax per row and head, then V rows
+/// weighted into `out`. Each row's arithmetic (its dots, its softmax, its sums in position
+/// order) is the same whatever the group, so a row's output does not depend on its neighbours.
 #[inline(always)]
-fn attend<T: Elem>(args: &DecodeArgs<T>, seq: usize, scratch: &mut Scratch, out: &mut [T]) {
+fn attend<T: Elem>(
+    args: &DecodeArgs<T>,
+    rows: std::ops::Range<usize>,
+    scratch: &mut Scratch,
+    out: &mut [T],
+) {
     let s = args.shape;
     let (d, hq) = (s.head_dim, s.num_q_heads);
     let group = hq / s.num_kv_heads;
     let width = s.num_kv_heads * d;
-    let (first, len) = args.span(seq);
-    let span = len - first; // positions before `first` lie outside the window: never read
-    let table = &args.block_tables[seq * s.max_blocks..(seq + 1) * s.max_blocks];
-    let start = seq * args.q_stride;
-    let (scores, q, acc) = (&mut scratch.scores, &mut scratch.q, &mut scratch.acc);
-    for (x, &y) in q.iter_mut().zip(&args.q[start..start + hq * d]) {
-        *x = y.load();
+    let table = &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks];
+    let (scores, q, acc, spans) = (
+        &mut scratch.scores,
+        &mut scratch.q,
+        &mut scratch.acc,
+        &mut scratch.spans,
+    );
+    spans.clear();
+    q.clear();
+    let mut total = 0;
+    for seq in rows.clone() {
+        // positions before `first` lie outside the window: never read
+        let (first, len) = args.span(seq);
+        spans.push((first, len, total));
+        total += hq * (len - first);
+        let start = seq * args.q_stride;
+        q.extend(args.q[start..start + hq * d].iter().map(|y| y.load()));
     }
+    let lo = spans.iter().map(|sp| sp.0).min().unwrap_or(0);
+    let hi = spans.iter().map(|sp| sp.1).max().unwrap_or(0);
     let row = |pos: usize| {
         (table[pos / s.block_size] as usize * s.block_size + pos % s.block_size) * width
     };
     scores.clear();
-    scores.resize(hq * span, 0.0);
-    for pos in first..len {
-        if pos + s.block_size < len {
+    scores.resize(total, 0.0);
+    for pos in lo..hi {
+        if pos + s.block_size < hi {
             prefetch(&args.k_cache[row(pos + s.block_size)..row(pos + s.block_size) + width]);
         }
         let k = &args.k_cache[row(pos)..row(pos) + width];
-        for h in 0..hq {
-            let kh = &k[h / group * d..(h / group + 1) * d];
-            scores[h * span + pos - first] = dot(&q[h * d..(h + 1) * d], kh) * args.scale;
+        for (r, &(first, len, base)) in spans.iter().enumerate() {
+            if pos < first || pos >= len {
+                continue;
+            }
+            let span = len - first;
+            for h in 0..hq {
+                let kh = &k[h / group * d..(h / group + 1) * d];
+                let qh = &q[(r * hq + h) * d..(r * hq + h + 1) * d];
+                scores[base + h * span + pos - first] = dot(qh, kh) * args.scale;
+            }
         }
     }
     if let Some(cap) = args.softcap {
         scores.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
     }
-    for (h, sc) in scores.chunks_exact_mut(span).enumerate() {
-        // A sink enters the max too, so a sink far above every logit cannot overflow exp().
-        let sink = args.sinks.map(|sk| sk[h]);
-        let max = sc
-            .iter()
-            .copied()
-            .fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
-        sc.iter_mut().for_each(|x| *x = exp(*x - max));
-        let inv = 1.0 / (sum(sc) + sink.map_or(0.0, |x| exp(x - max)));
-        sc.iter_mut().for_each(|x| *x *= inv);
+    for &(first, len, base) in spans.iter() {
+        let span = len - first;
+        let mine = &mut scores[base..base + hq * span];
+        for (h, sc) in mine.chunks_exact_mut(span).enumerate() {
+            // A sink enters the max too, so a sink far above every logit cannot overflow exp().
+            let sink = args.sinks.map(|sk| sk[h]);
+            let max = sc
+                .iter()
+                .copied()
+                .fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
+            sc.iter_mut().for_each(|x| *x = exp(*x - max));
+            let inv = 1.0 / (sum(sc) + sink.map_or(0.0, |x| exp(x - max)));
+            sc.iter_mut().for_each(|x| *x *= inv);
+        }
     }
-    acc.fill(0.0);
-    for pos in first..len {
-        if pos + s.block_size < len {
+    acc.clear();
+    acc.resize(spans.len() * hq * d, 0.0);
+    for pos in lo..hi {
+        if pos + s.block_size < hi {
             prefetch(&args.v_cache[row(pos + s.block_size)..row(pos + s.block_size) + width]);
         }
         let v = &args.v_cache[row(pos)..row(pos) + width];
-        for (h, o) in acc.chunks_exact_mut(d).enumerate() {
-            let p = scores[h * span + pos - first];
-            for (o, &x) in o.iter_mut().zip(&v[h / group * d..(h / group + 1) * d]) {
-                *o += p * x.load();
+        for (r, &(first, len, base)) in spans.iter().enumerate() {
+            if pos < first || pos >= len {
+                continue;
+            }
+            let span = len - first;
+            let mine = &mut acc[r * hq * d..(r + 1) * hq * d];
+            for (h, o) in mine.chunks_exact_mut(d).enumerate() {
+                let p = scores[base + h * span + pos - first];
+                for (o, &x) in o.iter_mut().zip(&v[h / group * d..(h / group + 1) * d]) {
+                    *o += p * x.load();
+                }
             }
         }
     }

@@ -390,3 +390,77 @@ fn sinks_join_the_denominator_only() {
     case.sinks = Some(vec![0.0, f32::NAN, 0.0, 0.0]);
     assert!(paged_decode(&case.args(), &mut out, 1).is_err());
 }
+
+/// A speculative verification's rows: one sequence's table repeated for rows at consecutive
+/// positions (`_row_plan`). They are attended as one group that reads the cache once; each row
+/// must come out bit for bit as when it is the only row of a call, with windows, soft-caps and
+/// sinks, at any thread count, and next to rows of other sequences.
+#[test]
+fn rows_sharing_a_table_equal_each_row_alone() {
+    let mut rng = Rng(23);
+    for &(hq, hkv, d, bs) in &[(9, 3, 64, 16), (4, 4, 16, 4), (6, 2, 40, 8)] {
+        for trial in 0..6 {
+            // two sequences: `a` verifies `k` rows, `b` decodes one
+            let mut case = Case::random(&mut rng, hq, hkv, d, bs, 2);
+            let m = case.shape.max_blocks;
+            let k = 1 + rng.index(6);
+            let cap = (m * bs) as i32;
+            let base = (1 + rng.index((m * bs).saturating_sub(k).max(1))) as i32;
+            let a_table = case.tables[..m].to_vec();
+            let b_table = case.tables[m..].to_vec();
+            let b_len = case.lens[1];
+            let mut tables = Vec::new();
+            let mut lens = Vec::new();
+            for j in 0..k {
+                tables.extend_from_slice(&a_table);
+                lens.push((base + j as i32).min(cap));
+            }
+            tables.extend_from_slice(&b_table);
+            lens.push(b_len);
+            let n = k + 1;
+            case.shape.num_seqs = n;
+            case.tables = tables;
+            case.lens = lens;
+            case.q = rng.floats(n * hq * d);
+            case.window = [None, Some(3), Some(bs + 1)][trial % 3];
+            case.softcap = (trial % 2 == 1).then_some(4.0);
+            case.sinks = (trial % 4 == 3).then(|| rng.floats(hq));
+            let width = hq * d;
+            for threads in [1, 2, 3] {
+                let mut out = vec![f32::NAN; n * width];
+                paged_decode(&case.args(), &mut out, threads).unwrap();
+                for row in 0..n {
+                    let mut one = DecodeArgs {
+                        shape: DecodeShape {
+                            num_seqs: 1,
+                            ..case.shape
+                        },
+                        ..case.args()
+                    };
+                    one.q = &case.q[row * width..(row + 1) * width];
+                    one.block_tables = &case.tables[row * m..(row + 1) * m];
+                    one.seq_lens = &case.lens[row..row + 1];
+                    let mut alone = vec![f32::NAN; width];
+                    paged_decode(&one, &mut alone, 1).unwrap();
+                    let got = &out[row * width..(row + 1) * width];
+                    assert!(
+                        got.iter()
+                            .zip(&alone)
+                            .all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "Hq={hq} D={d} trial {trial} threads {threads}: row {row} of {n} differs"
+                    );
+                }
+                let want = case.reference();
+                let err = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    err < 1e-5,
+                    "trial {trial}: max error {err} against the reference"
+                );
+            }
+        }
+    }
+}
