@@ -47,13 +47,3 @@ def test_gguf_from_llama_cpp_converter(olmo2, tmp_path, monkeypatch):
     assert cfg.architecture == "olmo2" and cfg.qk_norm_full and cfg.post_mlp_norm and not cfg.pre_attn_norm
     check_engine_greedy(gguf_path, prompts, expected, "cpu")
 
-
-def test_tensor_parallel_is_refused_clearly(olmo2):
-    """The full-width qk-norm needs every head of q at once; a TP rank holds half of them."""
-    from ironlm.distributed.group import TPGroup
-    from ironlm.exceptions import UnsupportedModelError
-
-    group = TPGroup.__new__(TPGroup)  # shards only, as test_tensor_parallel's _rank: no collective runs
-    group.rank, group.world, group._shard, group.device = 0, 2, None, torch.device("cpu")
-    with pytest.raises(UnsupportedModelError, match="qk-norm over the whole q/k projection"):
-        load_model(olmo2[0], dtype="float32", tp=group)

@@ -4,7 +4,8 @@ Column-parallel (output rows split): q/k/v and gate/up, the vocab rows of the em
 (input columns split): o and down, whose partial products one all-reduce sums. Query heads split evenly; KV heads
 split too when there are at least as many as ranks, else each rank keeps the one KV head its query heads read
 (replicated, as vLLM does). The vocabulary is padded to a multiple of the ranks with zero rows, whose logits are
-cut off after the gather. Everything else (norms) is replicated.
+cut off after the gather. Everything else (norms) is replicated, but for a qk-norm over the whole q / k projection
+(OLMo 2), whose weights split with q's and k's rows.
 
 MoE layers run only under expert parallelism (`expert_parallel`): rank r holds the routed experts
 [r*E/N, (r+1)*E/N) whole and runs them for every token routed to them; the router is replicated (every rank routes
@@ -144,6 +145,8 @@ class ShardSpec:
                          "mlp.shared_expert.up_proj": Cut(0, s0, s0 + shared)})
             if rest == "mlp.shared_expert.down_proj.weight":
                 return Cut(1, s0, s0 + shared)
+        if self.config.qk_norm_full:  # OLMo 2's norm over the whole q / k projection: its weights split as they do
+            cuts.update({"self_attn.q_norm": cuts["self_attn.q_proj"], "self_attn.k_norm": cuts["self_attn.k_proj"]})
         if self.config.mla:  # latent attention: the latent projections replicate, the per-head ones split
             cuts.update(self._mla_cuts())
         module = rest.rpartition(".")[0]

@@ -154,6 +154,9 @@ def lean_layer(layer: Any, ws: LeanBuffers, k_cache: np.ndarray, v_cache: np.nda
     x, x_np = _normed(layer, views.input, ws, step)
     layer.qkv.into(x, ws.qkv, x_np, ws.qkv_np)
     qk = views.qk
+    if layer.qk_norm_ranks:  # the whole-width norm needs every rank's heads: normed here, not in the kernel
+        layer.qk_norm_across_ranks(ws.qkv)
+        qk = None
     _core.decode_attention_qkv(
         ws.qkv_np, k_cache, v_cache, step.block_tables, step.seq_lens, step.slots, step.positions,
         None if layer.rotary is None else step.tables[layer.rotary], layer.scale, ws.attn_np, layer.num_heads,

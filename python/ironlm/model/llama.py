@@ -82,9 +82,11 @@ class DecoderLayer(nn.Module):
         self.sinks = _param((cfg.num_heads,), torch.float32, device) if cfg.attn_sinks else None
         # qk-norm per head ([head_dim] weights, Qwen3) or over the whole projection (OLMo 2: [q_size], [kv_size])
         self.qk_norm_full = cfg.qk_norm and cfg.qk_norm_full
-        if self.qk_norm_full and tp is not None:
-            raise UnsupportedModelError("a qk-norm over the whole q/k projection (OLMo 2) does not run tensor "
-                                        "parallel: each rank holds only some heads of the norm's width")
+        # Under TP a rank holds some heads of that width (and its slice of the norm weights, see ShardSpec): the
+        # sums of squares are all-reduced, k's only where the KV heads split (a KV head replicated on every rank
+        # is whole there already), as vLLM's OLMo 2 does.
+        self.qk_norm_ranks = self.qk_norm_full and tp is not None
+        self.k_norm_split = tp is not None and tp.shard.num_kv_heads < tp.shard.config.num_kv_heads
         self.q_norm = norm(cfg.qk_norm, q if self.qk_norm_full else cfg.head_dim)
         self.k_norm = norm(cfg.qk_norm, kv if self.qk_norm_full else cfg.head_dim)
         self.qk_norm_weight: torch.Tensor | None = None  # [Hq + Hkv, D], built by finish_loading
@@ -140,7 +142,9 @@ class DecoderLayer(nn.Module):
         if isinstance(rope, CoreRope) or (rope is None and core_ok(qkv)):
             # CPU: qk-norm and RoPE in place inside the projection's output, by the lean decode step's kernels;
             # q, k, v stay views of it.
-            if self.q_norm is not None:
+            if self.qk_norm_ranks:
+                self.qk_norm_across_ranks(qkv)
+            elif self.q_norm is not None:
                 self._core_qk_norm(qkv)
             if rope is not None:
                 rope.apply_(qkv, hq + hkv, d)
@@ -150,6 +154,8 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, hkv, d)
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, None, self.eps).mul_(self.qk_norm_weight)
+        elif self.qk_norm_ranks:
+            self.qk_norm_across_ranks(qkv)  # in place: qk is a view of it
         elif self.qk_norm_full:
             assert self.q_norm is not None and self.k_norm is not None
             q_part, k_part = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
@@ -170,6 +176,27 @@ class DecoderLayer(nn.Module):
         if self._qk_np is None:
             self._qk_np = (as_numpy(self.q_norm.data), as_numpy(self.k_norm.data))
         return self._qk_np
+
+    def qk_norm_across_ranks(self, qkv: torch.Tensor) -> None:
+        """The whole-projection qk-norm of this rank's heads, in place in `qkv` [T, q + 2 kv]: the statistics of
+        the full width, summed over the ranks (one all-reduce), in fp32 as HF's Olmo2RMSNorm."""
+        assert self.tp is not None and self.q_norm is not None and self.k_norm is not None
+        q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+        qf, kf = q.float(), k.float()
+        q_ss, k_ss = qf.square().sum(-1, keepdim=True), kf.square().sum(-1, keepdim=True)
+        world = self.tp.world
+        # Each rank's sum counts its heads; the total counts a KV head once per rank holding it (GQA groups wider
+        # than a rank), so world x this rank's width is the full width times that count: the mean is exact.
+        if self.k_norm_split:
+            ss = torch.cat([q_ss, k_ss], dim=1)
+            self.tp.all_reduce(ss)
+            q_ss, k_ss = ss[:, :1], ss[:, 1:] / (world * self.kv_size)
+        else:
+            self.tp.all_reduce(q_ss)
+            k_ss = k_ss / self.kv_size
+        q_var = q_ss / (world * self.q_size)
+        q.copy_(qf * torch.rsqrt(q_var + self.eps) * self.q_norm.float())
+        k.copy_(kf * torch.rsqrt(k_ss + self.eps) * self.k_norm.float())
 
     def _core_qk_norm(self, qkv: torch.Tensor) -> None:
         weights = self.qk_norm_np()
