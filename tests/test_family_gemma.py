@@ -170,13 +170,18 @@ def test_greedy_with_prefix_cache_chunked_prefill_and_preemption(family, greedy,
     prompts, expected = greedy
 
     seen: list[object] = []
-    real = _core.paged_decode_attention
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("softcap"))
-        return real(*args, **kwargs)
+    def spy_on(name: str) -> None:  # the ordinary forward's decode kernel, and the lean step's fused one
+        real = getattr(_core, name)
 
-    monkeypatch.setattr(_core, "paged_decode_attention", spy)
+        def spy(*args, **kwargs):
+            seen.append(kwargs.get("softcap"))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(_core, name, spy)
+
+    spy_on("paged_decode_attention")
+    spy_on("decode_attention_qkv")
     # 15 blocks of 4 for five sequences of up to 40 tokens: preemption; batches of 8 tokens: chunked prefill
     llm = LLM(str(path), attention_backend=backend, dtype="float32", num_kv_blocks=15, block_size=4,
               max_num_batched_tokens=8, max_num_seqs=4, seed=0)
