@@ -119,6 +119,14 @@ impl Case {
     }
 }
 
+/// The largest elementwise difference of two outputs.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
 #[test]
 fn matches_reference_across_shapes_and_thread_counts() {
     let mut rng = Rng(7);
@@ -136,11 +144,7 @@ fn matches_reference_across_shapes_and_thread_counts() {
             let mut out = vec![f32::NAN; case.q.len()];
             paged_decode(&case.args(), &mut out, threads).unwrap();
             let want = case.reference();
-            let err = out
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f32::max);
+            let err = max_diff(&out, &want);
             assert!(
                 err < 1e-5,
                 "Hq={hq} Hkv={hkv} D={d} bs={bs} threads={threads}: max error {err}"
@@ -160,11 +164,7 @@ fn sliding_window_attends_only_the_last_positions() {
                 let mut out = vec![f32::NAN; case.q.len()];
                 paged_decode(&case.args(), &mut out, threads).unwrap();
                 let want = case.reference();
-                let err = out
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f32::max);
+                let err = max_diff(&out, &want);
                 assert!(err < 1e-5, "window={window} bs={bs}: max error {err}");
             }
         }
@@ -176,11 +176,7 @@ fn sliding_window_attends_only_the_last_positions() {
     case.window = Some(1);
     let mut out = vec![0.0; case.q.len()];
     paged_decode(&case.args(), &mut out, 1).unwrap();
-    let diff = out
-        .iter()
-        .zip(&full)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
+    let diff = max_diff(&out, &full);
     assert!(diff > 1e-3, "a window of 1 left the output unchanged");
 }
 
@@ -264,11 +260,7 @@ fn half_caches_and_strided_queries_match_the_f32_kernel() {
             (run::<Bf16>(&case, 2 * hkv * d), 4e-3),
             (run::<F16>(&case, 0), 5e-4),
         ] {
-            let err = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f32::max);
+            let err = max_diff(&got, &want);
             assert!(err < tol, "Hq={hq} D={d}: max error {err}");
         }
         assert_eq!(run::<f32>(&case, 7), want, "a row stride changes nothing");
@@ -334,11 +326,7 @@ fn soft_capped_logits_match_reference() {
             }
             case.softcap = None;
             let plain = case.reference();
-            let moved = want
-                .iter()
-                .zip(&plain)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f32::max);
+            let moved = max_diff(&want, &plain);
             assert!(
                 moved > 1e-2,
                 "the cap must change the result here ({moved})"
@@ -372,11 +360,7 @@ fn sinks_join_the_denominator_only() {
             }
             case.sinks = None;
             let plain = case.reference();
-            let moved = want
-                .iter()
-                .zip(&plain)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f32::max);
+            let moved = max_diff(&want, &plain);
             assert!(
                 moved > 1e-2,
                 "the sinks must change the result here ({moved})"
@@ -451,11 +435,7 @@ fn rows_sharing_a_table_equal_each_row_alone() {
                     );
                 }
                 let want = case.reference();
-                let err = out
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f32::max);
+                let err = max_diff(&out, &want);
                 assert!(
                     err < 1e-5,
                     "trial {trial}: max error {err} against the reference"

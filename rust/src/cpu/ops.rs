@@ -83,6 +83,24 @@ fn par_rows<T: Send>(
     });
 }
 
+/// `x` is whole rows of `dim`, the output `(name, len)` as long as `x`, a weight one row.
+fn check_rows<T>(
+    x: &[T],
+    dim: usize,
+    out: (&'static str, usize),
+    weight: Option<&[T]>,
+) -> CoreResult<()> {
+    if dim == 0 || !x.len().is_multiple_of(dim) {
+        let r = format!("{} elements are not rows of {dim}", x.len());
+        return Err(CoreError::invalid("x", r));
+    }
+    check_len(out.0, out.1, x.len())?;
+    if let Some(w) = weight {
+        check_len("weight", w.len(), dim)?;
+    }
+    Ok(())
+}
+
 fn check_len(name: &'static str, got: usize, want: usize) -> CoreResult<()> {
     if got != want {
         return Err(CoreError::invalid(
@@ -103,14 +121,7 @@ pub fn rms_norm<T: Elem>(
     dim: usize,
     threads: usize,
 ) -> CoreResult<()> {
-    if dim == 0 || !x.len().is_multiple_of(dim) {
-        let r = format!("{} elements are not rows of {dim}", x.len());
-        return Err(CoreError::invalid("x", r));
-    }
-    check_len("out", out.len(), x.len())?;
-    if let Some(w) = weight {
-        check_len("weight", w.len(), dim)?;
-    }
+    check_rows(x, dim, ("out", out.len()), weight)?;
     par_rows(out, dim, threads, &|first, rows| {
         let x = &x[first * dim..first * dim + rows.len()];
         norm_rows(x, weight, eps, rows, dim)
@@ -157,14 +168,7 @@ pub fn residual_add<T: Elem>(
     dim: usize,
     threads: usize,
 ) -> CoreResult<()> {
-    if dim == 0 || !x.len().is_multiple_of(dim) {
-        let r = format!("{} elements are not rows of {dim}", x.len());
-        return Err(CoreError::invalid("x", r));
-    }
-    check_len("h", h.len(), x.len())?;
-    if let Some(w) = norm.and_then(|n| n.weight) {
-        check_len("weight", w.len(), dim)?;
-    }
+    check_rows(x, dim, ("h", h.len()), norm.and_then(|n| n.weight))?;
     par_rows(h, dim, threads, &|first, rows| {
         let x = &x[first * dim..first * dim + rows.len()];
         add_rows(x, norm, scale, rows, dim)
