@@ -210,8 +210,9 @@ def test_plain_batches_compute_no_masks():
 def test_sampler_applies_the_mask_before_sampling_and_keeps_raw_logprobs():
     V = 100
     s = Sampler(V, "cpu", max_slots=4, seed=0)
-    s.add(0, SamplingParams(temperature=0.0), [1])
-    s.add(1, SamplingParams(temperature=1.0, top_k=5, seed=3), [1])
+    # logprobs=0: the rows report their chosen token's logprob (the sampler skips it for rows that do not ask)
+    s.add(0, SamplingParams(temperature=0.0, logprobs=0), [1])
+    s.add(1, SamplingParams(temperature=1.0, top_k=5, seed=3, logprobs=0), [1])
     logits = torch.randn(2, V)
     logits[:, 7] = 50.0  # the unconstrained favourite, disallowed below
     words = np.zeros((2, (V + 31) // 32), np.uint32)
