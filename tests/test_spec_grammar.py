@@ -184,6 +184,17 @@ def test_http_structured_outputs_speculate_and_bad_grammars_are_400(tmp_path_fac
 
 # ---- in the core: each verification row's mask, and the matcher afterwards ---------------------------------
 
+def _plain_mask(prompt: list[int], eos: list[int], grammar, output: list[int]) -> np.ndarray:
+    """The mask a non-speculating scheduler gives the request's next row after it sampled `output`."""
+    sched = make_scheduler(64)
+    sched.add_request("r", prompt, 16, eos_token_ids=eos, grammar=grammar)
+    for t in output:
+        sched.schedule()
+        sched.update([t])
+    sched.schedule()
+    return sched.take_bitmask()[1][0]
+
+
 def test_each_verification_row_gets_the_mask_after_its_proposals():
     """Row j of a speculating constrained sequence gets the mask a plain sequence sees after taking the first j
     proposed tokens; after a partly accepted run the matcher stands after exactly the tokens taken."""
@@ -198,13 +209,7 @@ def test_each_verification_row_gets_the_mask_after_its_proposals():
     prompt = [1, a, b, c, a, b, c]
 
     def plain_mask(output: list[int]) -> np.ndarray:
-        sched = make_scheduler(64)
-        sched.add_request("r", prompt, 16, eos_token_ids=eos, grammar=g)
-        for t in output:
-            sched.schedule()
-            sched.update([t])
-        sched.schedule()
-        return sched.take_bitmask()[1][0]
+        return _plain_mask(prompt, eos, g, output)
 
     spec = make_scheduler(64)
     spec.set_speculation(3, prompt_lookup_max=2, prompt_lookup_min=1, max_batch_tokens=64)
@@ -262,13 +267,7 @@ def test_draft_masks_walk_the_matcher_and_set_proposals_rolls_it_back():
     prompt = [1, a, b, c]
 
     def plain_mask(output: list[int]) -> np.ndarray:
-        sched = make_scheduler(64)
-        sched.add_request("r", prompt, 16, eos_token_ids=eos, grammar=g)
-        for t in output:
-            sched.schedule()
-            sched.update([t])
-        sched.schedule()
-        return sched.take_bitmask()[1][0]
+        return _plain_mask(prompt, eos, g, output)
 
     sched = make_scheduler(64)
     sched.set_speculation(2, max_batch_tokens=64, external=True)
