@@ -185,7 +185,9 @@ def test_default_model_copying_its_input_is_exact_and_mostly_accepted():
     params = SamplingParams(temperature=0, max_tokens=48)
     want = plain.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
     del plain
-    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5}, **kw)
+    # The cost model may rightly pause speculation on a machine where verifying six rows costs more than a
+    # quarter's acceptance wins back (CI's CPU did); this test counts acceptance, so it speculates every step.
+    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "cost_model": False}, **kw)
     got = spec.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
     assert got == want
     m = spec.get_metrics()
