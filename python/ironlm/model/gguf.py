@@ -29,6 +29,8 @@ import torch
 from ironlm import _core
 from ironlm.model import registry
 from ironlm.model.config import ModelConfig, UnsupportedModelError
+from ironlm.model.families.common import gguf_rope_scaling
+from ironlm.model.mla import rope_rows
 from ironlm.model.moe.gguf import gguf_moe, split_experts
 from ironlm.model.quantize import GGML_QUANTIZED, QuantSpec, from_float, is_quantized_tensor
 from ironlm.model.weights import foreign_expert
@@ -272,14 +274,7 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
         tokens = gf.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if tokens is not None else gf.tensors["token_embd.weight"].shape[0]
 
-    rope_scaling = None
-    scaling_type = meta("rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        factor = float(meta("rope.scaling.factor", 1.0))
-        if scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": factor}
-        else:
-            raise UnsupportedModelError(f"GGUF rope scaling {scaling_type!r} is not supported (only linear)")
+    rope_scaling = gguf_rope_scaling(meta)
     freq_factors = None
     if "rope_freqs.weight" in gf.tensors:
         freq_factors = gf.dequantize("rope_freqs.weight").float().flatten().tolist()
@@ -329,19 +324,21 @@ def load_gguf_weights(model: Any, gf: GGUFFile, config: ModelConfig,
     Contiguous fp32 CPU targets are written in place by the numpy kernels; everything else (the transposed
     projection weights) goes through one temporary per tensor.
     """
-    permute = registry.by_gguf_arch(gf.get("general.architecture")).gguf_permuted_qk
+    family = registry.by_gguf_arch(gf.get("general.architecture"))
+    permute, renames = family.gguf_permuted_qk, family.gguf_renames
     split_fused(gf, config)
     parts: dict[str, Any] = {}
     shard: ShardSpec | None = None if model.tp is None else model.tp.shard  # tensor parallel: dequantize, slice
     for name, info in gf.tensors.items():
-        target_name = hf_name(name)
+        target_name = hf_name(name, renames)
         if target_name is None or foreign_expert(model.config, target_name):
             continue  # another rank's expert (expert parallelism): its blocks are never read
         if spec is not None and spec.enabled and is_quantized_tensor(name):
             heads = 0
             if permute and (".attn_q." in name or ".attn_k." in name):
                 heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-            parts[target_name] = from_gguf(gf, name, spec, heads, shard)
+            rows = rope_rows(config, target_name.partition(".self_attn.")[2])  # MLA: de-interleave kept q / kv_a
+            parts[target_name] = from_gguf(gf, name, spec, heads, shard, rows)
             model.mark_loaded(target_name)
             continue
         dest = model.weight_target(target_name)
@@ -412,7 +409,7 @@ def has_quantized_linears(gf: GGUFFile) -> bool:
 
 
 def from_gguf(gf: GGUFFile, name: str, spec: QuantSpec, unpermute_heads: int = 0,
-              shard: ShardSpec | None = None) -> _core.QuantMatrix:
+              shard: ShardSpec | None = None, rows_order: torch.Tensor | None = None) -> _core.QuantMatrix:
     """A GGUF tensor as a QuantMatrix: quantized types keep their blocks (rows re-ordered for llama Q/K without
     dequantizing: a block never spans rows); float tensors are quantized per `spec` (int8, groups of 32 when the
     file decides). With a tensor-parallel `shard`, only this rank's part: a row slice keeps the blocks (zero bytes
@@ -420,12 +417,14 @@ def from_gguf(gf: GGUFFile, name: str, spec: QuantSpec, unpermute_heads: int = 0
     through blocks, so those are dequantized, sliced and quantized again to int8."""
     info = gf.tensors[name]
     rows, cols = info.shape
-    hf = hf_name(name) or name
+    hf = hf_name(name, registry.by_gguf_arch(gf.get("general.architecture")).gguf_renames) or name
     cut = None if shard is None else shard.cut(hf)
     if info.ggml_type in GGML_QUANTIZED and spec.source == "gguf" and (cut is None or cut.dim == 0):
         raw = np.asarray(gf.raw(info)).reshape(rows, -1)
         if unpermute_heads:
             raw = unpermute_qk(torch.from_numpy(raw.copy()), unpermute_heads).numpy()
+        if rows_order is not None:
+            raw = raw[rows_order.numpy()]
         if cut is not None:
             part = raw[cut.start:min(cut.stop, rows)]
             pad = (cut.stop - cut.start) - len(part)
@@ -435,6 +434,8 @@ def from_gguf(gf: GGUFFile, name: str, spec: QuantSpec, unpermute_heads: int = 0
     w = dequantize(gf.raw(info), info.ggml_type, info.shape)
     if unpermute_heads:
         w = unpermute_qk(w, unpermute_heads)
+    if rows_order is not None:
+        w = w[rows_order]
     if shard is not None:
         if cut is not None and info.ggml_type in GGML_QUANTIZED and spec.source == "gguf":
             logger.info("tensor parallel: %s is split across its quantized blocks; this rank dequantizes its "
@@ -475,10 +476,11 @@ def load_gguf_tokenizer(path: str | os.PathLike, *, use_cache: bool = True) -> A
                 logger.warning("ignoring unreadable tokenizer cache %s: %s", cache_dir, exc)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         # AutoTokenizer first rebuilds a transformers config, which it cannot for architectures its GGUF support
-        # lacks (olmo2, smollm3, granite, ...); the tokenizer itself only needs the tokenizer.* metadata.
-        if "architecture" not in str(exc):
+        # lacks (olmo2, smollm3, granite, ...) or misreads (gpt-oss: a TypeError on an array-valued key); the
+        # tokenizer itself only needs the tokenizer.* metadata.
+        if isinstance(exc, ValueError) and "architecture" not in str(exc):
             raise
         from transformers import PreTrainedTokenizerFast
 

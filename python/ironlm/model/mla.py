@@ -47,6 +47,22 @@ def deinterleave(width: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])
 
 
+def rope_rows(cfg: ModelConfig, rest: str) -> torch.Tensor | None:
+    """For loaders that keep a file's blocks (finish_loading de-interleaves only the dense weights): the row order
+    that de-interleaves the rope rows of the projection ``self_attn.<rest>`` ([out, in]), None when it has none or
+    the checkpoint rotates halves already."""
+    if not cfg.mla or not cfg.rope_interleave:
+        return None
+    assert cfg.qk_nope_head_dim is not None and cfg.qk_rope_head_dim is not None and cfg.kv_lora_rank is not None
+    nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    if rest in ("q_proj.weight", "q_b_proj.weight"):  # [heads * (nope + rope), in]
+        head = torch.cat([torch.arange(nope), nope + deinterleave(rope)])
+        return torch.cat([h * (nope + rope) + head for h in range(cfg.num_heads)])
+    if rest == "kv_a_proj_with_mqa.weight":  # [rank + rope, hidden]
+        return torch.cat([torch.arange(rank), rank + deinterleave(rope)])
+    return None
+
+
 class LatentAttention(nn.Module):
     """One layer's MLA projections; weights [in, out] like the decoder's (HF [out, in] tensors load transposed)."""
 
@@ -88,12 +104,17 @@ class LatentAttention(nn.Module):
             "kv_a_layernorm.weight": self.kv_a_norm, "kv_b_proj.weight": self.kv_b_weight,
         }
         t = targets.get(rest)
+        if t is None and rest in ("k_b_proj.weight", "v_b_proj.weight"):
+            # llama.cpp's per-head halves of kv_b_proj: k_b [heads, rank, nope] (transposed), v_b [heads, v, rank]
+            kv_b = self.kv_b_weight.view(self.rank, self.heads, self.nope + self.v_dim)
+            return kv_b[:, :, :self.nope].transpose(0, 1) if rest[0] == "k" else kv_b[:, :, self.nope:].permute(1, 2, 0)
         return None if t is None else (t.t() if t.dim() == 2 else t)
 
     @staticmethod
     def weight_names(cfg: ModelConfig) -> list[str]:
         """``self_attn.`` suffixes a checkpoint provides (o_proj is the decoder layer's)."""
-        names = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight"]
+        kv_b = ["k_b_proj.weight", "v_b_proj.weight"] if cfg.source == "gguf" else ["kv_b_proj.weight"]
+        names = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", *kv_b]
         names += (["q_proj.weight"] if cfg.q_lora_rank is None
                   else ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"])
         if cfg.attention_bias:

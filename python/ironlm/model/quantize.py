@@ -29,7 +29,7 @@ GGML_QUANTIZED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "
 # GGUF tensor-name suffixes of the linears that stay quantized
 _PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
                 "ffn_up.weight", "ffn_down.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
-                "ffn_down_shexp.weight")
+                "ffn_down_shexp.weight", "attn_q_a.weight", "attn_q_b.weight", "attn_kv_a_mqa.weight")  # + MLA's
 _EXPERT = re.compile(r"\.ffn_(gate|up|down)_exps(\.\d+)?\.weight$")  # a stack or one of its experts (moe/gguf.py)
 
 

@@ -59,6 +59,8 @@ class Family:
     # (config, ironlm name, tensor) -> [(name, tensor), ...] for fused checkpoint tensors; None = none fused
     split: Callable[[Any, str, Any], list[tuple[str, Any]] | None] | None = None
     gguf_permuted_qk: bool = False  # llama.cpp's converter permuted Q/K rows (LlamaModel and its subclasses)
+    # GGUF layer-tensor suffix -> ironlm's, where the architecture's slot means another weight than weights.py's
+    gguf_renames: Mapping[str, str] = field(default_factory=dict)
 
 
 _BY_MODEL_TYPE: dict[str, Family] = {}

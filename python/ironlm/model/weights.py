@@ -15,6 +15,7 @@ exact in fp32, one rounding of ``1 + w`` in 16-bit dtypes (GGUF files hold the s
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -246,9 +247,21 @@ GGUF_LAYER_NAMES = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_inp.bias": "mlp.gate.bias",  # gpt-oss's router bias
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # DeepSeek-V3's score-correction bias
+    "attn_sinks.weight": "self_attn.sinks",
+    # multi-head latent attention (DeepSeek's deepseek2): llama.cpp splits kv_b_proj per head into k_b (transposed,
+    # [heads, kv_lora_rank, nope]) and v_b ([heads, v_head_dim, kv_lora_rank]); mla.py takes both as views of kv_b
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_k_b.weight": "self_attn.k_b_proj.weight",
+    "attn_v_b.weight": "self_attn.v_b_proj.weight",
 }
-# one expert of a stacked ffn_*_exps tensor, as the GGUF loader splits them (model/moe/gguf.py)
-GGUF_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)_exps\.(\d+)\.weight$")
+# one expert of a stacked ffn_*_exps tensor (or its bias), as the GGUF loader splits them (model/moe/gguf.py)
+GGUF_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)_exps\.(\d+)\.(weight|bias)$")
 GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -256,14 +269,18 @@ GGUF_TOP_NAMES = {
 }
 
 
-def gguf_to_hf(gguf_name: str) -> str | None:
-    """GGUF tensor name -> ironlm's (HF-style) name; None: not a model weight ironlm uses."""
+def gguf_to_hf(gguf_name: str, renames: Mapping[str, str] | None = None) -> str | None:
+    """GGUF tensor name -> ironlm's (HF-style) name; None: not a model weight ironlm uses. `renames` (the family's
+    `gguf_renames`) overrides GGUF_LAYER_NAMES where an architecture gives a slot another meaning."""
     if gguf_name in GGUF_TOP_NAMES:
         return GGUF_TOP_NAMES[gguf_name]
     m = GGUF_BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"
-    e = GGUF_EXPERT_RE.match(m.group(2)) if m else None
-    if m and e:
-        return f"model.layers.{m.group(1)}.mlp.experts.{e.group(2)}.{e.group(1)}_proj.weight"
+    if m is None:
+        return None
+    layer = (renames or {}).get(m.group(2)) or GGUF_LAYER_NAMES.get(m.group(2))
+    if layer is not None:
+        return f"model.layers.{m.group(1)}.{layer}"
+    e = GGUF_EXPERT_RE.match(m.group(2))
+    if e:
+        return f"model.layers.{m.group(1)}.mlp.experts.{e.group(2)}.{e.group(1)}_proj.{e.group(3)}"
     return None

@@ -1,8 +1,10 @@
-"""What several families read from their HF configs the same way."""
+"""What several families read from their HF configs (or GGUF metadata) the same way."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from ironlm.exceptions import UnsupportedModelError
 
 
 def layer_types_window(hf_config: Any) -> dict[str, Any]:
@@ -31,3 +33,21 @@ def qwen_window(hf_config: Any) -> dict[str, Any]:
 
 def optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def gguf_rope_scaling(meta: Any) -> dict[str, Any] | None:
+    """The file's RoPE scaling in transformers' ``rope_parameters`` terms (linear, yarn), None without one."""
+    kind = meta("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = float(meta("rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind != "yarn":
+        raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported (linear, yarn)")
+    orig = meta("rope.scaling.original_context_length")
+    if orig is None:
+        raise UnsupportedModelError("GGUF yarn rope scaling without rope.scaling.original_context_length")
+    keys = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow", "attention_factor": "yarn_attn_factor"}
+    extra = {k: float(meta(f"rope.scaling.{v}")) for k, v in keys.items() if meta(f"rope.scaling.{v}") is not None}
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(orig), **extra}

@@ -6,10 +6,13 @@ scores, the score-correction bias and groups ranked by their best two; weights t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from ironlm.exceptions import UnsupportedModelError
+from ironlm.model.families.common import gguf_rope_scaling
+from ironlm.model.moe.gguf import gguf_moe
 from ironlm.model.moe.spec import MoeConfig, RouteSpec, sparse_layers
 from ironlm.model.registry import Family, register
 
@@ -19,17 +22,21 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
 
 
 def _mla_fields(hf: Any, interleave: bool) -> dict[str, Any]:
-    rank, rope = int(hf.kv_lora_rank), int(hf.qk_rope_head_dim)
-    nope, v_dim = int(hf.qk_nope_head_dim), int(hf.v_head_dim)
-    scale = (nope + rope) ** -0.5
     params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    q_rank = getattr(hf, "q_lora_rank", None)
+    return _mla(int(hf.kv_lora_rank), None if q_rank is None else int(q_rank), int(hf.qk_nope_head_dim),
+                int(hf.qk_rope_head_dim), int(hf.v_head_dim), interleave, bool(getattr(hf, "attention_bias", False)),
+                params)
+
+
+def _mla(rank: int, q_rank: int | None, nope: int, rope: int, v_dim: int, interleave: bool, bias: bool,
+         params: dict[str, Any]) -> dict[str, Any]:
+    scale = (nope + rope) ** -0.5
     if params.get("rope_type", params.get("type", "default")) not in (None, "default") and params.get("mscale_all_dim"):
         m = _yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
         scale *= m * m  # transformers' yarn_apply_mscale: the attention logits, not only the rotary
-    q_rank = getattr(hf, "q_lora_rank", None)
-    bias = bool(getattr(hf, "attention_bias", False))
     return {
-        "kv_lora_rank": rank, "q_lora_rank": None if q_rank is None else int(q_rank), "qk_nope_head_dim": nope,
+        "kv_lora_rank": rank, "q_lora_rank": q_rank, "qk_nope_head_dim": nope,
         "qk_rope_head_dim": rope, "v_head_dim": v_dim, "rope_interleave": interleave,
         # the cache's one latent "head" (see ModelConfig.kv_lora_rank)
         "num_kv_heads": 1, "head_dim": rank + rope, "rotary_dim": rope, "attn_scale": scale,
@@ -70,6 +77,41 @@ def _v3(hf: Any) -> dict[str, Any]:
             "moe": _moe(hf, route, correction=True)}
 
 
+_GATING = {1: "softmax", 2: "sigmoid"}  # gguf's ExpertGatingFuncType
+
+
+def _gguf(meta: Any, gf: Any) -> dict[str, Any]:
+    """llama.cpp's ``deepseek2`` (V2 and V3 alike). The converter writes ``expert_gating_func`` only when the HF
+    config names a scoring function, which transformers' DeepseekV3Config does not keep: without the key a file
+    with the score-correction bias (``exp_probs_b``, V3's alone) is V3 (sigmoid), any other V2 (softmax, llama.cpp's
+    default). Groups rank by their best expert under softmax (V2's group_limited_greedy) and by their best two
+    under sigmoid (V3), as transformers does; llama.cpp's graph ranks by the best two in both."""
+    n = int(meta("block_count"))
+    rank, rope = int(meta("attention.kv_lora_rank")), int(meta("rope.dimension_count"))
+    q_rank = meta("attention.q_lora_rank")
+    params = dict(gguf_rope_scaling(meta) or {})
+    log_mul = meta("rope.scaling.yarn_log_multiplier")
+    if params.get("rope_type") == "yarn" and log_mul:
+        # the converter stores 0.1 * mscale_all_dim; llama.cpp's graph takes mscale = mscale_all_dim (V3's own)
+        params["mscale"] = params["mscale_all_dim"] = float(log_mul) / 0.1
+    fields = _mla(rank, None if q_rank is None else int(q_rank), int(meta("attention.key_length_mla")) - rope, rope,
+                  int(meta("attention.value_length_mla")), True, "blk.0.attn_kv_a_mqa.bias" in gf.tensors, params)
+    moe = gguf_moe(meta, gf, "deepseek2", n)
+    if moe is None:
+        return {**fields, "rope_scaling": params or None, "architecture": "deepseek_v2"}
+    correction = any(name.endswith(".exp_probs_b.bias") for name in gf.tensors)
+    gating = meta("expert_gating_func")
+    if gating is not None and int(gating) not in _GATING:
+        raise UnsupportedModelError(f"deepseek2 GGUF: unsupported expert_gating_func {gating} (1 softmax, 2 sigmoid)")
+    scoring = _GATING[int(gating)] if gating is not None else ("sigmoid" if correction else "softmax")
+    sigmoid = scoring == "sigmoid"
+    route = dataclasses.replace(moe.route, scoring=scoring, n_group=int(meta("expert_group_count", 1) or 1),
+                                topk_group=int(meta("expert_group_used_count", 1) or 1),
+                                group_score="top2_sum" if sigmoid else "max", renorm_eps=1e-20 if sigmoid else 0.0)
+    return {**fields, "rope_scaling": params or None, "architecture": "deepseek_v3" if sigmoid else "deepseek_v2",
+            "moe": dataclasses.replace(moe, route=route, correction_bias=correction)}
+
+
 # DeepSeek's shared experts are one MLP of n_shared_experts * moe_intermediate_size (MoeBlock's shared expert)
 _RENAMES = {f"mlp.shared_experts.{x}_proj.weight": f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
 
@@ -90,7 +132,9 @@ DEEPSEEK_V3 = register(Family(
     name="deepseek_v3",
     hf_classes=("DeepseekV3ForCausalLM",),
     model_types=("deepseek_v3",),
+    gguf_archs=("deepseek2",),  # V2 files too: `_gguf` names the architecture from the router
     features=_FEATURES + ("sigmoid router with score-correction bias",),
     hf_fields=_v3,
+    gguf_fields=_gguf,
     hf_renames=_RENAMES,
 ))

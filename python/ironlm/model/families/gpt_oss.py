@@ -6,14 +6,24 @@ Its checkpoints stack the experts: ``mlp.experts.gate_up_proj`` ``[E, hidden, 2I
 interleaved (gate = even columns), ``down_proj`` ``[E, I, hidden]``, both already ``[in, out]``, and the biases
 ``gate_up_proj_bias`` ``[E, 2I]`` (interleaved alike) and ``down_proj_bias`` ``[E, hidden]``; `split` cuts them
 into the per-expert HF-style names the MoE block loads (weights.moe_target), de-interleaving gate from up.
+
+GGUF (llama.cpp's ``gpt-oss``): the converter de-interleaves and stacks the experts (``ffn_*_exps`` weights and
+biases, moe/gguf.py splits them), names the pre-MLP norm ``post_attention_norm`` and writes neither the SwiGLU
+alpha/limit nor the window pattern nor YaRN's truncate: llama.cpp's graph fixes them (alpha 1.702, limit 7.0 unless
+``swiglu_clamp_exp`` says otherwise, every even layer sliding, untruncated YaRN), and so does `_gguf`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
-from ironlm.model.families.common import layer_types_window
+import numpy as np
+
+from ironlm.exceptions import UnsupportedModelError
+from ironlm.model.families.common import gguf_rope_scaling, layer_types_window
+from ironlm.model.moe.gguf import gguf_moe
 from ironlm.model.moe.spec import MoeConfig, RouteSpec
 from ironlm.model.registry import Family, register
 
@@ -33,6 +43,33 @@ def _hf(hf_config: Any) -> dict[str, Any]:
                          intermediate_size=int(hf_config.intermediate_size), sparse_layers=(True,) * n,
                          router_bias=True, expert_bias=True),
         **layer_types_window(hf_config),
+    }
+
+
+# llama.cpp's gpt-oss graph (swiglu_oai): the released models' values, which GGUF files do not carry
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+
+def _gguf(meta: Any, gf: Any) -> dict[str, Any]:
+    n = int(meta("block_count"))
+    moe = gguf_moe(meta, gf, "gpt-oss", n)
+    if moe is None:
+        raise UnsupportedModelError("gpt-oss GGUF without expert_count")
+    limit = meta("swiglu_clamp_exp", SWIGLU_LIMIT)
+    if isinstance(limit, np.ndarray):  # per-layer values: one clamp for every layer only
+        if len(set(limit.tolist())) != 1:
+            raise UnsupportedModelError(f"per-layer swiglu_clamp_exp {limit.tolist()} is not supported")
+        limit = limit[0]
+    window = meta("attention.sliding_window")
+    scaling = gguf_rope_scaling(meta)
+    return {
+        "attn_sinks": True,
+        "swiglu_clamp": (SWIGLU_ALPHA, float(limit)),
+        "moe": dataclasses.replace(moe, route=dataclasses.replace(moe.route, scoring="topk_softmax"),
+                                   router_bias=True, expert_bias=True),
+        **({} if not window else {"sliding_window": int(window), "sliding_layers": [i % 2 == 0 for i in range(n)]}),
+        **({} if scaling is None or scaling["rope_type"] != "yarn" else {"rope_scaling": {**scaling,
+                                                                                          "truncate": False}}),
     }
 
 
@@ -58,10 +95,13 @@ GPT_OSS = register(Family(
     name="gpt_oss",
     hf_classes=("GptOssForCausalLM",),
     model_types=("gpt_oss",),
+    gguf_archs=("gpt-oss",),
     features=("mixture of experts: top-k of the logits then softmax, router bias, expert biases",
               "clamped SwiGLU (swiglu_alpha, swiglu_limit)", "attention sinks", "q/k/v/o biases",
               "alternating sliding / full layers (layer_types)", "YaRN RoPE"),
     hf_fields=_hf,
     hf_renames={"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias"},
     split=_split,
+    gguf_fields=_gguf,
+    gguf_renames={"post_attention_norm.weight": "post_attention_layernorm.weight"},  # gpt-oss: the pre-MLP norm
 ))

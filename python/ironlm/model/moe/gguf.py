@@ -4,7 +4,8 @@ llama.cpp stores each layer's experts stacked, ``blk.N.ffn_{gate,up,down}_exps.w
 (torch order), and its router as ``ffn_gate_inp``; a shared expert is ``ffn_{gate,up,down}_shexp`` with its gate
 ``ffn_gate_inp_shexp``. An expert's matrix is a contiguous run of whole rows in every GGUF type, so
 `split_experts` turns a stack into E ordinary 2-D tensors ``blk.N.ffn_gate_exps.E.weight`` (byte ranges of the
-same mapping, quantized blocks kept) that load like any projection.
+same mapping, quantized blocks kept) that load like any projection; gpt-oss's stacked expert biases
+``ffn_*_exps.bias`` [E, out] become E 1-D ``blk.N.ffn_gate_exps.E.bias`` alike.
 
 Renormalising the top-k weights is not in the metadata for most architectures: llama.cpp decides it per
 architecture in its graph (`llm_build_moe_ffn`'s norm_w), and `RENORMALIZE` mirrors that choice.
@@ -21,7 +22,7 @@ from ironlm.model.moe.spec import MoeConfig, RouteSpec
 
 # llama.cpp's per-architecture choice of renormalising the top-k weights (Mixtral is arch llama)
 RENORMALIZE = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
-_STACK = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_STACK = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
 
 
 def gguf_moe(meta: Callable[..., Any], gf: Any, arch: str, num_layers: int) -> MoeConfig | None:
@@ -54,13 +55,13 @@ def split_experts(gf: Any, type_sizes: Callable[[int], tuple[int, int]]) -> None
         if name.endswith(".ffn_gate_inp_shexp.weight") and len(info.shape) == 1:  # llama-quantize writes it 1-D
             gf.tensors[name] = dataclasses.replace(info, shape=(1, info.shape[0]))
         m = _STACK.match(name)
-        if m is None or len(info.shape) != 3:
+        if m is None or len(info.shape) != (3 if m.group(3) == "weight" else 2):
             continue
-        e, rows, cols = info.shape
+        e, shape = info.shape[0], info.shape[1:]  # a bias stack (gpt-oss) is [E, out]: one row per expert
         block, type_size = type_sizes(info.ggml_type)
-        size = rows * (cols // block) * type_size
+        size = (shape[0] if len(shape) == 2 else 1) * (shape[-1] // block) * type_size
         del gf.tensors[name]
         for i in range(e):
-            part = f"blk.{m.group(1)}.ffn_{m.group(2)}_exps.{i}.weight"
-            gf.tensors[part] = dataclasses.replace(info, name=part, shape=(rows, cols), offset=info.offset + i * size,
+            part = f"blk.{m.group(1)}.ffn_{m.group(2)}_exps.{i}.{m.group(3)}"
+            gf.tensors[part] = dataclasses.replace(info, name=part, shape=shape, offset=info.offset + i * size,
                                                    nbytes=size)
