@@ -3,7 +3,7 @@ through transformers' GGUF support (cached as a tokenizer.json folder after the 
 
 Metadata and tensor infos are parsed here with the `gguf` package's constants (gguf's `GGUFReader` builds a numpy
 memmap per token string, ~2 s for a 49k vocab; this parser takes milliseconds). Tensor data is memory-mapped.
-F32/F16/BF16/Q8_0/Q4_0/Q4_1 are dequantized in torch (vectorised, bit-identical to `gguf.quants.dequantize`);
+F32/F16/BF16/Q8_0/Q4_0/Q4_1/MXFP4 are dequantized in numpy (vectorised, bit-identical to `gguf.quants.dequantize`);
 every other type gguf knows (Q5_x, K-quants, ...) goes through `gguf.quants.dequantize`.
 
 llama.cpp's converter permutes the rows of Q and K for llama-architecture models (its rotary pairs adjacent
@@ -233,7 +233,23 @@ def _dq_q4_1(raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-_NUMPY_DEQUANT = {8: _dq_q8_0, 2: _dq_q4_0, 3: _dq_q4_1}  # GGMLQuantizationType values (stable in the format)
+# E2M1 codes -> values, doubled (the scale below is half the E8M0 power): ggml's kvalues_mxfp4
+_E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+def _dq_mxfp4(raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """MXFP4 (gpt-oss's experts): 32 elements per 17-byte block, an E8M0 exponent byte then 16 bytes of E2M1
+    codes (element j < 16 in byte j's low nibble, j >= 16 in byte j - 16's high one)."""
+    blocks = raw.reshape(-1, 17)
+    e = blocks[:, :1].astype(np.uint32)
+    # 2 ** (e - 127) / 2 as float32 bits (ggml_e8m0_to_fp32_half): subnormal for e < 2
+    half = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+    out = np.empty(blocks.shape[0] * 32, np.float32) if out is None else out
+    np.multiply(half, _E2M1[_nibbles(blocks[:, 1:], np.uint8)], out=out.reshape(-1, 32))
+    return out
+
+
+_NUMPY_DEQUANT = {8: _dq_q8_0, 2: _dq_q4_0, 3: _dq_q4_1, 39: _dq_mxfp4}  # GGMLQuantizationType values (stable)
 
 
 def _writable(raw: np.ndarray) -> np.ndarray:
