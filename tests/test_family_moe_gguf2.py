@@ -255,3 +255,18 @@ def test_mxfp4_experts_load_exactly(models, tmp_path):
         assert torch.equal(moe.down_weight, got[p + "down_proj"])
     expected = [t for t, _ in hf_greedy(oracle, prompts, max_new=MAX_NEW)]
     check_engine_greedy(f32["mxfp4"], prompts, expected, "cpu", quantization="none")
+
+
+def test_mxfp4_dequant_is_gguf_pys_bit_for_bit():
+    """Every E8M0 exponent (subnormal halves below 2 included) and every E2M1 code, against gguf-py's reference."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from ironlm.model.gguf import _dq_mxfp4
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(256, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256)  # every exponent byte
+    want = dequantize(blocks.reshape(16, -1), GGMLQuantizationType.MXFP4).reshape(-1)
+    got = _dq_mxfp4(blocks.reshape(-1))
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
