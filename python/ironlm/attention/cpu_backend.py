@@ -25,9 +25,11 @@ import numpy as np
 import torch
 
 from ironlm import _core, invariant
+from ironlm.attention.cpu_prefill import attend, serves
 from ironlm.attention.metadata import AttentionMetadata
 from ironlm.attention.torch_backend import (
     TorchAttention,
+    _gather_blocks,
     _prefill_one,
     _PrefillSeq,
     _shared_blocks,
@@ -96,7 +98,7 @@ class CpuAttention(TorchAttention):
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:
-            out[s.start : s.end] = _prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap, sinks, half=True)
+            _prefill(q, k, v, k_cache, v_cache, s, scale, window, softcap, sinks, out[s.start : s.end])
         return out
 
     def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -153,6 +155,22 @@ class CpuAttention(TorchAttention):
         if key not in meta.plan_cache:
             meta.plan_cache[key] = _make_plan(meta, block_size, num_rows, window, cascade)
         return meta.plan_cache[key]
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             s: _PrefillSeq, scale: float, window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+             out: torch.Tensor) -> None:
+    """One prefill chunk into `out`: through GEMMs (cpu_prefill) where they beat the torch path (soft-capped
+    logits, sinks, narrow windows; see cpu_prefill.serves), else the torch path (SDPA in bf16 for bf16)."""
+    if not serves(q.dtype, s.end - s.start, s.seq_len, window, softcap, sinks):
+        out.copy_(_prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap, sinks, half=True))
+        return
+    if s.context_len == 0:  # as _prefill_one: the keys are exactly the chunk's new rows
+        ks, vs = k[s.start : s.end], v[s.start : s.end]
+    else:
+        ks = _gather_blocks(k_cache, s.blocks, "k")[: s.seq_len]
+        vs = ks if v_cache is k_cache else _gather_blocks(v_cache, s.blocks, "v")[: s.seq_len]
+    attend(q[s.start : s.end], ks, vs, s.context_len, scale, window, softcap, sinks, out=out)
 
 
 def _sink_view(sinks: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,157 @@
+"""CPU prefill attention through GEMMs (attention/cpu_prefill.py) against the torch path it replaces: SDPA for
+plain causal chunks, the explicit softmax for windows, soft-capped logits and sinks; and the CPU backend's
+routing between the two."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ironlm.attention import cpu_backend, cpu_prefill, get_backend
+from ironlm.attention.torch_backend import _prefill_one, _PrefillSeq, eager_attention
+from test_attention_torch import make_case, reference, run_backend
+
+
+def _dense(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, ctx: int, scale: float, window: int | None,
+           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """fp64 attention of q [n, Hq, D] at positions ctx.. over ks / vs [S, Hkv, D]."""
+    n, hq, _ = q.shape
+    seq_len, hkv = ks.shape[:2]
+    keys, pos = torch.arange(seq_len)[None, :], torch.arange(n)[:, None] + ctx
+    mask = keys <= pos
+    if window is not None:
+        mask &= keys > pos - window
+    kt, vt = (x.double().transpose(0, 1).repeat_interleave(hq // hkv, 0) for x in (ks, vs))
+    sink = None if sinks is None else sinks.double().view(-1, 1, 1)
+    return eager_attention(q.double().transpose(0, 1), kt, vt, mask, scale, softcap, sink).transpose(0, 1)
+
+
+def _torch_path(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, ctx: int, scale: float, window: int | None,
+                softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The same chunk through _prefill_one as the CPU backend called it before (bf16 SDPA in bf16), its keys
+    in a paged cache of 8-token blocks (reversed block order) when there is a cached prefix."""
+    n, _, d = q.shape
+    seq_len, hkv = ks.shape[:2]
+    nb = -(-seq_len // 8)
+    k_cache = torch.zeros(nb, 8, hkv, d, dtype=ks.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    blocks = torch.arange(nb - 1, -1, -1)
+    k_cache.view(-1, hkv, d)[(blocks[:, None] * 8 + torch.arange(8)).reshape(-1)[:seq_len]] = ks
+    v_cache.view(-1, hkv, d)[(blocks[:, None] * 8 + torch.arange(8)).reshape(-1)[:seq_len]] = vs
+    mask = None
+    if ctx or (window is not None and window < seq_len):
+        keys, pos = torch.arange(seq_len)[None, :], torch.arange(n)[:, None] + ctx
+        mask = keys <= pos
+        if window is not None:
+            mask &= keys > pos - window
+    s = _PrefillSeq(0, n, seq_len, ctx, blocks, mask)
+    return _prefill_one(q, ks[ctx:], vs[ctx:], k_cache, v_cache, s, scale, softcap, sinks, half=True)
+
+
+def _inputs(n: int, ctx: int, hq: int, hkv: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, hq, 64, generator=g).to(dtype)
+    ks = (torch.randn(ctx + n, hkv, 64, generator=g) * 2).to(dtype)  # logits up to ~10: a peaked softmax
+    vs = torch.randn(ctx + n, hkv, 64, generator=g).to(dtype)
+    return q, ks, vs
+
+
+SHAPES = list(itertools.product([2, 37, 130], [0, 21, 70], [(4, 4), (6, 2), (9, 3), (8, 1)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_sdpa_over_shapes_groups_and_prefixes(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """f32: the torch path's result to f32 rounding. bf16: no further from the fp64 truth than SDPA's own bf16
+    kernel is (the two round P and the output alike; measured over SHAPES: at most 2.06x SDPA's error where that
+    is a fraction of a bf16 step, max |new - SDPA| 0.0156 = one bf16 step at 2-4), and within bf16 rounding of
+    SDPA's result."""
+    monkeypatch.setattr(cpu_prefill, "TILE_ROWS", 16)  # several tiles per chunk, a tile cut inside a group row
+    for i, (n, ctx, (hq, hkv)) in enumerate(SHAPES):
+        q, ks, vs = _inputs(n, ctx, hq, hkv, dtype, i)
+        got = cpu_prefill.attend(q, ks, vs, ctx, 0.125)
+        old = _torch_path(q, ks, vs, ctx, 0.125, None, None, None)
+        assert got.dtype == dtype and got.shape == q.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, old, atol=2e-6, rtol=2e-6)
+            continue
+        truth = _dense(q, ks, vs, ctx, 0.125, None, None, None)
+        err_new, err_old = ((x.double() - truth).abs().max().item() for x in (got, old))
+        assert err_new <= 2 * err_old + 1e-3, (n, ctx, hq, hkv, err_new, err_old)
+        torch.testing.assert_close(got.double(), old.double(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap,sinks", [(16, None, False), (1, None, False), (None, 30.0, False),
+                                                  (None, None, True), (40, 20.0, True)])
+def test_window_softcap_and_sinks_match_the_torch_path(dtype: torch.dtype, window: int | None,
+                                                       softcap: float | None, sinks: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_prefill, "TILE_ROWS", 16)
+    for i, (n, ctx) in enumerate([(37, 0), (130, 21), (50, 70)]):
+        q, ks, vs = _inputs(n, ctx, 9, 3, dtype, 100 + i)
+        sk = torch.randn(9, generator=torch.Generator().manual_seed(i)) * 3 if sinks else None
+        got = cpu_prefill.attend(q, ks, vs, ctx, 0.125, window, softcap, sk)
+        truth = _dense(q, ks, vs, ctx, 0.125, window, softcap, sk)
+        if window is not None:  # _prefill_one sees the window through the plan's mask
+            old = _torch_path(q, ks, vs, ctx, 0.125, window, softcap, sk)
+            tol = 2e-6 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.double(), old.double(), atol=tol, rtol=tol)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double(), truth, atol=tol, rtol=tol)
+
+
+def test_score_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long context shrinks the tile: no tile's scores exceed SCORE_ELEMS (here a 4-position tile)."""
+    monkeypatch.setattr(cpu_prefill, "SCORE_ELEMS", 9 * 300 * 4)
+    seen: list[int] = []
+    real = torch.bmm
+
+    def bmm(a: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
+        if b.shape[-1] != 64:  # the Q·Kᵀ GEMM
+            seen.append(a.shape[0] * a.shape[1] * b.shape[2])
+        return real(a, b, **kw)
+
+    q, ks, vs = _inputs(30, 270, 9, 3, torch.float32, 7)
+    monkeypatch.setattr(cpu_prefill.torch, "bmm", bmm)
+    got = cpu_prefill.attend(q, ks, vs, 270, 0.125)
+    monkeypatch.undo()
+    assert len(seen) == 8 and max(seen) <= 9 * 300 * 4
+    torch.testing.assert_close(got.double(), _dense(q, ks, vs, 270, 0.125, None, None, None), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap,window", [(None, None), (30.0, None), (None, 16), (30.0, 64)])
+def test_backend_routes_softcap_and_narrow_windows_here(softcap: float | None, window: int | None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with a 50-row chunk after a 19-token cached prefix (read through the paged cache), a fresh 40-row
+    one and a decode row: plain causal chunks stay on SDPA, soft-capped ones and those whose keys span
+    WINDOW_SPAN windows come here (a 64-token window over 69 and 40 keys does not); the result matches the
+    torch backend (fp32 explicit softmax / SDPA) within bf16 rounding."""
+    case = make_case([19, 0, 12], [50, 40, 1], hq=9, hkv=3, d=64, block_size=8, dtype=torch.bfloat16, seed=3)
+    calls: list[int] = []
+    real = cpu_prefill.attend
+
+    def spy(q: torch.Tensor, *args, **kw) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(cpu_backend, "attend", spy)
+    args = (case[x] for x in ("q", "k", "v", "k_cache", "v_cache", "meta"))
+    out = get_backend("cpu").forward(*args, case["scale"], window=window, softcap=softcap)
+    assert calls == ([50, 40] if softcap is not None or window == 16 else [])
+    args = (case[x] for x in ("q", "k", "v", "k_cache", "v_cache", "meta"))
+    want = get_backend("torch").forward(*args, case["scale"], window=window, softcap=softcap)
+    torch.testing.assert_close(out.double(), want.double(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_backend_chunked_prefill_matches_dense_reference(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt prefilled in chunks (each later chunk after the cached earlier ones) and a fresh one, in one
+    step, through the CPU backend with every chunk routed here."""
+    monkeypatch.setattr(cpu_backend, "serves", lambda *a: True)
+    monkeypatch.setattr(cpu_prefill, "TILE_ROWS", 24)
+    for ctx in ([0, 0], [40, 0], [80, 33]):
+        case = make_case(ctx, [40, 57], hq=6, hkv=2, d=64, block_size=16, dtype=dtype, seed=sum(ctx))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(run_backend(case, "cpu").double(), reference(case), atol=tol, rtol=tol)
