@@ -121,13 +121,13 @@ def test_score_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(got.double(), _dense(q, ks, vs, 270, 0.125, None, None, None), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("softcap,window", [(None, None), (30.0, None), (None, 16), (30.0, 64)])
+@pytest.mark.parametrize("softcap,window", [(None, None), (30.0, None), (None, 4), (None, 16), (30.0, 64)])
 def test_backend_routes_softcap_and_narrow_windows_here(softcap: float | None, window: int | None,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A step with a 50-row chunk after a 19-token cached prefix (read through the paged cache), a fresh 40-row
-    one and a decode row: plain causal chunks stay on SDPA, soft-capped ones and those whose keys span
-    WINDOW_SPAN windows come here (a 64-token window over 69 and 40 keys does not); the result matches the
-    torch backend (fp32 explicit softmax / SDPA) within bf16 rounding."""
+    one and a decode row: plain causal chunks stay on SDPA, soft-capped ones come here, and windowed ones when
+    their keys span WINDOW_SPAN windows (a 4-token window over 69 keys, not over 40; a 16-token one over
+    neither); the result matches the torch backend (fp32 explicit softmax / SDPA) within bf16 rounding."""
     case = make_case([19, 0, 12], [50, 40, 1], hq=9, hkv=3, d=64, block_size=8, dtype=torch.bfloat16, seed=3)
     calls: list[int] = []
     real = cpu_prefill.attend
@@ -139,7 +139,8 @@ def test_backend_routes_softcap_and_narrow_windows_here(softcap: float | None, w
     monkeypatch.setattr(cpu_backend, "attend", spy)
     args = (case[x] for x in ("q", "k", "v", "k_cache", "v_cache", "meta"))
     out = get_backend("cpu").forward(*args, case["scale"], window=window, softcap=softcap)
-    assert calls == ([50, 40] if softcap is not None or window == 16 else [])
+    assert cpu_prefill.WINDOW_SPAN == 16
+    assert calls == ([50, 40] if softcap is not None else [50] if window == 4 else [])
     args = (case[x] for x in ("q", "k", "v", "k_cache", "v_cache", "meta"))
     want = get_backend("torch").forward(*args, case["scale"], window=window, softcap=softcap)
     torch.testing.assert_close(out.double(), want.double(), atol=2e-2, rtol=2e-2)
