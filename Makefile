@@ -41,10 +41,10 @@ develop: $(PY)
 lint: lint-rust lint-python
 
 lint-rust:
-	cargo fmt --check
+	cargo fmt --all --check
 	cargo clippy --all-targets --features python -- -D warnings
 	cargo clippy --all-targets --features test-bindings -- -D warnings
-	cargo clippy --all-targets -- -D warnings
+	cargo clippy --workspace --all-targets -- -D warnings
 
 # mypy type-checks python/ironlm (pyproject's [tool.mypy]); mypy.stubtest checks the hand-written _core.pyi
 # against the module $(STAMP) just (re)built.
@@ -75,7 +75,7 @@ rust:
 	$(MAKE) test-rust
 
 bench: $(STAMP)
-	cargo bench --bench core -- --quick
+	cargo bench -p ironlm-bench --bench core -- --quick
 	$(VENV)/bin/ironlm bench scheduler --quick
 	$(VENV)/bin/ironlm bench throughput --quick
 	$(VENV)/bin/ironlm bench serve --quick

@@ -1,4 +1,4 @@
-//! Core bookkeeping benches: `cargo bench --bench core` (add `-- --quick` for a fast pass).
+//! Core bookkeeping benches: `cargo bench -p ironlm-bench --bench core` (add `-- --quick` for a fast pass).
 //!
 //! Each area has one `bench_*` function; add new ones to `criterion_group!` at the bottom.
 
