@@ -415,45 +415,26 @@ unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
     // Positions every pair attends: no span check there.
     let all_lo = pairs.iter().map(|p| p.first).max().unwrap_or(0);
     let all_hi = pairs.iter().map(|p| p.len).min().unwrap_or(0).max(all_lo);
-    let bs = geo.block_size;
-    let (vp, sp) = (v_cache.as_ptr(), scores.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); NC]; NP];
-    let mut step = |pos: usize, check: bool| {
-        if pos + bs < hi {
-            let next = geo.row(pos + bs) + col;
-            super::prefetch(&v_cache[next..next + NC * 16]);
-        }
-        // SAFETY: `validate` bounds the row offset; a pair's score is read only at its own
-        // positions, inside its `len - first` logits.
-        unsafe {
-            let vr = vp.add(geo.row(pos) + col);
-            let mut v = [_mm512_setzero_ps(); NC];
-            for (c, v) in v.iter_mut().enumerate() {
-                *v = load16(vr.add(c * 16));
-            }
-            for (i, acc) in acc.iter_mut().enumerate() {
-                if i >= np {
-                    break;
-                }
-                let pr = pairs.get_unchecked(i);
-                if check && (pos < pr.first || pos >= pr.len) {
-                    continue;
-                }
-                let w = _mm512_set1_ps(*sp.add(pr.off + pos - pr.first));
-                for (a, &v) in acc.iter_mut().zip(&v) {
-                    *a = _mm512_fmadd_ps(w, v, *a);
-                }
-            }
-        }
+    let at = At {
+        v_cache,
+        scores,
+        geo,
+        col,
+        hi,
     };
-    for pos in lo..all_lo.min(hi) {
-        step(pos, true);
-    }
-    for pos in all_lo..all_hi {
-        step(pos, false);
-    }
-    for pos in all_hi.max(lo)..hi {
-        step(pos, true);
+    // SAFETY (all three): AVX-512F (this function's contract); `step`'s own contract holds for
+    // positions inside the pairs' spans, which these ranges are.
+    unsafe {
+        for pos in lo..all_lo.min(hi) {
+            step::<T, NC, NP, true>(&at, pairs, &mut acc, pos);
+        }
+        for pos in all_lo..all_hi {
+            step::<T, NC, NP, false>(&at, pairs, &mut acc, pos);
+        }
+        for pos in all_hi.max(lo)..hi {
+            step::<T, NC, NP, true>(&at, pairs, &mut acc, pos);
+        }
     }
     for (pr, acc) in pairs.iter().zip(&acc) {
         let dst = &mut out[pr.out + c0 * 16..pr.out + (c0 + NC) * 16];
@@ -463,6 +444,57 @@ unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
             unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
             for (o, &x) in dst[c * 16..(c + 1) * 16].iter_mut().zip(&lanes) {
                 *o = T::store(x);
+            }
+        }
+    }
+}
+
+/// What `weigh` reads: the V cache at columns `col..`, the probabilities, the positions' end.
+struct At<'a, T> {
+    v_cache: &'a [T],
+    scores: &'a [f32],
+    geo: Geo<'a>,
+    col: usize,
+    hi: usize,
+}
+
+/// One position of `weigh`: its V row (NC vectors) into every pair's accumulators; with
+/// `CHECK`, only the pairs whose span holds `pos`.
+///
+/// # Safety
+/// AVX-512F; `pos` is a position of some pair's span (so its cache row exists), and with
+/// `CHECK = false`, of every pair's.
+#[inline(always)]
+unsafe fn step<T: Elem, const NC: usize, const NP: usize, const CHECK: bool>(
+    at: &At<T>,
+    pairs: &[Pair],
+    acc: &mut [[__m512; NC]; NP],
+    pos: usize,
+) {
+    let geo = at.geo;
+    if pos + geo.block_size < at.hi {
+        let next = geo.row(pos + geo.block_size) + at.col;
+        super::prefetch(&at.v_cache[next..next + NC * 16]);
+    }
+    // SAFETY: `validate` bounds the row offset; a pair's score is read only at its own
+    // positions, inside its `len - first` logits.
+    unsafe {
+        let vr = at.v_cache.as_ptr().add(geo.row(pos) + at.col);
+        let mut v = [_mm512_setzero_ps(); NC];
+        for (c, v) in v.iter_mut().enumerate() {
+            *v = load16(vr.add(c * 16));
+        }
+        for (i, acc) in acc.iter_mut().enumerate() {
+            if i >= pairs.len() {
+                break;
+            }
+            let pr = pairs.get_unchecked(i);
+            if CHECK && (pos < pr.first || pos >= pr.len) {
+                continue;
+            }
+            let w = _mm512_set1_ps(*at.scores.as_ptr().add(pr.off + pos - pr.first));
+            for (a, &v) in acc.iter_mut().zip(&v) {
+                *a = _mm512_fmadd_ps(w, v, *a);
             }
         }
     }
