@@ -1,11 +1,18 @@
 """Decode step: the ``cpu`` attention backend (fused paged kernel in the core) vs the ``torch`` path, side by side.
 
     .venv/bin/python benches/bench_decode_attention.py [MODEL] [--num-seqs 64] [--steps 5] [--repeats 6] [--json F]
+    .venv/bin/python benches/bench_decode_attention.py --kernel [--dtype bf16 f32] [--threads 1 2] [--json F]
 
 Admits workload W's prompts (lengths 32-512, seed 0), runs until every sequence is decoding, then times blocks of
 decode steps, alternating the two backends on the same live batch (the noisy-neighbour drift of a shared machine
 hits both alike). Reports the median step time and the time inside attention per step for each. (That the two
 backends agree is tested in tests/test_attention_torch.py and end to end against transformers.)
+
+With ``--kernel`` it times the core kernel alone (``_core.paged_decode_attention``) on random caches at workload
+W's decode shape (SmolLM2-135M: 9 query / 3 KV heads of 64, blocks of 16 in shuffled order; 64 sequences of
+contexts 100-700), and on one sequence's speculative verification (6 rows sharing a block table, context 600), and
+reports GFLOP/s (4 * head_dim flops per query head and attended position: the logits' and the weighted sum's
+multiply-adds).
 """
 
 from __future__ import annotations
@@ -17,8 +24,13 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+import torch
+
+from ironlm import _core
 from ironlm.attention import get_backend
 from ironlm.bench.datasets import RandomSpec, random_dataset
+from ironlm.core_views import as_numpy
 from ironlm.llm import LLM
 from ironlm.sampling_params import SamplingParams
 
@@ -75,6 +87,69 @@ def run(model: str | None, num_seqs: int, steps: int, repeats: int, input_len: t
     return result
 
 
+DTYPES = {"f32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "f16": (torch.float16, "float16")}
+
+
+def _kernel_case(lens: list[int], rows_per_table: int, hq: int, hkv: int, d: int, bs: int,
+                 dtype: str) -> dict[str, Any]:
+    """paged_decode_attention's arguments: one table per len, each repeated for `rows_per_table` consecutive rows
+    (a verification's rows end one position apart)."""
+    g = torch.Generator().manual_seed(0)
+    tdtype, name = DTYPES[dtype]
+    need = [-(-(n + rows_per_table) // bs) for n in lens]
+    max_blocks, total = max(need), sum(need)
+    ids = torch.randperm(total, generator=g).numpy().astype(np.int32)
+    tables, seq_lens, at = [], [], 0
+    for n, b in zip(lens, need):
+        row = np.zeros(max_blocks, np.int32)
+        row[:b] = ids[at : at + b]
+        at += b
+        for j in range(rows_per_table):
+            tables.append(row)
+            seq_lens.append(n + j)
+    rows = len(seq_lens)
+    kc = torch.randn(total, bs, hkv, d, generator=g).to(tdtype)
+    vc = torch.randn(total, bs, hkv, d, generator=g).to(tdtype)
+    q = torch.randn(rows, hq, d, generator=g).to(tdtype)
+    out = torch.empty(rows, hq, d, dtype=tdtype)
+    return {"q": as_numpy(q), "k_cache": as_numpy(kc), "v_cache": as_numpy(vc),
+            "block_tables": np.stack(tables), "seq_lens": np.array(seq_lens, np.int32), "scale": d**-0.5,
+            "out": as_numpy(out), "dtype": name, "_keep": (q, kc, vc, out),
+            "_flops": 4 * d * hq * sum(seq_lens)}
+
+
+def _time_kernel(case: dict[str, Any], threads: int, seconds: float) -> float:
+    """Median seconds per call over calls filling about `seconds`."""
+    args = {k: v for k, v in case.items() if not k.startswith("_")}
+    _core.paged_decode_attention(**args, threads=threads)
+    t0 = time.perf_counter()
+    _core.paged_decode_attention(**args, threads=threads)
+    once = max(time.perf_counter() - t0, 1e-6)
+    times = []
+    for _ in range(max(5, int(seconds / once))):
+        t0 = time.perf_counter()
+        _core.paged_decode_attention(**args, threads=threads)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_kernel(dtypes: list[str], threads: list[int], seconds: float) -> list[dict[str, Any]]:
+    hq, hkv, d, bs = 9, 3, 64, 16
+    rng = np.random.default_rng(0)
+    cases = {"W: 64 seqs, ctx 100-700": ([int(x) for x in rng.integers(100, 701, 64)], 1),
+             "verify: 6 rows, one table, ctx 600": ([600], 6)}
+    results = []
+    for dtype in dtypes:
+        for label, (lens, per) in cases.items():
+            case = _kernel_case(lens, per, hq, hkv, d, bs, dtype)
+            for t in threads:
+                sec = _time_kernel(case, t, seconds)
+                r = {"case": label, "dtype": dtype, "threads": t, "ms": sec * 1e3, "gflops": case["_flops"] / sec / 1e9}
+                print(f"  {label:36s} {dtype:4s} threads {t}: {r['ms']:8.3f} ms  {r['gflops']:6.1f} GFLOP/s")
+                results.append(r)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=None, help="HF folder or .gguf (default: the built-in model)")
@@ -83,7 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=6, help="timed blocks per backend, alternating")
     ap.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--kernel", action="store_true", help="time the core kernel alone at W's shape (GFLOP/s)")
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "f32"], choices=sorted(DTYPES), help="with --kernel")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="with --kernel")
+    ap.add_argument("--seconds", type=float, default=2.0, help="with --kernel: timing per case")
     args = ap.parse_args(argv)
+    if args.kernel:
+        res = run_kernel(args.dtype, args.threads, args.seconds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+        return 0
     r = run(args.model, args.num_seqs, args.steps, args.repeats, tuple(args.input_len))
     print(f"decode step, {r['num_seqs']} sequences, mean context {r['mean_context']} tokens "
           f"({r['repeats']} alternating blocks of {r['steps']} steps, medians)")

@@ -212,6 +212,64 @@ pub fn paged_decode<T: Elem>(
     out: &mut [T],
     threads: usize,
 ) -> CoreResult<()> {
+    paged_decode_on(args, out, threads, Path::best())
+}
+
+/// A body of the kernel. Every path keeps the module's promise (a row's bits do not depend on
+/// its neighbours); their bits differ from each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// Plain Rust, any CPU.
+    Generic,
+    /// The generic body compiled for AVX2 + FMA.
+    Avx2,
+    /// The generic body compiled for AVX-512 (`Avx512Tiles` falls back to it; tests run it).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Avx512,
+    /// `attention_x86`'s explicit AVX-512 passes where the head dim allows, else `Avx512`.
+    Avx512Tiles,
+}
+
+impl Path {
+    #[cfg(test)]
+    pub(crate) const ALL: [Path; 4] = [Path::Generic, Path::Avx2, Path::Avx512, Path::Avx512Tiles];
+
+    /// Whether this CPU can run the path.
+    pub(crate) fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::is_x86_feature_detected as has;
+            match self {
+                Path::Generic => true,
+                Path::Avx2 => has!("avx2") && has!("fma"),
+                Path::Avx512 | Path::Avx512Tiles => has!("avx512f") && has!("avx512bw"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Path::Generic
+        }
+    }
+
+    fn best() -> Path {
+        [Path::Avx512Tiles, Path::Avx2]
+            .into_iter()
+            .find(|p| p.available())
+            .unwrap_or(Path::Generic)
+    }
+}
+
+/// `paged_decode` on a given path (one this CPU has: an unavailable one is an error).
+pub(crate) fn paged_decode_on<T: Elem>(
+    args: &DecodeArgs<T>,
+    out: &mut [T],
+    threads: usize,
+    path: Path,
+) -> CoreResult<()> {
+    if !path.available() {
+        let r = format!("this CPU cannot run the {path:?} kernel");
+        return Err(CoreError::invalid("path", r));
+    }
     args.validate(out.len())?;
     let s = args.shape;
     let width = s.num_q_heads * s.head_dim; // one sequence's output
@@ -237,42 +295,61 @@ pub fn paged_decode<T: Elem>(
     crate::cpu::parallel::run_parts(parts, &|p| {
         let mut run = runs[p].lock().unwrap_or_else(|e| e.into_inner());
         let (first, ref mut out) = *run;
-        run_seqs(args, first, out);
+        run_seqs(args, first, out, path);
     });
     Ok(())
 }
 
-/// Sequences `first..first + out.len() / (Hq * D)`, picking the widest SIMD this CPU has: the
-/// generic body is inlined into each wrapper and vectorised for its target features.
-fn run_seqs<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
+/// Sequences `first..first + out.len() / (Hq * D)` on `path` (one this CPU has): the generic
+/// body is inlined into each wrapper and vectorised for its target features.
+fn run_seqs<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T], path: Path) {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
-            // SAFETY: the CPU supports AVX-512F and BW (checked just above).
-            return unsafe { run_seqs_avx512(args, first, out) };
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-            return unsafe { run_seqs_avx2(args, first, out) };
-        }
+    match path {
+        // SAFETY: `paged_decode_on` checked that the CPU has the path's features; `validate` passed.
+        Path::Avx512Tiles => return unsafe { run_seqs_tiles(args, first, out) },
+        // SAFETY: as above.
+        Path::Avx512 => return unsafe { run_seqs_avx512(args, first, out) },
+        // SAFETY: as above.
+        Path::Avx2 => return unsafe { run_seqs_avx2(args, first, out) },
+        Path::Generic => {}
     }
-    run_seqs_generic(args, first, out)
+    let _ = path;
+    run_seqs_generic(args, first, out, attend)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn run_seqs_tiles<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
+    if !x86::serves(args.shape.head_dim) {
+        return run_seqs_generic(args, first, out, attend);
+    }
+    // SAFETY: this function's features include AVX-512F; the args passed `validate`.
+    let body = |a: &DecodeArgs<T>, rows, sc: &mut Scratch, o: &mut [T]| unsafe {
+        x86::attend(a, rows, sc, o)
+    };
+    run_seqs_generic(args, first, out, body)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn run_seqs_avx512<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
-    run_seqs_generic(args, first, out)
+    run_seqs_generic(args, first, out, attend)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn run_seqs_avx2<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
-    run_seqs_generic(args, first, out)
+    run_seqs_generic(args, first, out, attend)
 }
 
+/// Each run of rows that share a block table through `body` (an `attend`).
 #[inline(always)]
-fn run_seqs_generic<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
+fn run_seqs_generic<T: Elem>(
+    args: &DecodeArgs<T>,
+    first: usize,
+    out: &mut [T],
+    mut body: impl FnMut(&DecodeArgs<T>, std::ops::Range<usize>, &mut Scratch, &mut [T]),
+) {
     let width = args.shape.num_q_heads * args.shape.head_dim;
     let n = out.len() / width;
     let mut scratch = Scratch {
@@ -280,6 +357,7 @@ fn run_seqs_generic<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) 
         q: Vec::new(),
         acc: Vec::new(),
         spans: Vec::new(),
+        tile: Vec::new(),
     };
     let mut i = 0;
     while i < n {
@@ -287,7 +365,7 @@ fn run_seqs_generic<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) 
         while end < n && args.same_table(first + i, first + end) {
             end += 1;
         }
-        attend(
+        body(
             args,
             first + i..first + end,
             &mut scratch,
@@ -306,14 +384,21 @@ impl<T: Elem> DecodeArgs<'_, T> {
     }
 }
 
-/// Per-thread f32 working rows: the group's logits, queries and output accumulators, and each
-/// row's attended positions with the offset of its logits.
+/// Per-thread f32 working rows: the group's logits, queries and output accumulators, each
+/// row's attended positions with the offset of its logits, and (`attention_x86`) the partial
+/// dot products of a tile of positions.
 struct Scratch {
     scores: Vec<f32>,
     q: Vec<f32>,
     acc: Vec<f32>,
     spans: Vec<(usize, usize, usize)>,
+    tile: Vec<Lanes>,
 }
+
+/// 16 floats on one cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Lanes([f32; 16]);
 
 /// Rows `rows` of one sequence (one block table), all heads at once: the cache rows of a
 /// position (every KV head, contiguous) are read once for the whole group, in order, a block at
@@ -463,6 +548,10 @@ fn dot<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     let tail: f32 = a_tail.iter().zip(b_tail).map(|(x, y)| x * y.load()).sum();
     acc.iter().sum::<f32>() + tail
 }
+
+#[cfg(target_arch = "x86_64")]
+#[path = "attention_x86.rs"]
+mod x86;
 
 #[cfg(test)]
 #[path = "attention_tests.rs"]

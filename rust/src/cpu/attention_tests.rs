@@ -119,6 +119,11 @@ impl Case {
     }
 }
 
+/// Every kernel path this CPU has: each must match the reference and keep rows independent.
+fn paths() -> impl Iterator<Item = Path> {
+    Path::ALL.into_iter().filter(|p| p.available())
+}
+
 /// The largest elementwise difference of two outputs.
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
@@ -130,25 +135,36 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn matches_reference_across_shapes_and_thread_counts() {
     let mut rng = Rng(7);
-    // (Hq, Hkv, D, block_size): MHA, GQA, MQA, a head_dim that is not a multiple of 16.
+    // (Hq, Hkv, D, block_size): MHA, GQA, MQA, head dims that are not a multiple of 16, and
+    // every register count of the AVX-512 path (D / 16 = 1..=8, 16).
     for &(hq, hkv, d, bs) in &[
         (4, 4, 16, 4),
         (9, 3, 64, 16),
         (8, 1, 128, 8),
         (6, 2, 40, 16),
         (2, 1, 8, 1),
+        (8, 2, 80, 16),
+        (8, 1, 64, 16),
+        (3, 3, 32, 5),
+        (6, 2, 48, 16),
+        (4, 1, 96, 7),
+        (2, 2, 112, 16),
+        (4, 2, 256, 16),
+        (3, 1, 72, 16),
     ] {
-        for threads in [1, 2, 3, 8] {
-            let n = 1 + rng.index(7);
-            let case = Case::random(&mut rng, hq, hkv, d, bs, n);
-            let mut out = vec![f32::NAN; case.q.len()];
-            paged_decode(&case.args(), &mut out, threads).unwrap();
-            let want = case.reference();
-            let err = max_diff(&out, &want);
-            assert!(
-                err < 1e-5,
-                "Hq={hq} Hkv={hkv} D={d} bs={bs} threads={threads}: max error {err}"
-            );
+        for path in paths() {
+            for threads in [1, 2, 3, 8] {
+                let n = 1 + rng.index(7);
+                let case = Case::random(&mut rng, hq, hkv, d, bs, n);
+                let mut out = vec![f32::NAN; case.q.len()];
+                paged_decode_on(&case.args(), &mut out, threads, path).unwrap();
+                let want = case.reference();
+                let err = max_diff(&out, &want);
+                assert!(
+                    err < 1e-5,
+                    "{path:?} Hq={hq} Hkv={hkv} D={d} bs={bs} threads={threads}: max error {err}"
+                );
+            }
         }
     }
 }
@@ -158,14 +174,20 @@ fn sliding_window_attends_only_the_last_positions() {
     let mut rng = Rng(11);
     for &(hq, hkv, d, bs) in &[(4, 2, 16, 4), (9, 3, 64, 16)] {
         for window in [1, 3, bs, 2 * bs + 1, 1000] {
-            for threads in [1, 3] {
+            for (threads, path) in [1, 3]
+                .into_iter()
+                .flat_map(|t| paths().map(move |p| (t, p)))
+            {
                 let mut case = Case::random(&mut rng, hq, hkv, d, bs, 6);
                 case.window = Some(window);
                 let mut out = vec![f32::NAN; case.q.len()];
-                paged_decode(&case.args(), &mut out, threads).unwrap();
+                paged_decode_on(&case.args(), &mut out, threads, path).unwrap();
                 let want = case.reference();
                 let err = max_diff(&out, &want);
-                assert!(err < 1e-5, "window={window} bs={bs}: max error {err}");
+                assert!(
+                    err < 1e-5,
+                    "{path:?} window={window} bs={bs}: max error {err}"
+                );
             }
         }
     }
@@ -216,7 +238,7 @@ fn rejects_what_it_cannot_follow() {
 #[test]
 fn half_caches_and_strided_queries_match_the_f32_kernel() {
     use crate::cpu::elem::{Bf16, F16};
-    fn run<T: Elem>(case: &Case, pad: usize) -> Vec<f32> {
+    fn run<T: Elem>(case: &Case, pad: usize, path: Path) -> Vec<f32> {
         let s = case.shape;
         let width = s.num_q_heads * s.head_dim;
         // Rows `pad` elements apart, as q sits in a fused q|k|v row.
@@ -244,26 +266,39 @@ fn half_caches_and_strided_queries_match_the_f32_kernel() {
             sinks: case.sinks.as_deref(),
         };
         let mut out = vec![T::store(0.0); case.q.len()];
-        paged_decode(&args, &mut out, 2).unwrap();
+        paged_decode_on(&args, &mut out, 2, path).unwrap();
         out.iter().map(|x| x.load()).collect()
     }
     let mut rng = Rng(21);
-    for &(hq, hkv, d, bs) in &[(9, 3, 64, 16), (4, 4, 16, 4)] {
+    for &(hq, hkv, d, bs) in &[
+        (9, 3, 64, 16),
+        (4, 4, 16, 4),
+        (8, 2, 128, 16),
+        (4, 2, 40, 8),
+    ] {
         let mut case = Case::random(&mut rng, hq, hkv, d, bs, 5);
         // Round the inputs to bf16 first: the kernels then see the same values, and the
         // outputs differ only by the final rounding (bf16 2^-8, f16 2^-11 of a value <= 1).
         for x in case.q.iter_mut().chain(&mut case.k).chain(&mut case.v) {
             *x = Bf16::store(*x).load();
         }
-        let want = run::<f32>(&case, 0);
-        for (got, tol) in [
-            (run::<Bf16>(&case, 2 * hkv * d), 4e-3),
-            (run::<F16>(&case, 0), 5e-4),
-        ] {
-            let err = max_diff(&got, &want);
-            assert!(err < tol, "Hq={hq} D={d}: max error {err}");
+        let reference = case.reference();
+        for path in paths() {
+            let want = run::<f32>(&case, 0, path);
+            assert!(max_diff(&want, &reference) < 1e-5, "{path:?} D={d}");
+            for (got, tol) in [
+                (run::<Bf16>(&case, 2 * hkv * d, path), 4e-3),
+                (run::<F16>(&case, 0, path), 5e-4),
+            ] {
+                let err = max_diff(&got, &want);
+                assert!(err < tol, "{path:?} Hq={hq} D={d}: max error {err}");
+            }
+            assert_eq!(
+                run::<f32>(&case, 7, path),
+                want,
+                "a row stride changes nothing"
+            );
         }
-        assert_eq!(run::<f32>(&case, 7), want, "a row stride changes nothing");
     }
 }
 
@@ -318,11 +353,13 @@ fn soft_capped_logits_match_reference() {
             case.q.iter_mut().for_each(|x| *x *= 8.0);
             case.softcap = Some(cap);
             case.window = window;
-            let mut out = vec![0.0; case.q.len()];
-            paged_decode(&case.args(), &mut out, 2).unwrap();
             let want = case.reference();
-            for (a, b) in out.iter().zip(&want) {
-                assert!((a - b).abs() < 1e-4, "{a} vs {b} (cap {cap})");
+            for path in paths() {
+                let mut out = vec![0.0; case.q.len()];
+                paged_decode_on(&case.args(), &mut out, 2, path).unwrap();
+                for (a, b) in out.iter().zip(&want) {
+                    assert!((a - b).abs() < 1e-4, "{path:?}: {a} vs {b} (cap {cap})");
+                }
             }
             case.softcap = None;
             let plain = case.reference();
@@ -342,7 +379,7 @@ fn soft_capped_logits_match_reference() {
 #[test]
 fn sinks_join_the_denominator_only() {
     let mut rng = Rng(41);
-    for &(hq, hkv, d, bs) in &[(4, 2, 16, 4), (8, 1, 32, 8)] {
+    for &(hq, hkv, d, bs) in &[(4, 2, 16, 4), (8, 1, 32, 8), (9, 3, 64, 16)] {
         for window in [None, Some(3)] {
             let mut case = Case::random(&mut rng, hq, hkv, d, bs, 5);
             // Sinks around the logits' own size (one far above them: weight ~0 left for the keys), and
@@ -352,11 +389,13 @@ fn sinks_join_the_denominator_only() {
                 .collect();
             case.sinks = Some(sinks);
             case.window = window;
-            let mut out = vec![0.0; case.q.len()];
-            paged_decode(&case.args(), &mut out, 3).unwrap();
             let want = case.reference();
-            for (a, b) in out.iter().zip(&want) {
-                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+            for path in paths() {
+                let mut out = vec![0.0; case.q.len()];
+                paged_decode_on(&case.args(), &mut out, 3, path).unwrap();
+                for (a, b) in out.iter().zip(&want) {
+                    assert!((a - b).abs() < 1e-5, "{path:?}: {a} vs {b}");
+                }
             }
             case.sinks = None;
             let plain = case.reference();
@@ -382,7 +421,15 @@ fn sinks_join_the_denominator_only() {
 #[test]
 fn rows_sharing_a_table_equal_each_row_alone() {
     let mut rng = Rng(23);
-    for &(hq, hkv, d, bs) in &[(9, 3, 64, 16), (4, 4, 16, 4), (6, 2, 40, 8)] {
+    let shapes = [
+        (9, 3, 64, 16),
+        (4, 4, 16, 4),
+        (6, 2, 40, 8),
+        (8, 1, 128, 16),
+        (8, 2, 80, 16),
+        (8, 2, 48, 16),
+    ];
+    for (&(hq, hkv, d, bs), path) in shapes.iter().flat_map(|s| paths().map(move |p| (s, p))) {
         for trial in 0..6 {
             // two sequences: `a` verifies `k` rows, `b` decodes one
             let mut case = Case::random(&mut rng, hq, hkv, d, bs, 2);
@@ -412,7 +459,7 @@ fn rows_sharing_a_table_equal_each_row_alone() {
             let width = hq * d;
             for threads in [1, 2, 3] {
                 let mut out = vec![f32::NAN; n * width];
-                paged_decode(&case.args(), &mut out, threads).unwrap();
+                paged_decode_on(&case.args(), &mut out, threads, path).unwrap();
                 for row in 0..n {
                     let mut one = DecodeArgs {
                         shape: DecodeShape {
@@ -425,13 +472,13 @@ fn rows_sharing_a_table_equal_each_row_alone() {
                     one.block_tables = &case.tables[row * m..(row + 1) * m];
                     one.seq_lens = &case.lens[row..row + 1];
                     let mut alone = vec![f32::NAN; width];
-                    paged_decode(&one, &mut alone, 1).unwrap();
+                    paged_decode_on(&one, &mut alone, 1, path).unwrap();
                     let got = &out[row * width..(row + 1) * width];
                     assert!(
                         got.iter()
                             .zip(&alone)
                             .all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "Hq={hq} D={d} trial {trial} threads {threads}: row {row} of {n} differs"
+                        "{path:?} Hq={hq} D={d} trial {trial} threads {threads}: row {row} of {n} differs"
                     );
                 }
                 let want = case.reference();
@@ -442,5 +489,105 @@ fn rows_sharing_a_table_equal_each_row_alone() {
                 );
             }
         }
+    }
+}
+
+/// Random shapes (GQA groups 1, 3, 4, 8; head dims the AVX-512 path serves and some it does
+/// not; odd lengths and block sizes) with random windows, soft-caps and sinks, in f32, bf16 and
+/// f16 caches, on every path: close to the f64 reference, and each row of a batch bit for bit
+/// the row computed alone.
+#[test]
+fn random_shapes_and_options_match_the_reference_row_by_row() {
+    use crate::cpu::elem::{Bf16, F16};
+    fn run<T: Elem>(case: &Case, path: Path, threads: usize) -> Vec<f32> {
+        let conv = |xs: &[f32]| xs.iter().map(|&x| T::store(x)).collect::<Vec<T>>();
+        let (q, k, v) = (conv(&case.q), conv(&case.k), conv(&case.v));
+        let f = case.args();
+        let args = DecodeArgs {
+            shape: f.shape,
+            q: &q,
+            q_stride: f.q_stride,
+            k_cache: &k,
+            v_cache: &v,
+            block_tables: f.block_tables,
+            seq_lens: f.seq_lens,
+            scale: f.scale,
+            window: f.window,
+            softcap: f.softcap,
+            sinks: f.sinks,
+        };
+        let mut out = vec![T::store(f32::NAN); q.len()];
+        paged_decode_on(&args, &mut out, threads, path).unwrap();
+        out.iter().map(|x| x.load()).collect()
+    }
+    fn check<T: Elem>(case: &Case, want: &[f32], tol: f32, what: &str) {
+        let s = case.shape;
+        let width = s.num_q_heads * s.head_dim;
+        for path in paths() {
+            let threads = 1 + (s.num_seqs % 3);
+            let got = run::<T>(case, path, threads);
+            let err = max_diff(&got, want);
+            assert!(err < tol, "{what} {path:?}: max error {err}");
+            for row in 0..s.num_seqs {
+                let m = s.max_blocks;
+                let one = Case {
+                    shape: DecodeShape { num_seqs: 1, ..s },
+                    q: case.q[row * width..(row + 1) * width].to_vec(),
+                    k: case.k.clone(),
+                    v: case.v.clone(),
+                    tables: case.tables[row * m..(row + 1) * m].to_vec(),
+                    lens: vec![case.lens[row]],
+                    window: case.window,
+                    softcap: case.softcap,
+                    sinks: case.sinks.clone(),
+                };
+                let alone = run::<T>(&one, path, 1);
+                let mine = &got[row * width..(row + 1) * width];
+                assert!(
+                    mine.iter()
+                        .zip(&alone)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{what} {path:?}: row {row} of {} differs from the row alone",
+                    s.num_seqs
+                );
+            }
+        }
+    }
+    let mut rng = Rng(77);
+    let dims = [64, 128, 80, 16, 40, 72];
+    for trial in 0..24 {
+        let hkv = 1 + rng.index(3);
+        let group = [1, 3, 4, 8][trial % 4];
+        let d = dims[rng.index(dims.len())];
+        let bs = [16, 16, 1, 5, 8, 32][rng.index(6)];
+        let n = 1 + rng.index(6);
+        let mut case = Case::random(&mut rng, group * hkv, hkv, d, bs, n);
+        // Some rows share the first row's table (a verification next to plain decode rows).
+        let m = case.shape.max_blocks;
+        for row in 1..n {
+            if rng.index(2) == 0 {
+                let t = case.tables[..m].to_vec();
+                case.tables[row * m..(row + 1) * m].copy_from_slice(&t);
+            }
+        }
+        case.window = [None, Some(1), Some(7), Some(bs + 3)][rng.index(4)];
+        case.softcap = (rng.index(3) == 0).then_some(3.0);
+        case.sinks = (rng.index(3) == 0).then(|| rng.floats(group * hkv));
+        let what = format!(
+            "trial {trial}: Hq={} Hkv={hkv} D={d} bs={bs} n={n} window={:?} softcap={:?} sinks={}",
+            group * hkv,
+            case.window,
+            case.softcap,
+            case.sinks.is_some()
+        );
+        let want = case.reference();
+        check::<f32>(&case, &want, 1e-5, &what);
+        // Half caches: inputs rounded first, so only the kernel's own rounding differs.
+        for x in case.q.iter_mut().chain(&mut case.k).chain(&mut case.v) {
+            *x = Bf16::store(*x).load();
+        }
+        let want = case.reference();
+        check::<Bf16>(&case, &want, 4e-3, &what);
+        check::<F16>(&case, &want, 5e-4, &what);
     }
 }

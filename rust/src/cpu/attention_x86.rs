@@ -1,0 +1,544 @@
+//! AVX-512 body of `attention::attend` for head dims that are a multiple of 16 (up to 128, and
+//! 256): the same two passes, arranged so that the instructions are the multiply-adds.
+//!
+//! - Logits: per position each KV head's K row is loaded (and widened) once into `D / 16`
+//!   registers and multiplied against every query head of its group in every row; the products
+//!   stay as 16-lane partial sums, one per (row, head, position), in a tile of 16 positions, and
+//!   one transpose-reduce (45 instructions) turns 16 of them into 16 logits. A horizontal sum per
+//!   dot would cost more instructions than the dot itself.
+//! - Softmax: max, `exp` (the polynomial of `ops::exp`, 16 lanes) and sum, vectorised.
+//! - Weighted sum: per position each KV head's V row is loaded once and multiplied into the
+//!   accumulators of up to 24 registers' worth of (row, head) pairs, kept in registers across all
+//!   positions and stored once.
+//!
+//! Tiles sit at absolute positions (multiples of 16), so a position's logit comes out of the
+//! same lane of the same reduction whatever rows share the call, every sum runs over a row's own
+//! positions in order, and a row's result does not depend on its neighbours (the module's
+//! promise, tested in `attention_tests.rs`).
+
+use std::any::TypeId;
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::{DecodeArgs, Lanes, Scratch};
+use crate::cpu::elem::{Bf16, Elem, F16};
+
+/// Whether this path serves head dim `d` (it needs AVX-512F, checked by the caller).
+pub(super) fn serves(d: usize) -> bool {
+    d.is_multiple_of(16) && matches!(d / 16, 1..=8 | 16)
+}
+
+/// `attend` for a head dim that `serves` accepts.
+///
+/// # Safety
+/// The CPU must support AVX-512F, and `args` must have passed `validate`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn attend<T: Elem>(
+    args: &DecodeArgs<T>,
+    rows: Range<usize>,
+    scratch: &mut Scratch,
+    out: &mut [T],
+) {
+    // SAFETY (all arms): the caller's contract, passed on.
+    unsafe {
+        match args.shape.head_dim / 16 {
+            1 => attend_dv::<T, 1>(args, rows, scratch, out),
+            2 => attend_dv::<T, 2>(args, rows, scratch, out),
+            3 => attend_dv::<T, 3>(args, rows, scratch, out),
+            4 => attend_dv::<T, 4>(args, rows, scratch, out),
+            5 => attend_dv::<T, 5>(args, rows, scratch, out),
+            6 => attend_dv::<T, 6>(args, rows, scratch, out),
+            7 => attend_dv::<T, 7>(args, rows, scratch, out),
+            8 => attend_dv::<T, 8>(args, rows, scratch, out),
+            16 => attend_dv::<T, 16>(args, rows, scratch, out),
+            _ => unreachable!("head dim {} is not served here", args.shape.head_dim),
+        }
+    }
+}
+
+/// Where a (row, head) pair's numbers live: its logits at `scores[off..off + len - first]`
+/// (position `first` first), its output at `out[out..out + D]`.
+#[derive(Clone, Copy, Default)]
+struct Pair {
+    first: usize,
+    len: usize,
+    off: usize,
+    out: usize,
+}
+
+/// The cache geometry the passes need, pulled out of `DecodeArgs`.
+#[derive(Clone, Copy)]
+struct Geo<'a> {
+    table: &'a [i32],
+    block_size: usize,
+    width: usize,
+}
+
+impl Geo<'_> {
+    /// The element offset of position `pos`'s cache row (every KV head).
+    #[inline(always)]
+    fn row(&self, pos: usize) -> usize {
+        let b = self.block_size;
+        (self.table[pos / b] as usize * b + pos % b) * self.width
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+unsafe fn attend_dv<T: Elem, const DV: usize>(
+    args: &DecodeArgs<T>,
+    rows: Range<usize>,
+    scratch: &mut Scratch,
+    out: &mut [T],
+) {
+    let s = args.shape;
+    let (d, hq) = (s.head_dim, s.num_q_heads);
+    let geo = Geo {
+        table: &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks],
+        block_size: s.block_size,
+        width: s.num_kv_heads * d,
+    };
+    let Scratch {
+        scores,
+        q,
+        spans,
+        tile,
+        ..
+    } = scratch;
+    spans.clear();
+    q.clear();
+    let mut total = 0;
+    for seq in rows.clone() {
+        let (first, len) = args.span(seq);
+        spans.push((first, len, total));
+        total += hq * (len - first);
+        let start = seq * args.q_stride;
+        q.extend(args.q[start..start + hq * d].iter().map(|y| y.load()));
+    }
+    let lo = spans.iter().map(|sp| sp.0).min().unwrap_or(0);
+    let hi = spans.iter().map(|sp| sp.1).max().unwrap_or(0);
+    scores.clear();
+    scores.resize(total, 0.0);
+    tile.clear();
+    tile.resize(spans.len() * hq * 16, Lanes([0.0; 16]));
+    // SAFETY: the CPU has AVX-512F (this function's contract); `validate` checked every block
+    // id and length, so each row offset and slice below stays inside its buffer.
+    unsafe {
+        logits::<T, DV>(args, geo, spans, q, tile, scores, lo..hi);
+    }
+    if let Some(cap) = args.softcap {
+        scores.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+    }
+    for &(first, len, base) in spans.iter() {
+        let span = len - first;
+        for h in 0..hq {
+            let sink = args.sinks.map(|sk| sk[h]);
+            // SAFETY: AVX-512F, as above.
+            unsafe { softmax(&mut scores[base + h * span..base + (h + 1) * span], sink) };
+        }
+    }
+    let group = hq / s.num_kv_heads;
+    let mut pairs = [Pair::default(); 24];
+    for kvh in 0..s.num_kv_heads {
+        for c0 in (0..DV).step_by(4) {
+            let nc = (DV - c0).min(4);
+            let np = 24 / nc;
+            // The (row, head) pairs of this KV head, `np` at a time.
+            let mut n = 0;
+            let all = spans
+                .iter()
+                .enumerate()
+                .flat_map(|(r, &(first, len, base))| {
+                    (0..group).map(move |g| {
+                        let h = kvh * group + g;
+                        Pair {
+                            first,
+                            len,
+                            off: base + h * (len - first),
+                            out: (r * hq + h) * d,
+                        }
+                    })
+                });
+            let mut flush = |chunk: &[Pair]| {
+                let col = kvh * d + c0 * 16;
+                // SAFETY: AVX-512F, as above; `nc` picks the instance whose width it names.
+                unsafe {
+                    match nc {
+                        4 => weigh::<T, 4, 6>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        3 => weigh::<T, 3, 8>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        2 => weigh::<T, 2, 12>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        _ => weigh::<T, 1, 24>(args.v_cache, geo, chunk, col, scores, out, c0),
+                    }
+                }
+            };
+            for p in all {
+                pairs[n] = p;
+                n += 1;
+                if n == np {
+                    flush(&pairs[..n]);
+                    n = 0;
+                }
+            }
+            if n > 0 {
+                flush(&pairs[..n]);
+            }
+        }
+    }
+}
+
+/// 16 elements at `p` widened to f32 (exactly, as `Elem::load`).
+#[inline(always)]
+unsafe fn load16<T: Elem>(p: *const T) -> __m512 {
+    // SAFETY: the caller guarantees 16 readable elements at `p` and AVX-512F; the casts follow
+    // the `TypeId` checks, so each reads the type that is really there.
+    unsafe {
+        if TypeId::of::<T>() == TypeId::of::<f32>() {
+            _mm512_loadu_ps(p.cast())
+        } else if TypeId::of::<T>() == TypeId::of::<Bf16>() {
+            let h = _mm256_loadu_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        } else if TypeId::of::<T>() == TypeId::of::<F16>() {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+        } else {
+            let mut x = [0.0f32; 16];
+            for (i, x) in x.iter_mut().enumerate() {
+                *x = (*p.add(i)).load();
+            }
+            _mm512_loadu_ps(x.as_ptr())
+        }
+    }
+}
+
+/// Lane `j` of the result is the sum of `v[j]`'s 16 lanes, by the same tree for every `j`:
+/// pairs of vectors interleaved and added (32-bit, then 64-bit, then twice by 128-bit lanes).
+#[inline(always)]
+unsafe fn reduce16(v: *const Lanes) -> __m512 {
+    // SAFETY: the caller guarantees 16 readable `Lanes` at `v` and AVX-512F.
+    unsafe {
+        let at = |i: usize| _mm512_load_ps(v.add(i).cast());
+        let mut s = [_mm512_setzero_ps(); 8];
+        for (i, s) in s.iter_mut().enumerate() {
+            let (a, b) = (at(2 * i), at(2 * i + 1));
+            *s = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        let mut u = [_mm512_setzero_ps(); 4];
+        for (i, u) in u.iter_mut().enumerate() {
+            let (a, b) = (_mm512_castps_pd(s[2 * i]), _mm512_castps_pd(s[2 * i + 1]));
+            // The 64-bit interleave moves f32 pairs; the add is f32.
+            *u = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            );
+        }
+        let half = |x: __m512, y: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(x, y),
+                _mm512_shuffle_f32x4::<0xdd>(x, y),
+            )
+        };
+        let w = [half(u[0], u[1]), half(u[2], u[3])];
+        half(w[0], w[1])
+    }
+}
+
+/// Every logit of the rows in `spans` at positions `range`, times `args.scale`, into `scores`.
+#[target_feature(enable = "avx512f")]
+unsafe fn logits<T: Elem, const DV: usize>(
+    args: &DecodeArgs<T>,
+    geo: Geo,
+    spans: &[(usize, usize, usize)],
+    q: &[f32],
+    tile: &mut [Lanes],
+    scores: &mut [f32],
+    range: Range<usize>,
+) {
+    let s = args.shape;
+    let (d, hq, bs) = (s.head_dim, s.num_q_heads, s.block_size);
+    let group = hq / s.num_kv_heads;
+    let (lo, hi) = (range.start, range.end);
+    let scale = _mm512_set1_ps(args.scale);
+    let (kp, qp, tp) = (args.k_cache.as_ptr(), q.as_ptr(), tile.as_mut_ptr());
+    let mut t0 = lo / 16 * 16;
+    while t0 < hi {
+        for pos in t0.max(lo)..(t0 + 16).min(hi) {
+            if pos + bs < hi {
+                let next = geo.row(pos + bs);
+                super::prefetch(&args.k_cache[next..next + geo.width]);
+            }
+            let slot = pos - t0;
+            // SAFETY: `validate` bounds every row offset; q holds `spans.len() * hq * d` floats and
+            // the tile `spans.len() * hq * 16` lanes.
+            unsafe {
+                let krow = kp.add(geo.row(pos));
+                for kvh in 0..s.num_kv_heads {
+                    let mut k = [_mm512_setzero_ps(); DV];
+                    for (c, k) in k.iter_mut().enumerate() {
+                        *k = load16(krow.add(kvh * d + c * 16));
+                    }
+                    for (r, &(first, len, _)) in spans.iter().enumerate() {
+                        if pos < first || pos >= len {
+                            continue;
+                        }
+                        for h in kvh * group..(kvh + 1) * group {
+                            let qh = qp.add((r * hq + h) * d);
+                            let mut acc = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
+                            for (c, &k) in k.iter().enumerate().skip(1) {
+                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(c * 16)), k, acc);
+                            }
+                            _mm512_store_ps(tp.add((r * hq + h) * 16 + slot).cast(), acc);
+                        }
+                    }
+                }
+            }
+        }
+        for (r, &(first, len, base)) in spans.iter().enumerate() {
+            let (a, b) = (t0.max(first), (t0 + 16).min(len));
+            if a >= b {
+                continue;
+            }
+            let span = len - first;
+            for h in 0..hq {
+                // SAFETY: the tile holds this pair's 16 lanes; the logits of positions `a..b`
+                // lie inside this row's and head's `span` scores.
+                unsafe {
+                    let x = _mm512_mul_ps(reduce16(tp.add((r * hq + h) * 16)), scale);
+                    let dst = scores.as_mut_ptr().add(base + h * span);
+                    if a == t0 && b == t0 + 16 {
+                        _mm512_storeu_ps(dst.add(t0 - first), x);
+                    } else {
+                        let mut lanes = [0.0f32; 16];
+                        _mm512_storeu_ps(lanes.as_mut_ptr(), x);
+                        for pos in a..b {
+                            *dst.add(pos - first) = lanes[pos - t0];
+                        }
+                    }
+                }
+            }
+        }
+        t0 += 16;
+    }
+}
+
+/// `ops::exp` on 16 lanes, the same operations in the same order (so the same bits).
+#[inline(always)]
+unsafe fn exp16(x: __m512) -> __m512 {
+    // SAFETY: register arithmetic only; the caller guarantees AVX-512F.
+    unsafe {
+        let c = _mm512_set1_ps;
+        let round = c(12_582_912.0);
+        let x = _mm512_min_ps(_mm512_max_ps(x, c(-87.0)), c(88.0));
+        let t = _mm512_add_ps(_mm512_mul_ps(x, c(std::f32::consts::LOG2_E)), round);
+        let n = _mm512_sub_ps(t, round);
+        let r = _mm512_add_ps(
+            _mm512_sub_ps(x, _mm512_mul_ps(n, c(0.693_359_4))),
+            _mm512_mul_ps(n, c(2.121_944_4e-4)),
+        );
+        let mut p = c(1.987_569_1e-4);
+        for k in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            0.166_666_65,
+            0.5,
+        ] {
+            p = _mm512_add_ps(_mm512_mul_ps(p, r), c(k));
+        }
+        let y = _mm512_add_ps(
+            _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r),
+            c(1.0),
+        );
+        let bits = _mm512_add_epi32(
+            _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_castps_si512(round)),
+            _mm512_set1_epi32(127),
+        );
+        _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bits)))
+    }
+}
+
+/// One (row, head)'s logits to probabilities in place, the sink (if any) in the denominator.
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax(sc: &mut [f32], sink: Option<f32>) {
+    let n = sc.len() / 16 * 16;
+    let p = sc.as_mut_ptr();
+    // SAFETY: every access is below `sc.len()`: vectors at multiples of 16 below `n`.
+    unsafe {
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        for i in (0..n).step_by(16) {
+            m = _mm512_max_ps(m, _mm512_loadu_ps(p.add(i)));
+        }
+        // A sink enters the max too, so a sink far above every logit cannot overflow exp().
+        let max = sc[n..]
+            .iter()
+            .copied()
+            .fold(_mm512_reduce_max_ps(m), f32::max)
+            .max(sink.unwrap_or(f32::NEG_INFINITY));
+        let (vmax, mut acc) = (_mm512_set1_ps(max), _mm512_setzero_ps());
+        for i in (0..n).step_by(16) {
+            let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), vmax));
+            _mm512_storeu_ps(p.add(i), e);
+            acc = _mm512_add_ps(acc, e);
+        }
+        let mut lanes = [0.0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+        let mut tail = 0.0;
+        for x in sc[n..].iter_mut() {
+            *x = crate::cpu::ops::exp(*x - max);
+            tail += *x;
+        }
+        let total = lanes.iter().sum::<f32>() + tail;
+        let inv = 1.0 / (total + sink.map_or(0.0, |x| crate::cpu::ops::exp(x - max)));
+        let vinv = _mm512_set1_ps(inv);
+        for i in (0..n).step_by(16) {
+            _mm512_storeu_ps(p.add(i), _mm512_mul_ps(_mm512_loadu_ps(p.add(i)), vinv));
+        }
+        sc[n..].iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// `out` columns `c0 * 16..(c0 + NC) * 16` of every pair in `pairs` (at most `NP`): the sum over
+/// its positions of probability × V row (cache columns `col..col + NC * 16`), accumulated in
+/// registers, positions in order.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
+    v_cache: &[T],
+    geo: Geo,
+    pairs: &[Pair],
+    col: usize,
+    scores: &[f32],
+    out: &mut [T],
+    c0: usize,
+) {
+    let np = pairs.len().min(NP);
+    let pairs = &pairs[..np];
+    let lo = pairs.iter().map(|p| p.first).min().unwrap_or(0);
+    let hi = pairs.iter().map(|p| p.len).max().unwrap_or(0);
+    // Positions every pair attends: no span check there.
+    let all_lo = pairs.iter().map(|p| p.first).max().unwrap_or(0);
+    let all_hi = pairs.iter().map(|p| p.len).min().unwrap_or(0).max(all_lo);
+    let mut acc = [[_mm512_setzero_ps(); NC]; NP];
+    let at = At {
+        v_cache,
+        scores,
+        geo,
+        col,
+        hi,
+    };
+    // SAFETY (all three): AVX-512F (this function's contract); `step`'s own contract holds for
+    // positions inside the pairs' spans, which these ranges are.
+    unsafe {
+        for pos in lo..all_lo.min(hi) {
+            step::<T, NC, NP, true>(&at, pairs, &mut acc, pos);
+        }
+        for pos in all_lo..all_hi {
+            step::<T, NC, NP, false>(&at, pairs, &mut acc, pos);
+        }
+        for pos in all_hi.max(lo)..hi {
+            step::<T, NC, NP, true>(&at, pairs, &mut acc, pos);
+        }
+    }
+    for (pr, acc) in pairs.iter().zip(&acc) {
+        let dst = &mut out[pr.out + c0 * 16..pr.out + (c0 + NC) * 16];
+        let mut lanes = [0.0f32; 16];
+        for (c, &a) in acc.iter().enumerate() {
+            // SAFETY: a 16-float local buffer; AVX-512F.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
+            for (o, &x) in dst[c * 16..(c + 1) * 16].iter_mut().zip(&lanes) {
+                *o = T::store(x);
+            }
+        }
+    }
+}
+
+/// What `weigh` reads: the V cache at columns `col..`, the probabilities, the positions' end.
+struct At<'a, T> {
+    v_cache: &'a [T],
+    scores: &'a [f32],
+    geo: Geo<'a>,
+    col: usize,
+    hi: usize,
+}
+
+/// One position of `weigh`: its V row (NC vectors) into every pair's accumulators; with
+/// `CHECK`, only the pairs whose span holds `pos`.
+///
+/// # Safety
+/// AVX-512F; `pos` is a position of some pair's span (so its cache row exists), and with
+/// `CHECK = false`, of every pair's.
+#[inline(always)]
+unsafe fn step<T: Elem, const NC: usize, const NP: usize, const CHECK: bool>(
+    at: &At<T>,
+    pairs: &[Pair],
+    acc: &mut [[__m512; NC]; NP],
+    pos: usize,
+) {
+    let geo = at.geo;
+    if pos + geo.block_size < at.hi {
+        let next = geo.row(pos + geo.block_size) + at.col;
+        super::prefetch(&at.v_cache[next..next + NC * 16]);
+    }
+    // SAFETY: `validate` bounds the row offset; a pair's score is read only at its own
+    // positions, inside its `len - first` logits.
+    unsafe {
+        let vr = at.v_cache.as_ptr().add(geo.row(pos) + at.col);
+        let mut v = [_mm512_setzero_ps(); NC];
+        for (c, v) in v.iter_mut().enumerate() {
+            *v = load16(vr.add(c * 16));
+        }
+        for (i, acc) in acc.iter_mut().enumerate() {
+            if i >= pairs.len() {
+                break;
+            }
+            let pr = pairs.get_unchecked(i);
+            if CHECK && (pos < pr.first || pos >= pr.len) {
+                continue;
+            }
+            let w = _mm512_set1_ps(*at.scores.as_ptr().add(pr.off + pos - pr.first));
+            for (a, &v) in acc.iter_mut().zip(&v) {
+                *a = _mm512_fmadd_ps(w, v, *a);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduce16_sums_each_vector_into_its_lane() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let mut v = vec![Lanes([0.0; 16]); 16];
+        for (j, l) in v.iter_mut().enumerate() {
+            for (i, x) in l.0.iter_mut().enumerate() {
+                *x = (j * 100 + i) as f32 * if i % 3 == 0 { -1.0 } else { 1.0 };
+            }
+        }
+        let mut got = [0.0f32; 16];
+        // SAFETY: AVX-512F checked above; 16 Lanes.
+        unsafe { _mm512_storeu_ps(got.as_mut_ptr(), reduce16(v.as_ptr())) };
+        for (j, l) in v.iter().enumerate() {
+            assert_eq!(got[j], l.0.iter().sum::<f32>(), "lane {j}");
+        }
+    }
+
+    #[test]
+    fn exp16_equals_the_scalar_exp() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let xs: Vec<f32> = (0..4096)
+            .map(|i| -100.0 + i as f32 * 0.0471)
+            .chain([f32::NEG_INFINITY, 0.0, -0.0, 88.5])
+            .collect();
+        for chunk in xs.chunks(16).filter(|c| c.len() == 16) {
+            let mut got = [0.0f32; 16];
+            // SAFETY: AVX-512F checked above; 16 floats each way.
+            unsafe { _mm512_storeu_ps(got.as_mut_ptr(), exp16(_mm512_loadu_ps(chunk.as_ptr()))) };
+            for (g, &x) in got.iter().zip(chunk) {
+                assert_eq!(g.to_bits(), crate::cpu::ops::exp(x).to_bits(), "exp({x})");
+            }
+        }
+    }
+}
