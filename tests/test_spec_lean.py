@@ -170,3 +170,38 @@ def test_speculative_greedy_is_plain_greedy_on_quantized_weights(hf_dir, monkeyp
     assert spec.get_metrics()["spec_decode_num_accepted_tokens"] >= 1
     assert sum(n for (q, _), n in steps.items() if q > 1) >= 5, steps  # verification steps ran
     assert all(taken for _, taken in steps), steps  # and every one took the lean step
+
+
+@pytest.mark.parametrize(("weights", "dtype"), [("Q4_0", torch.float32), ("int8", torch.bfloat16)])
+def test_ordinary_forward_attends_verification_rows_in_the_kernel(hf_dir, monkeypatch, weights, dtype):
+    """A verification step past the lean step's rows (many sequences speculating) takes the ordinary forward:
+    its chunks' rows go to the paged kernel as decode rows at their positions (one call per layer that writes the
+    step's K/V and attends), no per-sequence SDPA, and each row equals the same row decoded alone."""
+    from ironlm.attention import cpu_backend, torch_backend
+
+    model = _load(hf_dir, weights, dtype)
+    monkeypatch.setattr(lean, "LEAN_MAX_TOKENS", 0)
+    sdpa: list[int] = []
+    real = torch_backend._prefill_one
+
+    def spy(q, k, v, k_cache, v_cache, s, *args, **kwargs):
+        sdpa.append(s.end - s.start)
+        return real(q, k, v, k_cache, v_cache, s, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_backend, "_prefill_one", spy)
+    kv = _caches(model, dtype)
+    got = _chunk_step(model, kv)
+    assert sdpa == []
+    kv1 = _caches(model, dtype)
+    want = _row_steps(model, kv1)
+    assert torch.equal(got, want)
+    for (k, v), (k1, v1) in zip(kv, kv1):
+        assert torch.equal(k, k1) and torch.equal(v, v1)
+    # A chunk that starts its sequence, or one longer than ROW_CHUNK_MAX, stays a prefill chunk.
+    n = cpu_backend.ROW_CHUNK_MAX + 1
+    table = np.arange(2 * 16, dtype=np.int32).reshape(2, 16)
+    meta = AttentionMetadata.from_lengths(context_lens=np.array([0, 3, 5]), query_lens=np.array([4, n, 2]),
+                                          block_tables=np.concatenate([TABLE[:1, :], table[:, :8]]), block_size=BS)
+    plan = model.attn_backend.decode_plan(meta, BS, 6 + n)
+    assert [(s.start, s.end) for s in plan.prefill] == [(0, 4), (4, 4 + n)]
+    assert plan.seq_lens.tolist() == [6, 7] and plan.rows.tolist() == [4 + n, 5 + n]

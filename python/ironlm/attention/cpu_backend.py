@@ -5,7 +5,8 @@ path gathers every sequence's pages into a padded buffer before SDPA (the cache 
 again); ``ironlm._core.paged_decode_attention`` reads each page once, in place, with the GIL released and
 the sequences split across torch's thread count. It reads f32, bf16 and fp16 caches (accumulating in f32); when
 every row of the step is a decode row it also writes the step's K/V into the cache in the same call, so a decode
-step's attention is one call per layer. Prefill chunks are matmul-shaped and stay on SDPA, bf16 ones in bf16
+step's attention is one call per layer. Short chunks that extend a cached sequence (speculative verification rows)
+go to the kernel row by row too (`ROW_CHUNK_MAX`). Prefill chunks are matmul-shaped and stay on SDPA, bf16 ones in bf16
 (the torch backend, the kernels' reference, upcasts them to fp32). Steps where every
 decode sequence starts with the same cached blocks (a shared system prompt, n > 1 forks) go to the torch path
 whole: its cascade attention reads the shared blocks once for all sequences, where the kernel would read them
@@ -39,10 +40,17 @@ from ironlm.attention.torch_backend import (
 )
 from ironlm.core_views import CORE_DTYPES, as_numpy
 
+# Chunks of up to this many rows that extend a cached sequence (a speculative verification: the last token and its
+# proposals; a short prefill tail) are attended row by row in the kernel, each row as a decode row at its own
+# position: per sequence the torch path gathers its pages and runs SDPA, a fixed cost per sequence and layer that a
+# step where 64 sequences verify pays 64 times (a plain decode step pays none). The kernel reads a chunk's cache
+# rows once for all its rows, and a row gets the bits it would get decoding alone.
+ROW_CHUNK_MAX = 16
+
 
 @dataclass
 class _CpuPlan:
-    rows: torch.Tensor | None  # [n] decode rows of q, None when every row of q is a decode row, in order
+    rows: torch.Tensor | None  # [n] kernel rows of q, None when every row of q is one, in order
     slots: np.ndarray | None  # [n] int64 cache slots of q's rows when every row is a decode row (else None)
     block_tables: np.ndarray  # [n, max_blocks] int32
     seq_lens: np.ndarray  # [n] int32
@@ -204,18 +212,27 @@ def _row_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _RowPl
 def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int, window: int | None = None,
                cascade: bool = True) -> _CpuPlan | None:
     """The step's plan, or None when the torch path's cascade attention serves it better (never under a window,
-    where the torch path does not cascade, nor without `cascade`)."""
+    where the torch path does not cascade, nor without `cascade`). Decode rows and the rows of short chunks that
+    extend a cached sequence (`ROW_CHUNK_MAX`) go to the kernel, one kernel row per query row; longer chunks and
+    chunks that start a sequence are prefill."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
-    dec = np.nonzero(np.diff(qsl) == 1)[0]
+    counts = np.diff(qsl)
+    first = meta.seq_lens_cpu.astype(np.int64) - counts + 1  # keys the chunk's first row sees
+    kernel = (counts == 1) | ((counts <= ROW_CHUNK_MAX) & (first > 1))
+    seqs = np.nonzero(kernel)[0]
     block_tables = meta.block_tables.numpy()
-    if cascade and window is None and not invariant.enabled() and _shared_blocks(block_tables, dec, meta.seq_lens_cpu.astype(np.int64), block_size):
+    if cascade and window is None and not invariant.enabled() and _shared_blocks(block_tables, seqs, first, block_size):
         return None
-    rows = None if len(dec) == num_rows else torch.from_numpy(qsl[dec])
-    seq_lens = np.ascontiguousarray(meta.seq_lens_cpu[dec], dtype=np.int32)
+    n = counts[seqs]
+    seq = np.repeat(seqs, n)
+    offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # each row's index in its chunk
+    rows = None if len(seq) == num_rows else torch.from_numpy(qsl[seq] + offset)
+    seq_lens = np.ascontiguousarray(first[seq] + offset, dtype=np.int32)
     width = int(-(-seq_lens.max(initial=0) // block_size))
-    tables = np.ascontiguousarray(block_tables[dec, :width], dtype=np.int32)
-    prefill = plan_prefill(meta, block_size, torch.device("cpu"), window)
+    tables = np.ascontiguousarray(block_tables[seq, :width], dtype=np.int32)
+    prefill = [s for s in plan_prefill(meta, block_size, torch.device("cpu"), window)
+               if not (s.end - s.start <= ROW_CHUNK_MAX and s.context_len > 0)]
     slots = None
-    if rows is None and len(dec) and meta.slot_mapping.shape[0] == num_rows:
+    if rows is None and len(seq) and meta.slot_mapping.shape[0] == num_rows:
         slots = np.ascontiguousarray(meta.slot_mapping.numpy(), dtype=np.int64)
     return _CpuPlan(rows, slots, tables, seq_lens, prefill, int(qsl[-1]), has_padding_slots(meta))
