@@ -100,6 +100,22 @@ def test_prefill_steps_do_not_make_plain_decode_look_slow():
     assert b.gain(100, 5, prefill=True) is not None
 
 
+def test_proposals_in_a_step_the_token_budget_fills_displace_prompt_rows():
+    """Where decode + prompt rows already fill max_num_batched_tokens, proposals take prompt rows' places: even
+    on a flat (memory-bound) curve a rejected proposal then costs a sure prompt row, so such a step does not
+    speculate; with room under the budget it still does."""
+    flat = _table(lambda n: 0.010, rows=(1, 64, 256, 1024, 2048, 4096))
+    b = SpecBudget(5, table=flat, token_budget=2048)
+    blind = SpecBudget(5, table=flat)  # no budget: proposals look free beside the prompt rows
+    for m in (b, blind):
+        for _ in range(200):
+            m.acceptance.record(100, 60)
+    assert blind.choose(64, 2048) > 0
+    assert b.choose(64, 2048) == 0
+    assert b.gain(64 + 1984, 64, prefill=True) == pytest.approx((1984 + 0.6 * 64) / 2048, rel=0.01)
+    assert b.choose(64, 200) > 0  # 200 rows + proposals fit the budget: they add rows, displace none
+
+
 def test_the_learner_converges_on_a_noisy_stream_with_outliers():
     rng = random.Random(0)
     costs = StepCosts()

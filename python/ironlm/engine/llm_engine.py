@@ -87,7 +87,8 @@ class LLMEngine:
         self.timer = StepTimer()
         # Each step's proposal budget from measured step costs (engine/spec/cost.py); kept across reset(): it
         # describes the machine and the model, not the requests.
-        self.spec_budget = (SpecBudget(spec.num_speculative_tokens, spec.max_batch_tokens, spec.step_costs)
+        self.spec_budget = (SpecBudget(spec.num_speculative_tokens, spec.max_batch_tokens, spec.step_costs,
+                                       token_budget=runner.token_budget)
                             if spec is not None and spec.cost_model and config.runner != "pooling" else None)
         self._prefill_rows = 0  # the next step's, as far as the last one tells
         self.prompt_tokens_total = 0

@@ -12,7 +12,9 @@ budget P that maximises rows of work per second, (n + a P) / t_spec(n + P) again
 rows (decode + prefill) and a accepted tokens per proposed one; 0 pauses speculation for the step (vLLM's
 dynamic speculation and SmartSpec make the same goodput comparison). Prefill rows count as work like decode
 rows: the plain server needs them as much, so a step a prefill chunk already made compute-bound does not look
-cheap to speculate in.
+cheap to speculate in. A step is capped at the token budget: where base rows + proposals would pass it, the
+proposals take the place of prompt rows (the core plans them first), so the step does min(rows, budget - P) base
+rows: a step the budget already fills only trades sure prompt rows for proposals that may be rejected.
 
 Cold start and drift: a curve with no point near the rows asked borrows the other curve's (both measure steps of
 that many rows); a point not refreshed for `probe_every` steps (the kind of step the decision avoids) is
@@ -129,8 +131,9 @@ class SpecBudget:
     """Chooses each step's proposal budget; the engine feeds it every step's rows, proposals and wall time."""
 
     def __init__(self, k: int, cap: int | None = None, table: Sequence[tuple[int, float]] | None = None,
-                 margin: float = 0.02, probe_every: int = 64) -> None:
+                 margin: float = 0.02, probe_every: int = 64, token_budget: int | None = None) -> None:
         self.k, self.cap, self.margin, self.probe_every = k, cap, margin, probe_every
+        self.token_budget = token_budget  # the step's most rows (max_num_batched_tokens); None: no limit
         # Decode-only steps without / with proposals, then the same with prefill rows in the step.
         self.plain, self.spec = StepCosts(table=table), StepCosts(table=table)
         self.plain_prefill, self.spec_prefill = StepCosts(table=table), StepCosts(table=table)
@@ -152,11 +155,16 @@ class SpecBudget:
         """Rows of work per second with a budget of `p` proposals over `rows` base rows, relative to none; None
         where neither curve has measured anything that large."""
         plain, spec = self._curves(prefill)
+        top = self.token_budget
+        if top is not None:
+            rows = min(rows, top)
+            p = min(p, top - 1)
+        done = rows if top is None else min(rows, top - p)  # base rows the speculative step still does
         base = self._cost(plain, spec, rows)
-        t = self._cost(spec, plain, rows + p)
+        t = self._cost(spec, plain, rows + p if top is None else min(rows + p, top))
         if base is None or t is None or t <= 0:
             return None
-        return (rows + self.acceptance.rate * p) / t * base / rows
+        return (done + self.acceptance.rate * p) / t * base / rows
 
     def choose(self, decode: int, rows: int) -> int:
         """The budget for a step expected to hold `decode` decoding sequences in `rows` base rows (more than
