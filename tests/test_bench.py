@@ -200,13 +200,15 @@ def test_cli_writes_json_with_config_and_machine_and_a_plot(tiny_model, tmp_path
 
 # ---- serve against a live server ---------------------------------------------------------------
 def test_serve_bench_against_a_live_server(tiny_model, tmp_path):
-    """`ironlm bench serve` starts `ironlm serve` on a free port, streams over HTTP, then stops it."""
+    """`ironlm bench serve` starts `ironlm serve` on a free port, streams over HTTP, then stops it; a speculative
+    server's counters from /metrics land in the summary."""
     from ironlm.bench.cli import main
 
     out_json, out_png = tmp_path / "serve.json", tmp_path / "serve.png"
     rc = main(["serve", tiny_model, "--num-prompts", "8", "--input-len", "4", "16", "--output-len", "2", "6",
                "--seed", "3", "--request-rate", "50", "--max-concurrency", "4", "--goodput", "ttft:60000",
                "--server-arg=--device=cpu", "--server-arg=--num-kv-blocks=64", "--server-arg=--block-size=4",
+               '--server-arg=--speculative-config={"method": "ngram", "num_speculative_tokens": 3}',
                "--no-progress", "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     report = json.loads(out_json.read_text())
@@ -225,6 +227,9 @@ def test_serve_bench_against_a_live_server(tiny_model, tmp_path):
     assert s["goodput"]["good_requests"] == 8
     assert 0 < s["busy_fraction"] <= 1.0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sd = s["spec_decode"]
+    assert sd["spec_decode_num_draft_tokens_total"] >= sd["spec_decode_num_accepted_tokens_total"] >= 0
+    assert sd["spec_decode_budget"] >= 0 and "spec_decode_paused_steps_total" in sd  # the cost model is on
 
 
 def test_decode_attention_bench_times_both_backends_on_one_live_batch(tiny_model, tmp_path, capsys):

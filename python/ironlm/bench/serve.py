@@ -109,6 +109,30 @@ def _http_errors() -> type[Exception]:
     return httpx.HTTPError
 
 
+def spec_counters(base_url: str) -> dict[str, float]:
+    """The server's `ironlm:spec_decode_*` figures from /metrics (warm-up included): how many steps speculated
+    or paused, tokens proposed and accepted; {} where the server exports none or /metrics fails."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        base, _, labels = name.partition("{")
+        if not base.startswith("ironlm:spec_decode_") or base.endswith("_created"):
+            continue
+        extra = [x for x in labels.rstrip("}").split(",") if x and not x.startswith("model_name=")]
+        key = base.removeprefix("ironlm:") + (f"[{','.join(extra)}]" if extra else "")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
 def completion_payload(req: BenchRequest, model: str | None = None) -> dict[str, Any]:
     """The /v1/completions body every server gets: token ids, greedy, EOS ignored, streamed with usage."""
     payload: dict[str, Any] = {"prompt": list(req.prompt_token_ids), "max_tokens": req.output_len,
@@ -358,10 +382,13 @@ def run(config: ServeConfig) -> dict[str, Any]:
     server_command = server.command() if server is not None else None
     try:
         results, duration = drive(config, base_url, ds, warm, "ironlm" if server else "server")
+        spec = spec_counters(base_url)
     finally:
         if server is not None:
             server.stop()
     summary = summarize(results, duration, config.goodput)
+    if spec:
+        summary["spec_decode"] = spec
     report: dict[str, Any] = {
         "bench": "serve",
         "config": {**asdict(config), "url": base_url, "started_server": server is not None,
@@ -417,6 +444,10 @@ def _summary_lines(s: dict[str, Any], cfg: dict[str, Any], label: str) -> list[s
     if "goodput" in s:
         g = s["goodput"]
         lines.append(f"goodput {g['slo_ms']}: {g['good_requests']} requests, {g['requests_per_s']:.3f} req/s")
+    if s.get("spec_decode"):
+        sd = s["spec_decode"]
+        lines.append("speculation (server counters, warm-up included): " + ", ".join(
+            f"{k.removeprefix('spec_decode_')} {v:g}" for k, v in sd.items() if "[" not in k))
     if s["errors"]:
         lines.append("errors: " + "; ".join(s["errors"]))
     return lines
