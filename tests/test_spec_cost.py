@@ -152,6 +152,8 @@ def test_a_cold_outlier_does_not_become_the_estimate():
 def test_cold_start_speculates_to_measure_and_probes_keep_both_curves_fresh():
     b = SpecBudget(4, probe_every=8)
     assert b.choose(1, 1) == 4, "nothing measured: speculate as the static budget did"
+    # 64 cold sequences measure with one sequence's proposals, not 64 x 4 rows of compute.
+    assert SpecBudget(4).choose(64, 64) == 4
     # Steps with proposals are cheap, plain steps were never seen at this size: after probe_every steps
     # one plain step is measured.
     budgets = []

@@ -16,7 +16,8 @@ cheap to speculate in. A step is capped at the token budget: where base rows + p
 proposals take the place of prompt rows (the core plans them first), so the step does min(rows, budget - P) base
 rows: a step the budget already fills only trades sure prompt rows for proposals that may be rejected.
 
-Cold start and drift: a curve with no point near the rows asked borrows the other curve's (both measure steps of
+Cold start and drift: with nothing measured near the rows asked the step speculates with one sequence's
+proposals, to measure; a curve with no point near the rows asked borrows the other curve's (both measure steps of
 that many rows); a point not refreshed for `probe_every` steps (the kind of step the decision avoids) is
 measured again by one probe step, a small one: k proposals when paused, none when speculating.
 """
@@ -180,7 +181,10 @@ class SpecBudget:
         grid = sorted({most, min(self.k, most), *(1 << i for i in range(most.bit_length()) if 1 << i < most)})
         gains = [(g, p) for p in grid if (g := self.gain(rows, p, prefill)) is not None]
         if not gains:
-            best = most  # nothing measured yet: speculate as a static budget would, and measure
+            # Nothing measured near these rows: measure with one sequence's proposals. A full budget here (64
+            # sequences x k rows, where every row is compute) cost several plain steps per cold step, and a bucket
+            # needs three steps before it counts; from a measured point the grid grows the budget step by step.
+            best = min(self.k, most)
         else:
             g, p = max(gains)
             best = p if g > 1.0 + self.margin else 0
