@@ -229,9 +229,21 @@ def test_the_engine_pauses_a_compute_bound_batch_and_speculates_for_one_sequence
     assert m1["spec_decode_num_draft_tokens"] > m0["spec_decode_num_draft_tokens"]
     assert m1["spec_decode_num_accepted_tokens"] > m0["spec_decode_num_accepted_tokens"]
     assert m1["spec_decode_paused_steps"] == m0["spec_decode_paused_steps"]
-    # 16 sequences decode in lockstep (one prefill step, the same length): every decode step has 16 rows.
+    # 16 sequences decode in lockstep (one prefill step, the same length): every decode step has 16 rows, and
+    # each paused step runs exactly the plain engine's plan (rows, sampled rows, sequences).
     many = [_copying(vocab, s) for s in range(16)]
-    assert _tokens(spec, many, params) == _tokens(plain, many, params)
+    shapes: tuple[list, list] = ([], [])
+    for llm, out in zip((plain, spec), shapes):  # each paused step's plan and forward: what the plain step runs
+        def tap(plan, timer=None, extra=None, _run=llm.engine.runner.execute, _out=out):
+            _out.append((plan.num_tokens, plan.num_samples, plan.num_seqs, int(plan.max_query_len)))
+            return _run(plan, timer, extra)
+        llm.engine.runner.execute = tap
+    try:
+        assert _tokens(spec, many, params) == _tokens(plain, many, params)
+    finally:
+        for llm in (plain, spec):
+            del llm.engine.runner.execute
+    assert shapes[1] == shapes[0] and len(shapes[0]) >= params.max_tokens
     m2 = spec.get_metrics()
     assert m2["spec_decode_num_draft_tokens"] == m1["spec_decode_num_draft_tokens"], "no proposal at 16 rows"
     assert m2["spec_decode_paused_steps"] - m1["spec_decode_paused_steps"] >= params.max_tokens - 1
