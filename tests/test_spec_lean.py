@@ -176,19 +176,19 @@ def test_speculative_greedy_is_plain_greedy_on_quantized_weights(hf_dir, monkeyp
 def test_ordinary_forward_attends_verification_rows_in_the_kernel(hf_dir, monkeypatch, weights, dtype):
     """A verification step past the lean step's rows (many sequences speculating) takes the ordinary forward:
     its chunks' rows go to the paged kernel as decode rows at their positions (one call per layer that writes the
-    step's K/V and attends), no per-sequence SDPA, and each row equals the same row decoded alone."""
-    from ironlm.attention import cpu_backend, torch_backend
+    step's K/V and attends), no per-sequence prefill attention, and each row equals the same row decoded alone."""
+    from ironlm.attention import cpu_backend
 
     model = _load(hf_dir, weights, dtype)
     monkeypatch.setattr(lean, "LEAN_MAX_TOKENS", 0)
-    sdpa: list[int] = []
-    real = torch_backend._prefill_one
+    sdpa: list[int] = []  # chunks attended as prefill (SDPA or the prefill GEMMs)
+    real = cpu_backend._prefill
 
     def spy(q, k, v, k_cache, v_cache, s, *args, **kwargs):
         sdpa.append(s.end - s.start)
         return real(q, k, v, k_cache, v_cache, s, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_backend, "_prefill_one", spy)
+    monkeypatch.setattr(cpu_backend, "_prefill", spy)
     kv = _caches(model, dtype)
     got = _chunk_step(model, kv)
     assert sdpa == []
