@@ -382,6 +382,32 @@ impl<T: Elem> DecodeArgs<'_, T> {
         let m = self.shape.max_blocks;
         self.block_tables[a * m..(a + 1) * m] == self.block_tables[b * m..(b + 1) * m]
     }
+
+    /// The group's queries widened to f32 into `q` and each row's attended positions `(first,
+    /// len, offset of its logits)` into `spans`; returns the logits' total count and the
+    /// positions `lo..hi` the group reads (positions before a row's `first` lie outside its
+    /// window: never read for it).
+    pub(super) fn gather(
+        &self,
+        rows: std::ops::Range<usize>,
+        q: &mut Vec<f32>,
+        spans: &mut Vec<(usize, usize, usize)>,
+    ) -> (usize, usize, usize) {
+        let width = self.shape.num_q_heads * self.shape.head_dim;
+        spans.clear();
+        q.clear();
+        let mut total = 0;
+        for seq in rows {
+            let (first, len) = self.span(seq);
+            spans.push((first, len, total));
+            total += self.shape.num_q_heads * (len - first);
+            let start = seq * self.q_stride;
+            q.extend(self.q[start..start + width].iter().map(|y| y.load()));
+        }
+        let lo = spans.iter().map(|sp| sp.0).min().unwrap_or(0);
+        let hi = spans.iter().map(|sp| sp.1).max().unwrap_or(0);
+        (total, lo, hi)
+    }
 }
 
 /// Per-thread f32 working rows: the group's logits, queries and output accumulators, each
@@ -424,19 +450,7 @@ fn attend<T: Elem>(
         &mut scratch.acc,
         &mut scratch.spans,
     );
-    spans.clear();
-    q.clear();
-    let mut total = 0;
-    for seq in rows.clone() {
-        // positions before `first` lie outside the window: never read
-        let (first, len) = args.span(seq);
-        spans.push((first, len, total));
-        total += hq * (len - first);
-        let start = seq * args.q_stride;
-        q.extend(args.q[start..start + hq * d].iter().map(|y| y.load()));
-    }
-    let lo = spans.iter().map(|sp| sp.0).min().unwrap_or(0);
-    let hi = spans.iter().map(|sp| sp.1).max().unwrap_or(0);
+    let (total, lo, hi) = args.gather(rows.clone(), q, spans);
     let row = |pos: usize| {
         (table[pos / s.block_size] as usize * s.block_size + pos % s.block_size) * width
     };

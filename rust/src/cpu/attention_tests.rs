@@ -66,6 +66,13 @@ impl Case {
         }
     }
 
+    /// The largest error of `path` on `threads` threads against `reference`.
+    fn error(&self, threads: usize, path: Path) -> f32 {
+        let mut out = vec![f32::NAN; self.q.len()];
+        paged_decode_on(&self.args(), &mut out, threads, path).unwrap();
+        max_diff(&out, &self.reference())
+    }
+
     /// Textbook attention in f64: gather each position's K/V row by walking the block table.
     fn reference(&self) -> Vec<f32> {
         let s = self.shape;
@@ -155,11 +162,7 @@ fn matches_reference_across_shapes_and_thread_counts() {
         for path in paths() {
             for threads in [1, 2, 3, 8] {
                 let n = 1 + rng.index(7);
-                let case = Case::random(&mut rng, hq, hkv, d, bs, n);
-                let mut out = vec![f32::NAN; case.q.len()];
-                paged_decode_on(&case.args(), &mut out, threads, path).unwrap();
-                let want = case.reference();
-                let err = max_diff(&out, &want);
+                let err = Case::random(&mut rng, hq, hkv, d, bs, n).error(threads, path);
                 assert!(
                     err < 1e-5,
                     "{path:?} Hq={hq} Hkv={hkv} D={d} bs={bs} threads={threads}: max error {err}"
@@ -180,10 +183,7 @@ fn sliding_window_attends_only_the_last_positions() {
             {
                 let mut case = Case::random(&mut rng, hq, hkv, d, bs, 6);
                 case.window = Some(window);
-                let mut out = vec![f32::NAN; case.q.len()];
-                paged_decode_on(&case.args(), &mut out, threads, path).unwrap();
-                let want = case.reference();
-                let err = max_diff(&out, &want);
+                let err = case.error(threads, path);
                 assert!(
                     err < 1e-5,
                     "{path:?} window={window} bs={bs}: max error {err}"

@@ -104,18 +104,7 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
         tile,
         ..
     } = scratch;
-    spans.clear();
-    q.clear();
-    let mut total = 0;
-    for seq in rows.clone() {
-        let (first, len) = args.span(seq);
-        spans.push((first, len, total));
-        total += hq * (len - first);
-        let start = seq * args.q_stride;
-        q.extend(args.q[start..start + hq * d].iter().map(|y| y.load()));
-    }
-    let lo = spans.iter().map(|sp| sp.0).min().unwrap_or(0);
-    let hi = spans.iter().map(|sp| sp.1).max().unwrap_or(0);
+    let (total, lo, hi) = args.gather(rows.clone(), q, spans);
     scores.clear();
     scores.resize(total, 0.0);
     tile.clear();
