@@ -193,18 +193,27 @@ class _RowPlan:
     slots: np.ndarray | None  # [n] int64 cache slots when q has no padding rows (else None)
 
 
-def _row_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _RowPlan:
-    """One kernel row per query row: row j of a sequence's chunk sits at position context + j."""
+def _kernel_rows(meta: AttentionMetadata, seqs: np.ndarray, block_size: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One kernel row per query row of the sequences `seqs` (ascending): row j of a sequence's chunk sits at
+    position context + j. Returns the rows' indices in q, their int32 seq_lens (keys each sees) and block tables."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     counts = np.diff(qsl)
-    n = int(qsl[-1])
-    seq = np.repeat(np.arange(len(counts)), counts)
-    first = meta.seq_lens_cpu.astype(np.int64) - counts  # position of each chunk's first row
-    seq_lens = np.ascontiguousarray(first[seq] + np.arange(n) - qsl[:-1][seq] + 1, dtype=np.int32)
+    first = meta.seq_lens_cpu.astype(np.int64) - counts + 1  # keys a chunk's first row sees
+    n = counts[seqs]
+    seq = np.repeat(seqs, n)
+    offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # each row's index in its chunk
+    seq_lens = np.ascontiguousarray(first[seq] + offset, dtype=np.int32)
     width = int(-(-seq_lens.max(initial=0) // block_size))
     tables = np.ascontiguousarray(meta.block_tables.numpy()[seq, :width], dtype=np.int32)
+    return qsl[seq] + offset, seq_lens, tables
+
+
+def _row_plan(meta: AttentionMetadata, block_size: int, num_rows: int) -> _RowPlan:
+    """One kernel row per query row (`_kernel_rows` of every sequence)."""
+    _, seq_lens, tables = _kernel_rows(meta, np.arange(len(meta.query_start_loc_cpu) - 1), block_size)
     slots = None
-    if n == num_rows and meta.slot_mapping.shape[0] == num_rows:
+    if int(meta.query_start_loc_cpu[-1]) == num_rows and meta.slot_mapping.shape[0] == num_rows:
         slots = np.ascontiguousarray(meta.slot_mapping.numpy(), dtype=np.int64)
     return _RowPlan(tables, seq_lens, slots)
 
@@ -220,19 +229,14 @@ def _make_plan(meta: AttentionMetadata, block_size: int, num_rows: int, window: 
     first = meta.seq_lens_cpu.astype(np.int64) - counts + 1  # keys the chunk's first row sees
     kernel = (counts == 1) | ((counts <= ROW_CHUNK_MAX) & (first > 1))
     seqs = np.nonzero(kernel)[0]
-    block_tables = meta.block_tables.numpy()
-    if cascade and window is None and not invariant.enabled() and _shared_blocks(block_tables, seqs, first, block_size):
+    if cascade and window is None and not invariant.enabled() and _shared_blocks(meta.block_tables.numpy(), seqs,
+                                                                                 first, block_size):
         return None
-    n = counts[seqs]
-    seq = np.repeat(seqs, n)
-    offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # each row's index in its chunk
-    rows = None if len(seq) == num_rows else torch.from_numpy(qsl[seq] + offset)
-    seq_lens = np.ascontiguousarray(first[seq] + offset, dtype=np.int32)
-    width = int(-(-seq_lens.max(initial=0) // block_size))
-    tables = np.ascontiguousarray(block_tables[seq, :width], dtype=np.int32)
-    prefill = [s for s in plan_prefill(meta, block_size, torch.device("cpu"), window)
-               if not (s.end - s.start <= ROW_CHUNK_MAX and s.context_len > 0)]
+    idx, seq_lens, tables = _kernel_rows(meta, seqs, block_size)
+    rows = None if len(idx) == num_rows else torch.from_numpy(idx)
+    # only the chunks the kernel does not take: a verification chunk's mask is never built
+    prefill = plan_prefill(meta, block_size, torch.device("cpu"), window, seqs=np.nonzero((counts > 1) & ~kernel)[0])
     slots = None
-    if rows is None and len(seq) and meta.slot_mapping.shape[0] == num_rows:
+    if rows is None and len(idx) and meta.slot_mapping.shape[0] == num_rows:
         slots = np.ascontiguousarray(meta.slot_mapping.numpy(), dtype=np.int64)
     return _CpuPlan(rows, slots, tables, seq_lens, prefill, int(qsl[-1]), has_padding_slots(meta))

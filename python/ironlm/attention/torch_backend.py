@@ -228,15 +228,17 @@ def has_padding_slots(meta: AttentionMetadata) -> bool | None:
 
 
 def plan_prefill(
-    meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None = None
+    meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None = None,
+    seqs: np.ndarray | None = None,
 ) -> list[_PrefillSeq]:
-    """The sequences with more than one query row this step (prefill chunks), one entry each; with a `window`,
-    query j (absolute ctx + j) sees only keys in (ctx + j - window, ctx + j]."""
+    """The sequences with more than one query row this step (prefill chunks), one entry each, or only the
+    sequences `seqs` (each with more than one row); with a `window`, query j (absolute ctx + j) sees only keys in
+    (ctx + j - window, ctx + j]."""
     qsl = meta.query_start_loc_cpu.astype(np.int64)
     seq_lens = meta.seq_lens_cpu.astype(np.int64)
     qlens = np.diff(qsl)
     prefill = []
-    for i in np.nonzero(qlens > 1)[0]:
+    for i in np.nonzero(qlens > 1)[0] if seqs is None else seqs:
         n, sl = int(qlens[i]), int(seq_lens[i])
         ctx = sl - n
         mask = None
