@@ -31,7 +31,7 @@ import numpy as np
 from ironlm.bench import datasets
 from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, make_dataset
 from ironlm.bench.report import format_table, invocation, machine_info
-from ironlm.bench.server_process import ServerProcess, model_tokenizer, model_vocab_size
+from ironlm.bench.server_process import ServerProcess, model_tokenizer, model_vocab_size, parse_metrics
 from ironlm.bench.sharegpt import ShareGPTSpec
 
 BASELINES = ("llama.cpp", "vllm")
@@ -119,17 +119,11 @@ def spec_counters(base_url: str) -> dict[str, float]:
     except httpx.HTTPError:
         return {}
     out = {}
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        base, _, labels = name.partition("{")
-        if not base.startswith("ironlm:spec_decode_") or base.endswith("_created"):
+    for name, labels, value in parse_metrics(text):
+        if not name.startswith("ironlm:spec_decode_") or name.endswith("_created"):
             continue
-        extra = [x for x in labels.rstrip("}").split(",") if x and not x.startswith("model_name=")]
-        key = base.removeprefix("ironlm:") + (f"[{','.join(extra)}]" if extra else "")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
+        extra = [f'{k}="{v}"' for k, v in labels.items() if k != "model_name"]
+        out[name.removeprefix("ironlm:") + (f"[{','.join(extra)}]" if extra else "")] = value
     return out
 
 

@@ -1,5 +1,5 @@
 """Start a server (`ironlm serve`, or a baseline's) as a subprocess on 127.0.0.1 with a free port, wait for
-/health, stop it."""
+/health, stop it; read its /metrics text."""
 
 from __future__ import annotations
 
@@ -120,3 +120,23 @@ def terminate(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text format -> (name, labels, value) samples."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, label_text = head.partition("{")
+        labels = {}
+        for part in label_text.rstrip("}").split(","):
+            key, sep, val = part.partition("=")
+            if sep:
+                labels[key.strip()] = val.strip().strip('"')
+        try:
+            samples.append((name, labels, float(value)))
+        except ValueError:
+            continue
+    return samples

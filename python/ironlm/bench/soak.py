@@ -34,7 +34,7 @@ import numpy as np
 
 from ironlm.bench.datasets import token_floor
 from ironlm.bench.report import format_table, machine_info
-from ironlm.bench.server_process import ServerProcess, model_vocab_size
+from ironlm.bench.server_process import ServerProcess, model_vocab_size, parse_metrics
 
 OUTCOMES = ("completed", "timed_out", "shed", "disconnected", "rejected", "failed")
 _WORDS = ("river", "engine", "garden", "winter", "signal", "market", "planet", "window", "letter", "forest",
@@ -278,26 +278,6 @@ async def _stream(client: Any, url: str, kwargs: dict[str, Any], planned: Planne
 
 
 # ---- the server's side: /metrics and RSS ------------------------------------------------------------------
-def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Prometheus text format -> (name, labels, value) samples."""
-    samples = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, label_text = head.partition("{")
-        labels = {}
-        for part in label_text.rstrip("}").split(","):
-            key, sep, val = part.partition("=")
-            if sep:
-                labels[key.strip()] = val.strip().strip('"')
-        try:
-            samples.append((name, labels, float(value)))
-        except ValueError:
-            continue
-    return samples
-
-
 def metric(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
     """The sum of a metric's samples whose labels include `labels` (0 when absent)."""
     return sum(v for n, lb, v in samples if n == name and all(lb.get(k) == x for k, x in labels.items()))
