@@ -312,23 +312,18 @@ unsafe fn logits<T: Elem, const DV: usize>(
 unsafe fn exp16(x: __m512) -> __m512 {
     // SAFETY: register arithmetic only; the caller guarantees AVX-512F.
     unsafe {
+        use crate::cpu::ops::exp_consts::*;
         let c = _mm512_set1_ps;
-        let round = c(12_582_912.0);
-        let x = _mm512_min_ps(_mm512_max_ps(x, c(-87.0)), c(88.0));
+        let round = c(ROUND);
+        let x = _mm512_min_ps(_mm512_max_ps(x, c(LO)), c(HI));
         let t = _mm512_add_ps(_mm512_mul_ps(x, c(std::f32::consts::LOG2_E)), round);
         let n = _mm512_sub_ps(t, round);
         let r = _mm512_add_ps(
-            _mm512_sub_ps(x, _mm512_mul_ps(n, c(0.693_359_4))),
-            _mm512_mul_ps(n, c(2.121_944_4e-4)),
+            _mm512_sub_ps(x, _mm512_mul_ps(n, c(LN2_HI))),
+            _mm512_mul_ps(n, c(LN2_LO)),
         );
-        let mut p = c(1.987_569_1e-4);
-        for k in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            0.166_666_65,
-            0.5,
-        ] {
+        let mut p = c(P0);
+        for k in POLY {
             p = _mm512_add_ps(_mm512_mul_ps(p, r), c(k));
         }
         let y = _mm512_add_ps(

@@ -469,25 +469,38 @@ fn norm_in_place<T: Elem>(x: &mut [T], weight: &[T], eps: f32, buf: &mut [T]) {
 #[inline(always)]
 #[allow(clippy::manual_clamp)] // max/min vectorise to two instructions; `clamp` measured 2x slower here
 pub(crate) fn exp(x: f32) -> f32 {
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
-    let x = x.max(-87.0).min(88.0);
+    use exp_consts::*;
+    let x = x.max(LO).min(HI);
     let t = x * std::f32::consts::LOG2_E + ROUND;
     let n = t - ROUND;
-    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4; // ln2 split in two for an exact product
-    let mut p = 1.987_569_1e-4;
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
+    let r = x - n * LN2_HI + n * LN2_LO;
+    let mut p = P0;
+    for c in POLY {
         p = p * r + c;
     }
     let y = p * r * r + r + 1.0;
     // n + 127 in the exponent field: t's bits are ROUND's plus n (|n| <= 127).
     let biased = t.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127);
     y * f32::from_bits(biased << 23)
+}
+
+/// `exp`'s constants, also read by the 16-lane copy in `attention_x86` (which must give the same bits).
+pub(crate) mod exp_consts {
+    pub(crate) const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
+    pub(crate) const LO: f32 = -87.0;
+    pub(crate) const HI: f32 = 88.0;
+    // ln2 split in two for an exact product
+    pub(crate) const LN2_HI: f32 = 0.693_359_4;
+    pub(crate) const LN2_LO: f32 = 2.121_944_4e-4;
+    // the polynomial for e^r, highest degree first after P0
+    pub(crate) const P0: f32 = 1.987_569_1e-4;
+    pub(crate) const POLY: [f32; 5] = [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ];
 }
 
 #[cfg(test)]
