@@ -17,6 +17,8 @@ causal prompt costs about half its square. Memory is bounded: a tile holds at mo
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ironlm.attention.torch_backend import _WS
@@ -107,10 +109,7 @@ def attend(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, context_len: int
 
 def _buf(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A reused buffer: a fresh multi-MiB score tile per layer would cost more in page faults than its softmax."""
-    numel = 1
-    for x in shape:
-        numel *= x
-    return _WS.get(key, numel, dtype, torch.device("cpu")).view(shape)
+    return _WS.get(key, math.prod(shape), dtype, torch.device("cpu")).view(shape)
 
 
 def _mask(s: torch.Tensor, p0: int, lo: int, window: int | None) -> None:
