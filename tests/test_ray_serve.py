@@ -192,9 +192,29 @@ async def _kill_mid_run(url: str) -> list[tuple[str, int, int]]:
         bodies = [_completion(f"stream {i}: tell me a story", max_tokens=48, stream=True) for i in range(32)]
         tasks = [asyncio.ensure_future(_stream(client, b, started)) for b in bodies]
         await asyncio.wait_for(started.wait(), 120)
-        victim = _engine_replica_actors()[0]
+        victim = await _replica_with_waiting_requests(client)
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         return list(await asyncio.gather(*tasks))
+
+
+async def _replica_with_waiting_requests(client: httpx.AsyncClient) -> str:
+    """The actor name of the replica with the most requests queued in its engine, once one has any.
+
+    Killing whichever replica came first let a run pass vacuously or fail: on a slow machine the router had
+    given that replica one request, so nothing queued there could be retried (CI, stop 30)."""
+    deadline = time.monotonic() + 60
+    while True:
+        text = (await client.get("/metrics", timeout=60)).text
+        waiting = {line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                   for line in text.splitlines() if line.startswith("ironlm:num_requests_waiting{")}
+        busiest = max(waiting, key=lambda r: waiting[r], default=None)
+        if busiest is not None and waiting[busiest] >= 2:
+            break
+        assert time.monotonic() < deadline, f"no replica queued two requests: {text}"
+        await asyncio.sleep(0.05)
+    names = [n for n in _engine_replica_actors() if n.endswith(f"#{busiest}")]
+    assert len(names) == 1, (busiest, _engine_replica_actors())
+    return names[0]
 
 
 def test_killed_replica_loses_no_unstarted_request_and_recovers(deployment: Deployment) -> None:
