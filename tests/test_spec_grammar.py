@@ -243,8 +243,9 @@ def test_proposals_are_cut_where_the_grammar_rejects_them():
     a, b, c, d, e = tok.convert_tokens_to_ids(["a", "b", "c", "d", "e"])
     sched = make_scheduler(64)
     sched.set_speculation(4, prompt_lookup_max=2, prompt_lookup_min=1, max_batch_tokens=64)
-    # Lookup proposes "b c d e": the grammar ends after "a b c", so only "b c" are verified.
-    sched.add_request("r", [1, a, b, c, d, a, b, c, d, e], 16, eos_token_ids=eos, grammar=g)
+    # Lookup matches "e a" and proposes "b c d e" (a 1-token match would propose one token only): the grammar
+    # ends after "a b c", so only "b c" are verified.
+    sched.add_request("r", [1, e, a, b, c, d, e], 16, eos_token_ids=eos, grammar=g)
     sched.schedule()
     sched.update([a])
     plan = sched.schedule()

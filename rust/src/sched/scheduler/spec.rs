@@ -9,7 +9,7 @@ use super::Scheduler;
 use crate::error::{CoreError, CoreResult};
 use crate::sched::radix::RadixCache;
 use crate::sched::sequence::{Slot, Status};
-use crate::sched::spec::ngram_propose;
+use crate::sched::spec::{ngram_propose, BYPASS_MATCH, TRUSTED_MATCH};
 
 impl Scheduler {
     /// Tokens the step may spend on proposals: the engine's budget for the step, and none
@@ -44,9 +44,14 @@ impl Scheduler {
         if !s.spec.allowed || !plain || s.computed + 1 != len {
             return 0;
         }
-        if s.spec.cooldown > 0 {
+        // Backing off after misses: a draft model sits it out; the n-gram lookup still runs,
+        // and only a match of `BYPASS_MATCH` tokens or more proposes.
+        let cooling = s.spec.cooldown > 0;
+        if cooling {
             s.spec.cooldown -= 1;
-            return 0;
+            if external {
+                return 0;
+            }
         }
         // Up to max_len tokens in all: the last sampled one is its own row.
         let k = s
@@ -64,7 +69,14 @@ impl Scheduler {
             let last = s.tokens[len - 1];
             self.spec_draft.resize(k, last);
         } else {
-            ngram_propose(&s.tokens, min_n, max_n, k, &mut self.spec_draft);
+            let n = ngram_propose(&s.tokens, min_n, max_n, k, &mut self.spec_draft);
+            if cooling && n < BYPASS_MATCH {
+                self.spec_draft.clear();
+                return 0;
+            }
+            if n < TRUSTED_MATCH.min(max_n) {
+                self.spec_draft.truncate(n);
+            }
             if let Some(g) = &s.grammar {
                 // Past the first token the grammar rejects, no row could be accepted.
                 let ok = g.allowed_prefix(&self.spec_draft);

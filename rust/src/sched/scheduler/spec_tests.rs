@@ -76,6 +76,55 @@ fn a_repeating_prompt_is_verified_in_one_step_and_rejections_roll_back() {
 }
 
 #[test]
+fn a_short_match_proposes_little_and_a_longer_one_proposes_through_the_backoff() {
+    let mut s = sched(64, 4, 4);
+    // Short matches: one proposed token for a 1-token match (not the 4 that followed it).
+    let prompt = [5, 1, 2, 3, 4, 9, 7, 8, 6, 9];
+    s.add_request("a", &prompt, params(30)).unwrap();
+    s.schedule(Some(0.0));
+    s.update(&[5]).unwrap();
+    // "9 5" matches nothing, "5" matches at 0: a 1-token match proposes one token.
+    let plan = s.schedule(Some(1.0)).clone();
+    assert_eq!(plan.sample_draft, vec![1, -1]);
+    // Rejected: the model says 0. One miss: the sequence backs off a step.
+    s.update(&[0, 1]).unwrap();
+    assert_eq!(s.output_token_ids(0).unwrap(), &[5, 0]);
+    assert!(s.seqs[0].spec.cooldown > 0);
+    // Backing off: "0" matches nothing, no proposal ...
+    let plan = s.schedule(Some(2.0)).clone();
+    assert_eq!(plan.sample_draft, vec![-1]);
+    s.update(&[7]).unwrap();
+    // ... then, backed off, "7" (at 6) is a 1-token match: one token.
+    assert_eq!(s.seqs[0].spec.cooldown, 0);
+    let plan = s.schedule(Some(3.0)).clone();
+    assert_eq!(plan.sample_draft, vec![8, -1]);
+    s.update(&[3, 3]).unwrap(); // rejected again: a longer backoff
+    let cool = s.seqs[0].spec.cooldown;
+    assert!(cool > 1, "{cool}");
+    // Backing off, "3" alone (a 1-token match) does not propose; then "3 4" (at 3..5) does: a
+    // 2-token match proposes while backing off, at the sequence's length (1 after misses).
+    let plan = s.schedule(Some(4.0)).clone();
+    assert_eq!(plan.sample_draft, vec![-1]);
+    s.update(&[4]).unwrap();
+    let plan = s.schedule(Some(5.0)).clone();
+    assert_eq!(plan.sample_draft, vec![9, -1]);
+    s.update(&[9, 7]).unwrap();
+    assert!(s.seqs[0].spec.cooldown > 0 && s.seqs[0].spec.cooldown < cool);
+    // "4 9 7" matches 3 tokens: the whole length (3 after the hit), still backing off.
+    let plan = s.schedule(Some(6.0)).clone();
+    assert_eq!(plan.sample_draft, vec![8, 6, 9, -1]);
+    s.update(&[8, 6, 9, 5]).unwrap();
+    assert_eq!(
+        s.output_token_ids(0).unwrap(),
+        &[5, 0, 7, 3, 4, 9, 7, 8, 6, 9, 5]
+    );
+    // "6 9 5": k grown to the cap.
+    let plan = s.schedule(Some(7.0)).clone();
+    assert_eq!(plan.sample_draft, vec![0, 7, 3, 4, -1]);
+    s.check_invariants();
+}
+
+#[test]
 fn stop_tokens_and_max_tokens_cut_an_accepted_run() {
     let mut s = sched(32, 4, 4);
     let prompt = [1, 2, 3, 4, 5, 6, 1, 2];
