@@ -2,6 +2,7 @@
 ironlm and by llama-bench on the same file with the same threads: single-stream prefill and decode.
 
     python benches/bench_moe.py [--layers 8] [--types q8_0,q4_0] [--threads 2] [--prompt 128] [--gen 64]
+    python benches/bench_moe.py --http [--num-requests 24] [--concurrency 64] [--rounds 2] [--types q4_0]
 
 Geometry (allenai/OLMoE-1B-7B-0924's config.json): hidden 2048, 16 heads (head_dim 128, no GQA), 64 experts of
 1024, top-8, norm_topk_prob false, full-width qk-norm, vocab 50304, rms_norm_eps 1e-5. `--layers` scales the
@@ -15,7 +16,13 @@ implies, the bytes a decode step did stream (the same non-expert matrices plus t
 reports reading, `MoeBlock.streamed`, over the decode steps of the run) against those active bytes, and the
 machine's busy fraction during each run (/proc/stat: other processes' load shows there). The per-layer call time
 of that kernel against the per-expert loop is benches/bench_moe_layer.py.
-Files go to --out (made once, reused).
+Files go to --out (made once, reused); `--gguf PATH` runs an existing file instead.
+
+`--http`: workload W over HTTP against llama-server (benches/moe_http.py): the same random requests (prompts
+uniform in --input-len, outputs in --output-len, greedy, EOS ignored, streamed, at most --concurrency in flight)
+through `ironlm serve` and `llama-server` on the same GGUF with the same threads, one server alive at a time, the
+order alternated over --rounds; printed: each run's throughput, latency and CPU split (server, client, other
+processes), both server command lines, the CPU model and the ironlm / llama-server output tok/s ratios.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_gemma_gguf import make_tokenizer, quantize  # benches/ is not a package: found through sys.path
+import moe_http  # benches/ is not a package: found through sys.path
+from make_gemma_gguf import make_tokenizer, quantize
 
 
 def _busy() -> tuple[int, int]:
@@ -132,7 +140,7 @@ def run_llama(path: Path, args: argparse.Namespace) -> dict[str, float]:
     return {**out, "busy": _busy_since(busy)}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench_out" / "olmoe-random")
     ap.add_argument("--layers", type=int, default=8)
@@ -149,7 +157,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--skip-llama", action="store_true", help="ironlm only (no llama.cpp build)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--gguf", type=Path, action="append", default=None,
+                    help="an existing GGUF file to run (repeatable); skips making the model")
+    moe_http.add_args(ap)
     args = ap.parse_args(argv)
+    if args.gguf:
+        files = {p.stem.rsplit(".", 1)[-1].lower(): p for p in args.gguf}
+        return moe_http.main(files, args) if args.http else _single(files, args)
     sys.path.insert(0, str(ROOT / "tests"))
     from gguf_convert import convert_many  # type: ignore[import-not-found]  # tests/ is not a package
 
@@ -171,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 convert_many([(hf, t)], args.out, "gpt-2", [dest.name])
         files[t] = dest
+    if args.http:
+        return moe_http.main(files, args)
+    return _single(files, args)
+
+
+def _single(files: dict[str, Path], args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     for t, path in files.items():
         row = {"ironlm": run_ironlm(path, args)}
@@ -189,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{a['active_bytes'] / 1e6:.0f} MB a token = {a['read_gb_s']:.1f} GB/s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -292,3 +292,45 @@ def test_latency_against_llama_bench(tmp_path):
     assert theirs["engine"] == "llama.cpp" and theirs["prefill_tok_s"] > 0 and theirs["decode_tok_s"] > 0
     assert r["ironlm_over_llama_cpp"]["decode_tok_s"] == pytest.approx(ours["decode_tok_s"] / theirs["decode_tok_s"])
     assert r["llama_bench"]["command"][r["llama_bench"]["command"].index("-t") + 1] == str(r["threads"])
+
+
+@needs_llama_cpp
+def test_moe_bench_http_mode_alternates_servers_on_the_same_requests(tmp_path, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    benches = Path(__file__).resolve().parents[1] / "benches"
+    sys.path.insert(0, str(benches))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_moe", benches / "bench_moe.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(benches))
+    out = tmp_path / "moe_http.json"
+    gguf = lc.gguf_path(None)  # any GGUF both servers load: the mode does not depend on the model being MoE
+    assert mod.main(["--http", "--gguf", str(gguf), "--num-requests", "3", "--input-len", "8", "16",
+                     "--output-len", "3", "5", "--concurrency", "2", "--rounds", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["types"].values()
+    # one round (each server start costs seconds): the alternation over rounds is test_bench_rounds.py's
+    assert [r["engine"] for r in row["runs"]] == ["ironlm", "llama.cpp"]
+    for run in row["runs"]:
+        s = run["summary"]
+        assert s["failed"] == 0 and s["output_tokens"] == row["dataset"]["output_tokens"], s["errors"]
+        assert 0 <= s["cpu"]["other_cores"] and s["cpu"]["server_cores"] > 0
+    llama = next(r for r in row["runs"] if r["engine"] == "llama.cpp")
+    assert llama["server"]["parallel"] == row["settings"]["parallel"] == 2
+    cmd = llama["command"]
+    assert cmd[cmd.index("--threads") + 1] == cmd[cmd.index("--threads-batch") + 1] == "2"
+    ironlm = next(r for r in row["runs"] if r["engine"] == "ironlm")["command"]
+    assert ironlm[ironlm.index("--max-num-seqs") + 1] == "2"
+    # ironlm's KV pool holds what llama-server's slots do: parallel x slot context tokens
+    assert int(ironlm[ironlm.index("--num-kv-blocks") + 1]) * 16 == int(cmd[cmd.index("--ctx-size") + 1])
+    by_round = {}
+    for run in row["runs"]:
+        by_round.setdefault(run["round"], {})[run["engine"]] = run["summary"]["output_token_throughput"]
+    assert row["ironlm_over_llama_cpp"]["per_round"] == pytest.approx(
+        [by_round[0]["ironlm"] / by_round[0]["llama.cpp"]])
+    text = capsys.readouterr().out
+    assert "CPU: " in text and "llama.cpp server: " in text and "ironlm / llama-server output tok/s" in text
