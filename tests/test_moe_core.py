@@ -11,7 +11,6 @@ import torch
 
 from ironlm import _core
 from ironlm.exceptions import InvalidArgumentError
-from ironlm.model.layers import cpu_has_fast_bf16
 from ironlm.model.linear import DENSE_MIN_ROWS, QuantLinear
 from ironlm.model.moe.experts import MoeBlock
 from ironlm.model.moe.spec import MoeConfig, RouteSpec
@@ -110,17 +109,27 @@ def test_bf16_block_through_the_core_stays_with_the_loop():
     assert _rel(got, want) < BF16_BOUND
 
 
-def test_steps_the_loop_would_hand_to_dense_bf16_stay_on_the_loop():
-    cfg, bits, group, _ = CASES["int8-silu-shared"]
+def test_a_step_with_dense_sized_experts_takes_the_core_with_the_int8_loops_bits():
+    """An expert of DENSE_MIN_ROWS rows (a prefill chunk) runs on the core too, not on the loop's dense bf16 GEMM:
+    the bits the loop gives on the int8 kernels alone (batch-invariant mode keeps QuantLinear there)."""
+    from ironlm import invariant
+
+    cfg, bits, group, _ = CASES["int4g32-silu"]  # no shared expert: it is a QuantLinear of its own, not the core's
     block = _block(cfg, bits, group)
-    assert block._core_takes(torch.zeros(DENSE_MIN_ROWS - 1, H), torch.zeros(DENSE_MIN_ROWS - 1, 2, dtype=torch.long))
-    many = torch.zeros(DENSE_MIN_ROWS, H)
-    ids = torch.zeros(DENSE_MIN_ROWS, 2, dtype=torch.long)
-    ids[:, 1] = torch.arange(DENSE_MIN_ROWS) % 7 + 1  # expert 0 gets every row: QuantLinear would go dense
-    assert block._core_takes(many, ids) == (not cpu_has_fast_bf16())
-    ids[:, 0] = torch.arange(DENSE_MIN_ROWS) % 2  # now no expert reaches DENSE_MIN_ROWS
-    ids[:, 1] = torch.arange(DENSE_MIN_ROWS) % 6 + 2
-    assert block._core_takes(many, ids)
+    x = torch.randn(DENSE_MIN_ROWS + 5, H, generator=torch.Generator().manual_seed(3)) + 0.5
+    block.router_weight.data[:, 0] += 0.5  # x's positive mean makes expert 0 every token's: DENSE_MIN_ROWS+ rows
+    _, ids = _route(block, x)
+    assert int((ids == 0).sum()) >= DENSE_MIN_ROWS
+    calls = []
+    run = block.core.run
+    block.core = type("Spy", (), {"run": lambda self, *a: calls.append(1) or run(*a)})()
+    with torch.no_grad():
+        got = block(x)
+    assert calls == [1]
+    block.core = None
+    with torch.no_grad(), invariant.scope(True):
+        want = block(x)
+    assert torch.equal(got, want), f"max diff {(got - want).abs().max().item():.3g}"
 
 
 def test_dense_experts_and_custom_activations_keep_the_loop():
