@@ -2,7 +2,7 @@
 ironlm and by llama-bench on the same file with the same threads: single-stream prefill and decode.
 
     python benches/bench_moe.py [--layers 8] [--types q8_0,q4_0] [--threads 2] [--prompt 128] [--gen 64]
-    python benches/bench_moe.py --http [--num-requests 24] [--concurrency 64] [--rounds 2] [--types q4_0]
+    python benches/bench_moe.py --http [--num-requests 16] [--concurrency 64] [--rounds 2] [--types q4_0]
 
 Geometry (allenai/OLMoE-1B-7B-0924's config.json): hidden 2048, 16 heads (head_dim 128, no GQA), 64 experts of
 1024, top-8, norm_topk_prob false, full-width qk-norm, vocab 50304, rms_norm_eps 1e-5. `--layers` scales the
@@ -104,14 +104,19 @@ def run_ironlm(path: Path, args: argparse.Namespace) -> dict[str, float]:
     from ironlm import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    llm = LLM(str(path), device="cpu", seed=0, max_model_len=args.prompt + args.gen + 16)
+    # No prefix caching: every timed run sends the same prompt, which the cache would serve all but the last
+    # token of, and "prefill" would time one token (the figures before this fix did).
+    llm = LLM(str(path), device="cpu", seed=0, max_model_len=args.prompt + args.gen + 16, enable_prefix_caching=False)
     prompt = {"prompt_token_ids": [(7 * i) % (args.vocab - 10) + 5 for i in range(args.prompt)]}
 
     def timed(n: int) -> float:
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate([prompt], sp, use_tqdm=False)
-        return time.perf_counter() - start
+        (out,) = llm.generate([prompt], sp, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        if out.num_cached_tokens:
+            raise RuntimeError(f"{out.num_cached_tokens} prompt tokens came from a cache: prefill is not timed")
+        return elapsed
 
     def read(n: int) -> tuple[float, int]:
         before = expert_bytes_read(llm)

@@ -20,9 +20,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-# W is 64 requests; 24 of them (the same lengths' distribution, all in flight at once) keep one engine's run near a
-# minute on the quiet 2-core machine, so 2 rounds of both engines fit a few minutes.
-DEFAULT_REQUESTS = 24
+# W is 64 requests. A run lasts about as many decode steps as the longest output (256) plus the prompts' prefill, which
+# llama.cpp does at ~100 tok/s on this model (llama-bench pp128, Q4_0): 16 requests (~4.4k prompt and ~2.2k output
+# tokens, all in flight at once) keep llama-server's run near 90 s and ironlm's under a minute on the quiet 2-core
+# machine, so two rounds of both fit ~6 minutes with the servers' start-up.
+DEFAULT_REQUESTS = 16
 BLOCK = 16  # ironlm's KV block size (its default): the pool is given in blocks
 
 
