@@ -33,6 +33,7 @@ from torch import nn
 from ironlm import _core, invariant
 from ironlm.model.layers import act_and_mul, clamped_swiglu, cpu_has_fast_bf16
 from ironlm.model.linear import DENSE_MIN_ROWS, DenseLinear, Linear, QuantLinear
+from ironlm.model.moe import fused
 from ironlm.model.moe.route import route
 from ironlm.model.moe.spec import MoeConfig
 
@@ -90,6 +91,10 @@ class MoeBlock(nn.Module):
         self.shared: ExpertMLP | None = None
         self.core: _core.MoeExperts | None = None  # the routed experts on the core's kernel, when it takes them
         self.streamed = 0  # weight bytes the core's kernel has read, summed over calls (the benches' counter)
+        # the routed experts on the Triton fused-MoE kernel (fused.py): None = when x is on CUDA, True = also on the
+        # CPU (tests, under the Triton interpreter), False = never
+        self.fused: bool | None = None
+        self.fused_weights: fused.Pair | None = None  # its weight stacks, built on first use
 
     def finish_loading(self) -> None:
         if self.experts is None:
@@ -119,6 +124,7 @@ class MoeBlock(nn.Module):
                               shared, None, None)
             self.shared_gate_up_weight = self.shared_down_weight = _empty(self.router_weight)
         self.gate_up_weight = self.down_weight = _empty(self.router_weight)
+        self.fused_weights = None
         self.core = self._core_experts()
 
     def _core_experts(self) -> _core.MoeExperts | None:
@@ -165,6 +171,8 @@ class MoeBlock(nn.Module):
         them unless expert parallel), touching only the chosen ones."""
         if self.core is not None and self._core_takes(x, ids):
             return self._run_core(x, weights, ids)
+        if fused.takes(self, x):
+            return fused.run(self, x, weights, ids)
         assert self.experts is not None
         k = ids.shape[1]
         flat = ids.reshape(-1)
