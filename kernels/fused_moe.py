@@ -193,7 +193,8 @@ def align(ids: torch.Tensor, experts: int, block_m: int, first: int = 0) -> tupl
     nb = max_blocks(pairs, experts, block_m)
     local = flat - first
     key = torch.where((local >= 0) & (local < experts), local, experts)  # `experts`: not this rank's
-    counts = torch.bincount(key, minlength=experts + 1)
+    # not torch.bincount: on CUDA it reads the max back to size its output (a sync, and no CUDA-graph capture)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
     padded = (counts[:experts] + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(key, stable=True)
