@@ -163,6 +163,27 @@ def test_quantized_experts_match_the_loop(fm, bits: int, group: int) -> None:
     assert rel_err(got, want) < REL_TOL[torch.float32]
 
 
+def test_when_the_block_takes_the_kernel(fm) -> None:
+    """Forced or on CUDA, never when switched off, nor with a custom activation (the kernel fuses only its own) or
+    experts in a format it does not read (FP8)."""
+    from ironlm.model.linear_gpu import Fp8Linear
+
+    block = make_block(torch.float32)
+    x = torch.zeros(2, HIDDEN, device=DEVICE)
+    block.fused = None
+    assert fused.takes(block, x) == ON_GPU
+    block.fused = False
+    assert not fused.takes(block, x)
+    block.fused = True
+    assert fused.takes(block, x)
+    custom = MoeBlock(HIDDEN, block.cfg, torch.float32, torch.device(DEVICE), act=lambda gu: gu[:, :INTER])
+    custom.finish_loading()
+    custom.fused = True
+    assert not fused.takes(custom, x)
+    block.quantize_(lambda pieces, bias: Fp8Linear.from_float(torch.cat([w for _, w in pieces]), bias))
+    assert not fused.takes(block, x)
+
+
 def _moe_blocks(lm) -> list[MoeBlock]:
     return [layer.moe for layer in lm.model.layers if layer.moe is not None]
 
