@@ -9,7 +9,7 @@ tensors, and on the CPU only when a test forces it (`MoeBlock.fused = True`, und
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,12 +18,37 @@ from ironlm.model.linear_gpu import TritonQuantLinear
 
 if TYPE_CHECKING:
     from ironlm.kernels.fused_moe import MoeWeights
-    from ironlm.model.moe.experts import ExpertMLP, MoeBlock
 
 Pair = tuple["MoeWeights", "MoeWeights"]
 
 
-def takes(block: MoeBlock, x: torch.Tensor) -> bool:
+class Block(Protocol):
+    """What this module reads of a MoeBlock (experts.py imports this module, so it cannot import the class)."""
+
+    fused: bool | None
+    fused_weights: Pair | None
+
+    @property
+    def custom_act(self) -> bool: ...
+    @property
+    def activation(self) -> str: ...
+    @property
+    def clamp(self) -> tuple[float, float] | None: ...
+    @property
+    def first(self) -> int: ...
+    @property
+    def gate_up_weight(self) -> torch.Tensor: ...
+    @property
+    def down_weight(self) -> torch.Tensor: ...
+    @property
+    def gate_up_bias(self) -> torch.Tensor | None: ...
+    @property
+    def down_bias(self) -> torch.Tensor | None: ...
+    @property
+    def experts(self) -> list[Any] | None: ...
+
+
+def takes(block: Block, x: torch.Tensor) -> bool:
     """Whether this step's routed experts run on the kernel: CUDA (or forced), an activation it has, and weights in
     a layout it reads."""
     if block.fused is False or not (block.fused or x.is_cuda) or block.custom_act:
@@ -33,12 +58,11 @@ def takes(block: MoeBlock, x: torch.Tensor) -> bool:
     return weights(block) is not None
 
 
-def weights(block: MoeBlock) -> Pair | None:
+def weights(block: Block) -> Pair | None:
     """The (gate_up, down) stacks the kernel reads, built once per block; None when the experts are in another
     format (the CPU core's blocks, FP8)."""
-    cached: Pair | None = getattr(block, "fused_weights", None)
-    if cached is not None:
-        return cached
+    if block.fused_weights is not None:
+        return block.fused_weights
     from ironlm.kernels.fused_moe import MoeWeights
 
     pair: Pair | None = None
@@ -51,7 +75,7 @@ def weights(block: MoeBlock) -> Pair | None:
     return pair
 
 
-def _uniform(experts: list[ExpertMLP]) -> bool:
+def _uniform(experts: list[Any]) -> bool:
     """Every expert's gate_up (and every down) a TritonQuantLinear of one format, in groups BLOCK_K can divide."""
     for lins in ([m.gate_up for m in experts], [m.down for m in experts]):
         if not all(isinstance(lin, TritonQuantLinear) for lin in lins):
@@ -62,14 +86,15 @@ def _uniform(experts: list[ExpertMLP]) -> bool:
     return True
 
 
-def _stack(lins: list) -> MoeWeights:
+def _stack(lins: list[TritonQuantLinear]) -> MoeWeights:
     """The experts' matrices as one `[E, ...]` tensor each, every linear re-pointed at its slice (same values: the
     per-expert path, embeddings and byte counts keep working) so the separate copies are freed."""
     from ironlm.kernels.fused_moe import MoeWeights
 
     q = torch.stack([lin.qweight for lin in lins])
     s = torch.stack([lin.scales for lin in lins])
-    bias = torch.stack([lin.bias for lin in lins]) if lins[0].bias is not None else None
+    biases = [lin.bias for lin in lins if lin.bias is not None]  # all or none (_uniform)
+    bias = torch.stack(biases) if biases else None
     for i, lin in enumerate(lins):
         lin.qweight, lin.scales = q[i], s[i]
         if bias is not None:
@@ -77,7 +102,7 @@ def _stack(lins: list) -> MoeWeights:
     return MoeWeights(q, bits=lins[0].bits, group=lins[0].group, scales=s, bias=bias)
 
 
-def run(block: MoeBlock, x: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def run(block: Block, x: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     from ironlm.kernels.fused_moe import fused_moe, tiles
 
     pair = weights(block)
