@@ -20,6 +20,9 @@ expert's gate_up, activation and down on the int8 kernels, GIL released, threads
 computes what the loop below does with the same kernels in the same order (an f32 block gives the same bits either
 way), so it takes every step the loop would run on the int8 kernels alone; a step where some expert gets
 DENSE_MIN_ROWS rows, which QuantLinear hands to a dense bf16 GEMM, and a custom `act`, keep the loop.
+
+On CUDA the routed experts run on the Triton fused-MoE kernel instead (fused.py: dense or Triton-quantized experts,
+two launches a step); `fused` switches it off, or on for CPU tensors under the Triton interpreter (tests).
 """
 
 from __future__ import annotations
