@@ -1,6 +1,6 @@
-"""Triton paged-attention kernels (and the quantized linears) at real sizes: correctness against torch, timing.
+"""Triton paged-attention kernels (and the quantized linears, the fused MoE) at real sizes: correctness, timing.
 
-    python benches/gpu_kernels.py [--json PATH] [--dry-run] [--only cache,decode,prefill,mixed,quant]
+    python benches/gpu_kernels.py [--json PATH] [--dry-run] [--only cache,decode,prefill,mixed,quant,moe]
 
 On a CUDA machine: bf16, head_dim 128 (Llama-3-8B attention: 32 query heads, 8 KV heads, pages of 16), decode
 batches up to 256 and contexts up to 32k, prefill/extend chunks with and without a cached prefix, and a mixed
@@ -9,6 +9,9 @@ batch would be slow) and timed with triton.testing.do_bench (median); decode and
 into achieved bandwidth and compared with a device-to-device copy measured first, prefill times into TFLOP/s.
 `quant` times Llama-3-8B's gate|up projection (4096 -> 28672) through the int8 / int4 weight-only Triton GEMM and
 fp8 `_scaled_mm` against torch's bf16 matmul, at decode and prefill row counts (weight GB/s and TFLOP/s).
+`moe` runs one Qwen3-30B-A3B MoE layer (128 experts, top-8, hidden 2048, expert width 768) through the fused-MoE
+kernel, bf16 and int8 experts, checked against and timed beside MoeBlock's per-expert loop on the same weights:
+GB/s of the routed experts' weights (each read once), TFLOP/s.
 
 --dry-run runs every case and check at tiny sizes on CPU through the Triton interpreter (no timing), so the
 script is known to work before device time is spent. Exit status 1 when any check fails.
@@ -42,6 +45,8 @@ from ironlm.kernels.cache_write import reshape_and_cache
 from ironlm.kernels.decode_attention import num_kv_splits, paged_decode_attention
 from ironlm.kernels.prefill_attention import paged_prefill_attention
 from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear, dequantize_rows
+from ironlm.model.moe.experts import MoeBlock
+from ironlm.model.moe.spec import MoeConfig, RouteSpec
 
 REL_TOL = 2e-2  # max |triton - torch| / max |torch|, bf16 storage
 
@@ -265,6 +270,46 @@ def run_quant(cfg: dict, dry: bool) -> list[dict]:
     return rows
 
 
+def run_moe(cfg: dict, dry: bool) -> list[dict]:
+    """One MoE layer's routed experts: the fused kernel vs the per-expert loop (the reference), same routing."""
+    e, top_k, hidden, inter = cfg["moe_shape"]
+    dev = cfg["model"]["device"]
+    dtype = cfg["model"]["dtype"] if dev == "cuda" else torch.float32  # the loop's bf16 on CPU is slow, not wrong
+    gen = torch.Generator(device=dev).manual_seed(7)
+    rows = []
+    for fmt in ("dense", "int8"):
+        block = MoeBlock(hidden, MoeConfig(RouteSpec(e, top_k), inter, (True,)), dtype, torch.device(dev))
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, device=dev) * 0.02)
+        block.finish_loading()
+        if fmt == "int8":
+            block.quantize_(lambda pieces, bias: TritonQuantLinear.from_float(torch.cat([w for _, w in pieces]), 8, 0,
+                                                                              bias))
+        per_expert = 3 * hidden * inter * (dtype.itemsize if fmt == "dense" else 1)
+        for t in cfg["moe_rows"]:
+            x = torch.randn(t, hidden, generator=gen, device=dev).to(dtype)
+            logits = torch.randn(t, e, generator=gen, device=dev)
+            weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+
+            def call(block: MoeBlock = block, fused: bool = True, x: torch.Tensor = x, w: torch.Tensor = weights,
+                     ids: torch.Tensor = ids) -> torch.Tensor:
+                block.fused = fused
+                return block.run_experts(x, w, ids)
+
+            out, ref = call().float(), call(fused=False).float()
+            rel = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            routed = int(torch.unique(ids).numel())
+            flops = 2 * t * top_k * 3 * hidden * inter
+            for name, fused in (("fused_moe", True), ("moe loop", False)):
+                ms = bench(lambda fused=fused, call=call: call(fused=fused), dry)
+                rows.append({"kernel": f"{name} {fmt}", "case": f"T={t} E={e} top{top_k} {hidden}x{inter}",
+                             "ms": ms, "GB/s": None if ms is None else routed * per_expert / (ms * 1e-3) / 1e9,
+                             "TFLOP/s": None if ms is None else flops / (ms * 1e-3) / 1e12,
+                             **({"rel_err": rel, "ok": bool(rel < REL_TOL)} if fused else {"ok": True})})
+    return rows
+
+
 def configs(dry: bool) -> dict:
     if dry:
         return {
@@ -275,6 +320,7 @@ def configs(dry: bool) -> dict:
             "mixed": [("1 chunk + 2 decodes", [0, 7, 3], [6, 1, 1])],
             "decode_block_n": 16, "prefill_block": 16, "check_seqs": 8,
             "quant_shape": (72, 192), "quant_rows": [1, 20],
+            "moe_shape": (8, 2, 64, 32), "moe_rows": [1, 9],
         }
     return {
         # Llama-3-8B attention: GQA 4, head_dim 128, bf16, pages of 16.
@@ -291,6 +337,8 @@ def configs(dry: bool) -> dict:
         "mixed": [("chunk 2048 + 255 decodes at ~1k", [0] + [1024] * 255, [2048] + [1] * 255)],
         "decode_block_n": 64, "prefill_block": 64, "check_seqs": 6,
         "quant_shape": (28672, 4096), "quant_rows": [1, 16, 256, 2048],
+        # Qwen3-30B-A3B's MoE layer
+        "moe_shape": (128, 8, 2048, 768), "moe_rows": [1, 32, 2048],
     }
 
 
@@ -313,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU via the Triton interpreter")
-    ap.add_argument("--only", default="cache,decode,prefill,mixed,quant")
+    ap.add_argument("--only", default="cache,decode,prefill,mixed,quant,moe")
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device (use --dry-run on CPU)", file=sys.stderr)
@@ -332,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
           f"copy bandwidth {copy_gbs and round(copy_gbs)} GB/s", flush=True)
     steps = {"cache": lambda: run_cache_write(cfg, args.dry_run), "decode": lambda: run_decode(cfg, args.dry_run, sms),
              "prefill": lambda: run_prefill(cfg, args.dry_run), "mixed": lambda: run_mixed(cfg, args.dry_run, sms),
-             "quant": lambda: run_quant(cfg, args.dry_run)}
+             "quant": lambda: run_quant(cfg, args.dry_run), "moe": lambda: run_moe(cfg, args.dry_run)}
     for name in args.only.split(","):
         try:
             new = steps[name]()

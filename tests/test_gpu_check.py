@@ -78,7 +78,7 @@ def test_dry_run_runs_every_check_and_passes(tmp_path: Path, tiny: Path) -> None
     assert "fp32 batch 3 (padded to 4) = eager" in cases and "cpu engine runs eager (no graphs)" in cases
     replayed = [r for r in by_check["graphs"] if "replayed" in r["case"]]
     assert replayed and all(int(r["value"]) > 0 for r in replayed)
-    assert {"cache_write", "decode", "prefill"} <= {r["case"].split()[0] for r in by_check["kernels"]}
+    assert {"cache_write", "decode", "prefill", "fused_moe"} <= {r["case"].split()[0] for r in by_check["kernels"]}
     assert "completion text = offline engine's" in cases and "server alive at the end" in cases
     # One table, printed last: a header and one line per row.
     table = proc.stdout[proc.stdout.index("===== gpu_check"):].splitlines()[1:]

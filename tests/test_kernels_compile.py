@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 
 import ironlm.kernels.cache_write as cw
 import ironlm.kernels.decode_attention as da
+import ironlm.kernels.fused_moe as fm
 import ironlm.kernels.prefill_attention as pa
 import ironlm.kernels.quant_matmul as qm
 
@@ -34,9 +35,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 TY = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 # Pointer args that always hold int32 metadata / fp32 partials; everything else follows the model dtype.
 INT_PTRS = {"slot_ptr": "*i64", "seq_ids_ptr": "*i32", "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
-            "block_tables_ptr": "*i32", "sinks_ptr": "*fp32"}
+            "block_tables_ptr": "*i32", "sinks_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+            "route_w_ptr": "*fp32"}
 # runtime values without a 16-multiple
-NOT_DIV16 = {"stride_bt", "num_splits", "stride_lb", "stride_lh", "M", "N", "K", "stride_sn"}
+NOT_DIV16 = {"stride_bt", "num_splits", "stride_lb", "stride_lh", "M", "N", "K", "stride_sn", "num_pairs",
+             "stride_se"}
 
 
 def compile_one(fn, dtype, constexprs, ptr_types=None, options=None):
@@ -47,7 +50,7 @@ def compile_one(fn, dtype, constexprs, ptr_types=None, options=None):
         elif name.endswith("_ptr"):
             sig[name] = (ptr_types or {}).get(name) or INT_PTRS.get(name) or TY[dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("scale", "softcap"):
+        elif name in ("scale", "softcap", "alpha", "limit"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -126,6 +129,29 @@ for dtype in job["quant_dtypes"]:
                 "BITS": bits, "GROUP": group, "HAS_BIAS": True, "HAS_RES": True, "BLOCK_M": block_m,
                 "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_PRECISION": "tf32"},
                 {"w_ptr": "*i8" if bits == 8 else "*u8", "s_ptr": "*fp32"}))
+# The fused MoE: gate_up (SiLU) and down (fp32 rows) with decode (16-row) and prefill (64-row) blocks in each dtype;
+# GELU-tanh and the clamped SwiGLU with biases once (bf16); int8 / int4 experts in the 16-bit dtypes, 64-row blocks.
+# Strides of 1 (dense N, quantized K, per-channel scales) are constexprs, as the launcher specializes them.
+def moe_cases(dtype):
+    for block_m in (16, 64):
+        yield from ((16, 0, block_m, act, False) for act in (1, 0))
+    if dtype == "bf16":
+        yield from ((16, 0, 16, act, True) for act in (2, 3))
+    if dtype != "fp32":
+        yield from ((bits, group, 64, act, False) for bits, group in ((8, 0), (4, 32)) for act in (1, 0))
+
+
+for dtype in job.get("moe_dtypes", []):
+    for bits, group, block_m, act, bias in moe_cases(dtype):
+        _, block_n, block_k = fm.tiles(block_m * 8, 8, 2048, group)
+        ones = {"stride_wn": 1} if bits == 16 else {"stride_wk": 1, **({"stride_sn": 1} if group == 0 else {})}
+        ptrs = {"w_ptr": {16: TY[dtype], 8: "*i8", 4: "*u8"}[bits], "s_ptr": "*fp32"}
+        if act == 0:
+            ptrs["out_ptr"] = "*fp32"
+        results.append(compile_one(fm.fused_moe_kernel, dtype, {
+            **ones, "ROW_DIV": 2 if act else 1, "ACT": act, "BITS": bits, "GROUP": group, "HAS_BIAS": bias,
+            "MUL_ROUTED": act == 0, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "COMPUTE_F32": False, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}, ptrs))
 print("RESULTS " + json.dumps(results))
 """
 
@@ -168,11 +194,12 @@ CONFIGS = [
 
 
 # Three subprocesses for CI's two cores: fp16, bf16, fp32 + the GEMM (measured: ~33, ~33, ~27 s of CPU each plus
-# ~6 s of imports; the GEMM's 12 compiles are cheap). One process per dtype keeps each job's code simple.
+# ~6 s of imports; the GEMM's 12 compiles are cheap), each with one dtype's fused-MoE compiles (8, 10, 4 of them,
+# ~0.6 s each). One process per dtype keeps each job's code simple.
 JOBS = [
-    {"configs": [CONFIGS[0]], "quant_dtypes": []},
-    {"configs": [CONFIGS[1]], "quant_dtypes": []},
-    {"configs": [CONFIGS[2]], "quant_dtypes": ["fp16", "bf16"]},
+    {"configs": [CONFIGS[0]], "quant_dtypes": [], "moe_dtypes": ["fp16"]},
+    {"configs": [CONFIGS[1]], "quant_dtypes": [], "moe_dtypes": ["bf16"]},
+    {"configs": [CONFIGS[2]], "quant_dtypes": ["fp16", "bf16"], "moe_dtypes": ["fp32"]},
 ]
 
 
@@ -185,13 +212,19 @@ def test_every_kernel_compiles_for_sm90(compiled: list[dict]) -> None:
     expected = sum(len(c["dtypes"]) * len(c["head_dims"]) * (2 + 2 * len(c["groups"]) + 1 + 2) for c in CONFIGS)
     expected += sum(3 * len(c["dtypes"]) for c in CONFIGS)  # the soft-capped decode (x2) and prefill kernels
     expected += sum(4 * len(c["dtypes"]) for c in CONFIGS)  # with sinks: decode (x2), stage 2 and prefill
-    assert len(compiled) == expected + 2 * 3 * 2  # + quant_matmul: 2 dtypes x 3 formats x 2 tile shapes
+    expected += 2 * 3 * 2  # quant_matmul: 2 dtypes x 3 formats x 2 tile shapes
+    expected += 3 * 4 + 2 + 2 * 4  # fused_moe: 3 dtypes x 2 launches x 2 tiles, 2 activations, 2 x 2 formats x 2
+    assert len(compiled) == expected
     kinds = {(r["kernel"], r["dtype"], r.get("HEAD_DIM", "")) for r in compiled}
     for dtype in ("fp16", "bf16"):
         for d in ("64", "128"):
             for kernel in ("decode_attention_kernel", "decode_reduce_kernel", "prefill_attention_kernel"):
                 assert (kernel, dtype, d) in kinds
         assert ("quant_matmul_kernel", dtype, "") in kinds
+    moe = {(r["dtype"], r["BITS"], r["ACT"]) for r in compiled if r["kernel"] == "fused_moe_kernel"}
+    assert {(t, "16", act) for t in ("fp16", "bf16", "fp32") for act in ("0", "1")} <= moe
+    assert {("bf16", bits, act) for bits in ("8", "4") for act in ("0", "1")} | {("bf16", "16", "2"),
+                                                                               ("bf16", "16", "3")} <= moe
     assert {r["dtype"] for r in compiled if r.get("SOFTCAP") == "True"} == {"fp16", "bf16", "fp32"}
     sinks = {(r["kernel"], r["dtype"]) for r in compiled if r.get("HAS_SINKS") == "True"}
     assert sinks == {(k, t) for k in ("decode_attention_kernel", "decode_reduce_kernel", "prefill_attention_kernel")

@@ -23,6 +23,9 @@ to QuantLinear's dense bf16 GEMM (dequantize, then torch.mm), which on this 2-co
 chunk of an OLMoE-width layer (64 experts of 1024, ~300 rows each) 3.4-4.1x slower than the core's int8 tiles
 (interleaved A/B, int4 g32). So a token's expert output no longer depends on how many rows its experts got in the
 step. A custom `act` keeps the loop.
+
+On CUDA the routed experts run on the Triton fused-MoE kernel instead (fused.py: dense or Triton-quantized experts,
+two launches a step); `fused` switches it off, or on for CPU tensors under the Triton interpreter (tests).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 from ironlm import _core
 from ironlm.model.layers import act_and_mul, clamped_swiglu
 from ironlm.model.linear import DenseLinear, Linear, QuantLinear
+from ironlm.model.moe import fused
 from ironlm.model.moe.route import route
 from ironlm.model.moe.spec import MoeConfig
 
@@ -93,6 +97,10 @@ class MoeBlock(nn.Module):
         self.shared: ExpertMLP | None = None
         self.core: _core.MoeExperts | None = None  # the routed experts on the core's kernel, when it takes them
         self.streamed = 0  # weight bytes the core's kernel has read, summed over calls (the benches' counter)
+        # the routed experts on the Triton fused-MoE kernel (fused.py): None = when x is on CUDA, True = also on the
+        # CPU (tests, under the Triton interpreter), False = never
+        self.fused: bool | None = None
+        self.fused_weights: fused.Pair | None = None  # its weight stacks, built on first use
 
     def finish_loading(self) -> None:
         if self.experts is None:
@@ -122,6 +130,7 @@ class MoeBlock(nn.Module):
                               shared, None, None)
             self.shared_gate_up_weight = self.shared_down_weight = _empty(self.router_weight)
         self.gate_up_weight = self.down_weight = _empty(self.router_weight)
+        self.fused_weights = None
         self.core = self._core_experts()
 
     def _core_experts(self) -> _core.MoeExperts | None:
@@ -168,6 +177,8 @@ class MoeBlock(nn.Module):
         them unless expert parallel), touching only the chosen ones."""
         if self.core is not None and x.device.type == "cpu":
             return self._run_core(x, weights, ids)
+        if fused.takes(self, x):
+            return fused.run(self, x, weights, ids)
         assert self.experts is not None
         k = ids.shape[1]
         flat = ids.reshape(-1)
