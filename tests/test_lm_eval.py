@@ -43,8 +43,10 @@ def task(name: str) -> dict[str, Any]:
 
 def evaluate(model: str, model_args: dict[str, Any], config: dict[str, Any], **kw: Any) -> tuple[dict, list[dict]]:
     """(the task's metrics, its per-item samples in doc order)."""
+    # The tasks are config dicts: indexing lm-eval's thousands of built-in task YAMLs (~14 s a call on 2 cores)
+    # would find nothing they use.
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[config], log_samples=True,
-                                  task_manager=TaskManager(), bootstrap_iters=0, **kw)
+                                  task_manager=TaskManager(include_defaults=False), bootstrap_iters=0, **kw)
     assert out is not None
     name = config["task"]
     return out["results"][name], sorted(out["samples"][name], key=lambda s: s["doc_id"])
