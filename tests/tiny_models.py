@@ -387,6 +387,31 @@ def make_kv_caches(config: Any, num_blocks: int, block_size: int, dtype: torch.d
 def load_hf_gguf_reference(gguf_path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """transformers' own GGUF loading (`from_pretrained(dir, gguf_file=...)`), the oracle for GGUF models.
 
+    The built-in default model's fp32 reference is loaded once per test process (~10 s on 2 cores, and three
+    modules compare against it): callers only run it, never change it.
+    """
+    from ironlm.exceptions import DefaultModelNotInstalled
+    from ironlm.model.default import default_model_path
+
+    try:
+        default = default_model_path().resolve()
+    except DefaultModelNotInstalled:
+        default = None
+    if dtype == torch.float32 and Path(gguf_path).resolve() == default:
+        return _default_hf_reference()
+    return _load_hf_gguf(gguf_path, dtype)
+
+
+@lru_cache(maxsize=1)
+def _default_hf_reference() -> Any:
+    from ironlm.model.default import default_model_path
+
+    return _load_hf_gguf(default_model_path(), torch.float32)
+
+
+def _load_hf_gguf(gguf_path: str | Path, dtype: torch.dtype) -> Any:
+    """transformers' `from_pretrained(dir, gguf_file=...)`.
+
     Two test-only shims, neither of which changes the loaded weights: transformers refuses GGUF without the
     `accelerate` package (which it does not need for CPU loading, and which ironlm does not install), and it
     rebuilds gguf's tensor-name table once per module (~10 s for SmolLM2 on 2 cores): that pure function is
