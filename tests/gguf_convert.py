@@ -1,6 +1,6 @@
 """llama.cpp's own HF -> GGUF converter, for tests: the check that files made the way users make them load.
 
-    convert(hf_dir, out_dir, outtype="f32") -> Path    # runs convert_hf_to_gguf.py in a subprocess
+    convert(hf_dir, out_dir, outtype="f32") -> Path    # runs convert_hf_to_gguf.py in one converter process per session
     converter_dir() -> Path                            # the extracted converter (fetched once, cached)
 
 The converter ships in the PyPI sdist of llama-cpp-python (vendor/llama.cpp/convert_hf_to_gguf.py, its
@@ -21,6 +21,7 @@ unknown one gets `pre_tokenizer` (what an entry added by llama.cpp's convert_hf_
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -122,8 +124,9 @@ def convert(hf_dir: str | Path, out_dir: str | Path, outtype: str = "f32", pre_t
 
 def convert_many(jobs: list[tuple[str | Path, str]], out_dir: str | Path, pre_tokenizer: str | None = "gpt-2",
                  names: list[str | None] | None = None, timeout: float = 600.0) -> list[Path]:
-    """Several (hf_dir, outtype) conversions in ONE converter process: the converter's imports (torch,
-    transformers: ~5 s on 2 cores) are paid once. Same outputs as one convert() per job."""
+    """Several (hf_dir, outtype) conversions in one call. Every call of the process goes to ONE converter process
+    (started on first use, kept until exit): its imports (torch, transformers: ~5-10 s on 2 cores) are paid once
+    per test session instead of once per test module. Same outputs as one fresh converter process per job."""
     out_paths: list[Path] = []
     argvs: list[list[str]] = []
     for i, (hf_dir, outtype) in enumerate(jobs):
@@ -135,42 +138,112 @@ def convert_many(jobs: list[tuple[str | Path, str]], out_dir: str | Path, pre_to
         out.parent.mkdir(parents=True, exist_ok=True)
         out_paths.append(out)
         argvs.append([str(hf_dir), "--outtype", outtype, "--outfile", str(out)])
-    conv = converter_dir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(conv / "gguf-py"), str(conv)]))
-    env.pop("NO_LOCAL_GGUF", None)
-    cmd = [sys.executable, str(Path(__file__).resolve()), str(conv), pre_tokenizer or "", json.dumps(argvs)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=timeout)
+    with _LOCK:
+        worker = _WORKERS.get(str(converter_dir()))
+        if worker is None or not worker.alive():
+            worker = _WORKERS[str(converter_dir())] = _Worker(converter_dir())
+        error = worker.run(pre_tokenizer or "", argvs, timeout)
     missing = [str(p) for p in out_paths if not p.is_file()]
-    if proc.returncode != 0 or missing:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed (rc {proc.returncode}, missing {missing}):\n"
-                           f"{proc.stderr[-4000:]}")
+    if error is not None or missing:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed (missing {missing}):\n{(error or '')[-4000:]}")
     return out_paths
 
 
-def _run_converter(conv: Path, pre_tokenizer: str, argvs: list[list[str]]) -> None:
-    """In the subprocess: the converter's own main() once per argv, with the unknown-pre-tokenizer fallback."""
+class _Worker:
+    """This file run as the converter process: one JSON job per stdin line, one JSON reply per job on stdout
+    (the converter's own output goes to a log file, read back when a job fails)."""
+
+    def __init__(self, conv: Path) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(conv / "gguf-py"), str(conv)]))
+        env.pop("NO_LOCAL_GGUF", None)
+        fd, name = tempfile.mkstemp(prefix="gguf-convert-", suffix=".log")
+        os.close(fd)
+        self.log = Path(name)
+        with open(self.log, "ab") as log:  # append mode: the child's writes never land where we read
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(conv)], env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        atexit.register(self.close)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, pre_tokenizer: str, argvs: list[list[str]], timeout: float) -> str | None:
+        """None when every job converted, else what went wrong (the converter's log of this call)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        start = self.log.stat().st_size
+        try:
+            self.proc.stdin.write(json.dumps({"pre": pre_tokenizer, "argvs": argvs}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it died since the last call: the reply below reads as "exited"
+            pass
+        reply: list[str] = []
+        reader = threading.Thread(target=lambda: reply.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not reply or not reply[0]:
+            why = f"timed out after {timeout} s" if not reply else f"exited with {self.proc.poll()}"
+            log = self._log_since(start)
+            self.close()  # a hung or dead converter is never reused
+            return f"converter process {why}:\n{log}"
+        answer = json.loads(reply[0])
+        return None if answer["ok"] else f"{answer['error']}\n{self._log_since(start)}"
+
+    def _log_since(self, offset: int) -> str:
+        with open(self.log, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")[-6000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.unlink(missing_ok=True)
+
+
+_WORKERS: dict[str, _Worker] = {}
+_LOCK = threading.Lock()
+
+
+def _serve(conv: Path) -> None:
+    """In the converter process: the converter's main() once per argv of each job, with the unknown-pre-tokenizer
+    fallback of that job (none: the converter's own refusal)."""
     import runpy
+    import traceback
 
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever the converter prints goes to the log, never into a reply
+    sys.stdout = sys.stderr
     sys.path[:0] = [str(conv), str(conv / "gguf-py")]
-    if pre_tokenizer:
-        from conversion import base  # the converter's package, found through sys.path above
+    from conversion import base  # the converter's package, found through sys.path above
 
-        known = base.TextModel.get_vocab_base_pre
+    known = base.TextModel.get_vocab_base_pre
+    fallback = {"pre": ""}
 
-        def get_vocab_base_pre(self, tokenizer) -> str:  # type: ignore[no-untyped-def]
-            try:
-                return known(self, tokenizer)
-            except NotImplementedError:
-                base.logger.warning("unknown BPE pre-tokenizer: using %r as the caller asked", pre_tokenizer)
-                return pre_tokenizer
+    def get_vocab_base_pre(self, tokenizer) -> str:  # type: ignore[no-untyped-def]
+        try:
+            return known(self, tokenizer)
+        except NotImplementedError:
+            if not fallback["pre"]:
+                raise
+            base.logger.warning("unknown BPE pre-tokenizer: using %r as the caller asked", fallback["pre"])
+            return fallback["pre"]
 
-        base.TextModel.get_vocab_base_pre = get_vocab_base_pre  # type: ignore[method-assign]
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre  # type: ignore[method-assign]
     script = conv / "convert_hf_to_gguf.py"
     main = runpy.run_path(str(script), run_name="convert_hf_to_gguf")["main"]
-    for argv in argvs:
-        sys.argv = [str(script), *argv]
-        main()
+    for line in sys.stdin:
+        job = json.loads(line)
+        fallback["pre"] = job["pre"]
+        try:
+            for argv in job["argvs"]:
+                sys.argv = [str(script), *argv]
+                main()
+            answer = {"ok": True}
+        except BaseException:  # noqa: BLE001 - SystemExit from argparse or the converter included: report it
+            answer = {"ok": False, "error": traceback.format_exc()}
+        replies.write(json.dumps(answer) + "\n")
+        replies.flush()
 
 
 if __name__ == "__main__":
-    _run_converter(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
+    _serve(Path(sys.argv[1]))
