@@ -55,9 +55,13 @@ lint-python: $(STAMP)
 
 # Both profiles: debug has overflow checks and the larger stack frames that a too-small thread stack meets first
 # (the grammar thread's llguidance recursion overflowed 2 MiB in debug only); release is what the wheel runs.
+# --lib: the crate's tests are all unit tests (no doctests, no tests/*.rs; add those targets here if that
+# changes). Plain `cargo test` would also build the library itself for the doctests, one more compile of the
+# crate per profile, and in release its cdylib would overwrite the extension `make install` built, which
+# tests/test_packaging.py's wheel then had to compile again.
 test-rust:
-	cargo test
-	cargo test --release
+	cargo test --lib
+	cargo test --release --lib
 
 # --durations: every run (CI's included) lists the slowest tests, the first place to look when the suite grows.
 test-python: $(STAMP)
