@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,18 +22,56 @@ sys.path.insert(0, str(ROOT / "benches"))
 import gpu_gate as gate
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("gate"), arch="llama")
+@dataclass
+class GateRun:
+    proc: subprocess.CompletedProcess[str]
+    report: dict
 
 
-def run_gate(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
-    env = {**os.environ, "OUT": str(tmp_path)}
+def _start_gate(out: Path, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "OUT": str(out)}
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run(["bash", str(ROOT / "benches" / "gpu_check.sh"), "--dry-run", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900, check=False)
-    path = tmp_path / "gpu_check.json"
-    return proc, json.loads(path.read_text()) if path.exists() else {}
+    # Output to files: a full pipe would stall one run while the other is waited on.
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        return subprocess.Popen(["bash", str(ROOT / "benches" / "gpu_check.sh"), "--dry-run", *args], cwd=ROOT,
+                                env=env, stdout=stdout, stderr=stderr, text=True)
+
+
+def _finish_gate(proc: subprocess.Popen[str], out: Path) -> GateRun:
+    proc.wait(timeout=900)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, (out / "stdout").read_text(),
+                                       (out / "stderr").read_text())
+    path = out / "gpu_check.json"
+    return GateRun(done, json.loads(path.read_text()) if path.exists() else {})
+
+
+@pytest.fixture(scope="module")
+def gate_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, GateRun]:
+    """Both gate runs at once, each in its own process: most of either is single-threaded Python, so on CI's two
+    cores the pair takes about as long as the longer one alone."""
+    root = tmp_path_factory.mktemp("gate")
+    tiny = make_tiny_model(root, arch="llama")
+    # transformers loads another model (same shapes, other weights): ironlm's greedy tokens cannot all agree.
+    other = make_tiny_model(root / "other", arch="llama", seed=7)
+    outs = {name: root / name for name in ("dry", "mismatch")}
+    for out in outs.values():
+        out.mkdir()
+    # gpu_check.sh copies a missing kernel into python/ironlm/kernels: done here first, so two runs never
+    # write one file at once.
+    for kernel in (ROOT / "kernels").glob("*.py"):
+        if not (ROOT / "python" / "ironlm" / "kernels" / kernel.name).is_file():
+            shutil.copy(kernel, ROOT / "python" / "ironlm" / "kernels" / kernel.name)
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        procs["dry"] = _start_gate(outs["dry"], "--model", str(tiny))
+        procs["mismatch"] = _start_gate(outs["mismatch"], "--model", str(tiny), "--reference-model", str(other),
+                                        "--only", "parity")
+        return {name: _finish_gate(proc, outs[name]) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_rules_a_mismatch_an_error_or_nan_fails_skips_pass() -> None:
@@ -65,8 +105,8 @@ def test_ties_and_first_difference() -> None:
     assert gate.first_difference([1, 2], [1, 2, 3]) == 2
 
 
-def test_dry_run_runs_every_check_and_passes(tmp_path: Path, tiny: Path) -> None:
-    proc, report = run_gate(tmp_path, "--model", str(tiny))
+def test_dry_run_runs_every_check_and_passes(gate_runs: dict[str, GateRun]) -> None:
+    proc, report = gate_runs["dry"].proc, gate_runs["dry"].report
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     rows = report["rows"]
     assert report["exit"] == 0 and all(r["status"] in ("ok", "skip") for r in rows)
@@ -86,10 +126,8 @@ def test_dry_run_runs_every_check_and_passes(tmp_path: Path, tiny: Path) -> None
         tuple(by_check))]) == len(rows)
 
 
-def test_a_mismatch_fails_the_run(tmp_path: Path, tiny: Path) -> None:
-    # transformers loads another model (same shapes, other weights): ironlm's greedy tokens cannot all agree.
-    other = make_tiny_model(tmp_path / "other", arch="llama", seed=7)
-    proc, report = run_gate(tmp_path, "--model", str(tiny), "--reference-model", str(other), "--only", "parity")
+def test_a_mismatch_fails_the_run(gate_runs: dict[str, GateRun]) -> None:
+    proc, report = gate_runs["mismatch"].proc, gate_runs["mismatch"].report
     assert proc.returncode == 1, proc.stdout[-3000:]
     fp32 = next(r for r in report["rows"] if r["case"].startswith("fp32"))
     assert fp32["status"] == "FAIL" and fp32["detail"]["first_differences"]
