@@ -1,6 +1,8 @@
 """One stream over HTTP: what a single user of a server sees, for `ironlm bench latency --streamed`.
 
-Requests go through `serve`'s client (POST /v1/completions, token-id prompts, greedy, EOS ignored, SSE):
+Requests are `serve`'s (POST /v1/completions, token-id prompts, greedy, EOS ignored, SSE), sent one at a time by
+a light blocking client (bench/sse_client.py): on a 2-core machine the async client of `serve` took ~0.5-0.9 ms of
+CPU per token from the engine it was measuring.
 - TTFT: a `prompt_len`-token prompt and one output token, timed from send to the first token chunk;
   prefill tokens/s = prompt_len / TTFT.
 - streamed decode: a 1-token prompt and `gen_len + 1` output tokens; tokens/s = gen_len / (last token chunk −
@@ -10,23 +12,18 @@ Requests go through `serve`'s client (POST /v1/completions, token-id prompts, gr
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from ironlm.bench.datasets import BenchRequest
-from ironlm.bench.serve import RequestResult, _one_request
-
-
-async def _send(url: str, req: BenchRequest, timeout_s: float) -> RequestResult:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        return await _one_request(client, url.rstrip("/") + "/v1/completions", None, req, timeout_s, max_retries=0)
+from ironlm.bench.serve import RequestResult, completion_payload
+from ironlm.bench.sse_client import stream_request
 
 
 def stream_once(url: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 600.0) -> RequestResult:
-    res = asyncio.run(_send(url, BenchRequest(list(prompt), max_tokens), timeout_s))
+    req = BenchRequest(list(prompt), max_tokens)
+    res = RequestResult(req.prompt_len, req.output_len)
+    stream_request(url.rstrip("/") + "/v1/completions", completion_payload(req), res, timeout_s)
     if not res.success:
         raise RuntimeError(f"streamed request to {url} failed: {res.error}")
     if res.output_tokens != max_tokens:
