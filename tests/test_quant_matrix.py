@@ -66,8 +66,10 @@ def test_default_model_tensors_stay_exact() -> None:
             m = QuantMatrix.from_ggml(gf.raw(info), info.ggml_type, rows, cols)
             want = dequantize(gf.raw(info), info.ggml_type, info.shape).numpy()
             np.testing.assert_allclose(m.dequantize(), want, rtol=2.5e-7, atol=1e-30)
-            # Packed: 4 or 8 bits a weight plus the f16 scale and min per 32 (exact f16s in Q4_1/Q8_0 files).
-            assert m.nbytes == rows * cols * (5 if m.kind == "q4" else 9) // 8
+            # Packed: 4 or 8 bits a weight plus the f16 scale per 32 (exact f16s in these files), and the f16 min
+            # unless it is implied (Q4_0's -8 d, Q8_0's -128 d).
+            half_bits = {Q.Q4_0: 9, Q.Q4_1: 10, Q.Q8_0: 17}[Q(info.ggml_type)]
+            assert m.nbytes == rows * cols * half_bits // 16
     finally:
         gf.close()
 

@@ -177,7 +177,7 @@ def test_default_model_weights_stay_quantized_in_120_mb():
     quant = load_model(None, device="cpu", quantization="auto")
     assert quant.model.weight_bytes() <= 120e6
     int8 = load_model(None, device="cpu", quantization="int8")
-    assert 150e6 < int8.model.weight_bytes() < 200e6
+    assert 130e6 < int8.model.weight_bytes() < 200e6  # 9 bits a weight: per-channel int8 stores no mins
 
 
 # Worst |log-softmax diff| vs transformers fp32 with e4m3 weights (scale per output row) and e4m3 activations (scale

@@ -27,6 +27,9 @@
 //!             then 16 scales, 16 mins (Q8: 576 B and Q4: 320 B with f16 ones)
 //! ```
 //!
+//! Symmetric blocks (every min `-offset * scale`: Q4_0, Q8_0, int8 per channel) drop the 16 mins
+//! (Q8: 544 B, Q4: 288 B with f16 scales: 8.5 and 4.5 bits a weight, as in the GGUF file).
+//!
 //! So one 64-byte load (Q4: plus a mask and a shift) holds four columns of all 16 rows, and
 //! `vpdpbusd` against the four matching activation bytes broadcast to every lane leaves each
 //! row's partial dot product in its own lane: no horizontal sums, the per-block scaling is a
@@ -34,7 +37,8 @@
 //! a register tile. A whole group is one sequential stream (what the hardware prefetcher wants
 //! at M = 1), and threads split the groups. Resident size: 6 bits a weight for Q4, 10 for Q8
 //! with f32 scales and mins (Q4_K's `d · sc` products need them), 5 and 9 bits when all of them
-//! are exact f16s (Q4_0, Q4_1, Q8_0 files: 16 f16 scales, then 16 f16 mins; see `Format`).
+//! are exact f16s (Q4_1 files: 16 f16 scales, then 16 f16 mins; see `Format`), 4.5 and 8.5 when
+//! the mins are implied as well (Q4_0, Q8_0 files).
 //!
 //! # Regimes (one Sapphire Rapids-class core, `benches/bench_quant_matmul.py --clock thread`)
 //! M = 1 streams 60-120 GB/s from L1/L2 and ~28 GB/s from L3 (the LM head), M = 8..16 reaches
@@ -98,6 +102,14 @@ impl QKind {
         }
     }
 
+    /// `-offset`: a symmetric block's min is `-offset * scale` (`w = scale * (q - offset)`).
+    pub(crate) const fn neg_offset(self) -> f32 {
+        match self {
+            QKind::Q8 => -128.0,
+            QKind::Q4 => -8.0,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             QKind::Q8 => "q8",
@@ -106,13 +118,17 @@ impl QKind {
     }
 }
 
-/// How a matrix's blocks are packed: the quant width, and whether scales and mins are stored as
+/// How a matrix's blocks are packed: the quant width, whether scales and mins are stored as
 /// f16 (when every one of them is exactly an f16, as in Q4_0, Q4_1 and Q8_0 files: 5 and 9 bits a
-/// weight instead of 6 and 10, less to stream per token) or f32.
+/// weight instead of 6 and 10, less to stream per token) or f32, and whether the mins are stored
+/// at all: in symmetric blocks (Q4_0, Q8_0, int8 per channel) every min is exactly
+/// `-offset * scale` ([`QKind::offset`]), which the kernels recompute (exact: a power of two), so
+/// a block is its quants and 16 scales only (4.5 and 8.5 bits a weight with f16 scales).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Format {
     pub kind: QKind,
     pub half: bool,
+    pub sym: bool,
 }
 
 impl Format {
@@ -120,22 +136,36 @@ impl Format {
         self.kind.quant_bytes()
     }
 
-    /// Bytes per packed block: quants, 16 scales, 16 mins (a multiple of 64 either way).
+    /// Bytes of one block's 16 scales (or of its 16 mins).
+    pub const fn scales_bytes(self) -> usize {
+        ROWS * if self.half { 2 } else { 4 }
+    }
+
+    /// Bytes per packed block: quants, 16 scales, 16 mins unless symmetric (a multiple of 64
+    /// except for symmetric f16 blocks, 288 and 544 B, which the kernels load unaligned).
     pub const fn block_bytes(self) -> usize {
-        self.quant_bytes() + 2 * ROWS * if self.half { 2 } else { 4 }
+        self.quant_bytes() + self.scales_bytes() * if self.sym { 1 } else { 2 }
     }
 
     /// `(scale, min)` of row `r` (0..16) in a packed block.
     #[inline(always)]
     pub fn scale_min_at(self, blk: &[u8], r: usize) -> (f32, f32) {
-        let qb = self.quant_bytes();
-        if self.half {
-            let h = |o: usize| ggml::f16_to_f32(u16::from_le_bytes([blk[o], blk[o + 1]]));
-            (h(qb + r * 2), h(qb + 32 + r * 2))
+        let (qb, sb) = (self.quant_bytes(), self.scales_bytes());
+        let at = |o: usize| {
+            if self.half {
+                ggml::f16_to_f32(u16::from_le_bytes([blk[o], blk[o + 1]]))
+            } else {
+                f32::from_le_bytes(blk[o..o + 4].try_into().unwrap())
+            }
+        };
+        let w = sb / ROWS;
+        let s = at(qb + r * w);
+        let m = if self.sym {
+            s * self.kind.neg_offset()
         } else {
-            let f = |o: usize| f32::from_le_bytes(blk[o..o + 4].try_into().unwrap());
-            (f(qb + r * 4), f(qb + 64 + r * 4))
-        }
+            at(qb + sb + r * w)
+        };
+        (s, m)
     }
 }
 
@@ -174,6 +204,8 @@ pub struct QMatrix {
     kind: QKind,
     /// Scales and mins stored as f16 (see [`Format`]).
     half: bool,
+    /// Mins implied by the scales, not stored (see [`Format`]).
+    sym: bool,
     data: Vec<Line>,
 }
 
@@ -230,10 +262,16 @@ impl QMatrix {
         self.half
     }
 
+    /// Whether the mins are implied by the scales (`-offset * scale`) and not stored.
+    pub fn implied_mins(&self) -> bool {
+        self.sym
+    }
+
     pub(crate) fn format(&self) -> Format {
         Format {
             kind: self.kind,
             half: self.half,
+            sym: self.sym,
         }
     }
 
@@ -257,22 +295,40 @@ impl QMatrix {
     }
 
     /// Pack unpacked blocks (quants must be `<= kind.max_q()`), with f16 scales and mins when
-    /// all of them are exact f16s.
+    /// all of them are exact f16s, and without the mins when every one is `-offset * scale`.
     pub(crate) fn pack(rows: usize, cols: usize, kind: QKind, b: &Blocks) -> Self {
+        Self::pack_as(rows, cols, kind, b, true)
+    }
+
+    /// [`pack`](Self::pack), storing the mins even when they are implied unless `implied`.
+    pub(crate) fn pack_as(
+        rows: usize,
+        cols: usize,
+        kind: QKind,
+        b: &Blocks,
+        implied: bool,
+    ) -> Self {
+        // Bit for bit, so the kernels' recomputed min is the stored one (-0.0 included).
+        let sym = implied
+            && b.scale
+                .iter()
+                .zip(&b.min)
+                .all(|(&s, &m)| (s * kind.neg_offset()).to_bits() == m.to_bits());
         let halves: Option<Vec<(u16, u16)>> = b
             .scale
             .iter()
             .zip(&b.min)
-            .map(|(&s, &m)| Some((exact_f16(s)?, exact_f16(m)?)))
+            .map(|(&s, &m)| Some((exact_f16(s)?, if sym { 0 } else { exact_f16(m)? })))
             .collect();
         let fmt = Format {
             kind,
             half: halves.is_some(),
+            sym,
         };
         let nb = cols / BLOCK;
-        let (bb, qb) = (fmt.block_bytes(), fmt.quant_bytes());
+        let (bb, qb, sb) = (fmt.block_bytes(), fmt.quant_bytes(), fmt.scales_bytes());
         let groups = rows.div_ceil(ROWS);
-        let mut data = vec![Line([0; 64]); groups * nb * bb / 64];
+        let mut data = vec![Line([0; 64]); (groups * nb * bb).div_ceil(64)];
         // SAFETY: as in `bytes`, now mutable and exclusive.
         let out: &mut [u8] =
             unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast(), data.len() * 64) };
@@ -296,11 +352,17 @@ impl QMatrix {
                     match &halves {
                         Some(h) => {
                             dst[qb + r * 2..][..2].copy_from_slice(&h[i].0.to_le_bytes());
-                            dst[qb + 32 + r * 2..][..2].copy_from_slice(&h[i].1.to_le_bytes());
+                            if !sym {
+                                let m = &mut dst[qb + sb + r * 2..][..2];
+                                m.copy_from_slice(&h[i].1.to_le_bytes());
+                            }
                         }
                         None => {
                             dst[qb + r * 4..][..4].copy_from_slice(&b.scale[i].to_le_bytes());
-                            dst[qb + 64 + r * 4..][..4].copy_from_slice(&b.min[i].to_le_bytes());
+                            if !sym {
+                                let m = &mut dst[qb + sb + r * 4..][..4];
+                                m.copy_from_slice(&b.min[i].to_le_bytes());
+                            }
                         }
                     }
                 }
@@ -311,6 +373,7 @@ impl QMatrix {
             cols,
             kind,
             half: fmt.half,
+            sym,
             data,
         }
     }

@@ -357,13 +357,14 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
         }
         // Every fourth case from GGUF blocks, whose f16 scales are stored as f16.
         let w = if case % 4 == 3 {
-            let ty = if kind == QKind::Q8 {
-                ggml::Q8_0
-            } else {
-                ggml::Q4_1
+            let ty = match (kind, case % 8) {
+                (QKind::Q8, _) => ggml::Q8_0,
+                (QKind::Q4, 7) => ggml::Q4_0,
+                (QKind::Q4, _) => ggml::Q4_1,
             };
             let w = QMatrix::from_ggml(&raw_blocks(&mut rng, ty, n * k), ty, n, k).unwrap();
             assert!(w.half_scales());
+            assert_eq!(w.implied_mins(), ty != ggml::Q4_1);
             w
         } else {
             random_matrix(&mut rng, kind, n, k)
@@ -404,6 +405,57 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
                 }
             }
             first = None;
+        }
+    }
+}
+
+/// Blocks whose mins are implied (`-offset * scale`, not stored) give the bits the same blocks
+/// give with their mins stored, on every path, tile height and tail.
+#[test]
+fn implied_mins_are_the_stored_ones_bit_for_bit() {
+    let mut rng = Rng(37);
+    let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.available()).collect();
+    let cases = [
+        (ggml::Q4_0, 37, 96),
+        (ggml::Q8_0, 21, 64),
+        (ggml::Q4_0, 16, 32),
+        (ggml::Q8_0, 5, 160),
+    ];
+    for (ty, n, k) in cases {
+        let sym = QMatrix::from_ggml(&raw_blocks(&mut rng, ty, n * k), ty, n, k).unwrap();
+        assert!(sym.implied_mins() && sym.half_scales());
+        let full = QMatrix::pack_as(n, k, sym.kind(), &sym.unpack_all(), false);
+        assert!(!full.implied_mins() && full.half_scales());
+        assert!(sym.nbytes() <= full.nbytes());
+        let wide = QMatrix::pack_as(n, k, QKind::Q8, &sym.unpack_all(), true);
+        assert_eq!(
+            wide.implied_mins(),
+            ty == ggml::Q8_0,
+            "Q4 mins are not Q8's offset"
+        );
+        assert_eq!(sym.dequantize(), full.dequantize());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for m in [1, 2, 3, 4, 5, 8, 9] {
+            let x: Vec<f32> = rng.floats(m * k).iter().map(|v| v * 3.0).collect();
+            let mut first: Option<Vec<u32>> = None;
+            for &isa in &isas {
+                let opts = MatmulOpts {
+                    isa: Some(isa),
+                    threads: 2,
+                    ..Default::default()
+                };
+                let (mut a, mut b) = (vec![0.0; m * n], vec![0.0; m * n]);
+                sym.matmul(&x, m, &mut a, &opts).unwrap();
+                full.matmul(&x, m, &mut b, &opts).unwrap();
+                assert_eq!(bits(&a), bits(&b), "type {ty} {isa:?} m={m}");
+                // and the SIMD paths agree (same integer sums, same FMAs; the scalar one rounds
+                // its products separately)
+                match &first {
+                    _ if isa == Isa::Scalar => {}
+                    Some(f) => assert_eq!(f, &bits(&a), "type {ty} {isa:?} m={m} vs the first"),
+                    None => first = Some(bits(&a)),
+                }
+            }
         }
     }
 }
@@ -601,14 +653,16 @@ fn scales_are_stored_as_f16_exactly_when_they_all_are_f16s() {
     ] {
         let m = QMatrix::from_ggml(&raw_blocks(&mut rng, ty, 16 * 256), ty, 16, 256).unwrap();
         assert_eq!(m.half_scales(), half, "type {ty}");
-        let per_weight = m.nbytes() * 8 / (16 * 256);
-        let want = match (m.kind(), half) {
-            (QKind::Q4, true) => 5,
-            (QKind::Q4, false) => 6,
-            (QKind::Q8, true) => 9,
-            (QKind::Q8, false) => 10,
-        };
-        assert_eq!(per_weight, want, "type {ty}");
+        let sym = ty == ggml::Q4_0 || ty == ggml::Q8_0;
+        assert_eq!(m.implied_mins(), sym, "type {ty}");
+        // Bits a weight, times 2: the quants, the scales, the mins unless implied.
+        let scales = if half { 16 } else { 32 } * if sym { 1 } else { 2 };
+        let quants = if m.kind() == QKind::Q4 { 8 } else { 16 };
+        assert_eq!(
+            m.nbytes() * 16 / (16 * 256),
+            quants + scales / 16,
+            "type {ty}"
+        );
     }
 }
 

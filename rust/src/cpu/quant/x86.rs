@@ -30,6 +30,26 @@ unsafe fn x4_256(x: *const i8, c: usize) -> __m256i {
     _mm256_set1_epi32(std::ptr::read_unaligned(x.add(c) as *const i32))
 }
 
+/// 16 f32 (or f16, widened) scales at `p`, unaligned.
+#[inline(always)]
+unsafe fn load16(p: *const u8, half: bool) -> __m512 {
+    if half {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    } else {
+        _mm512_loadu_ps(p as *const f32)
+    }
+}
+
+/// 8 f32 (or f16, widened) scales at `p`, unaligned.
+#[inline(always)]
+unsafe fn load8(p: *const u8, half: bool) -> __m256 {
+    if half {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    } else {
+        _mm256_loadu_ps(p as *const f32)
+    }
+}
+
 pub(crate) fn tile_avx512_vnni(
     fmt: Format,
     blocks: &[u8],
@@ -41,16 +61,16 @@ pub(crate) fn tile_avx512_vnni(
 ) {
     assert!(blocks.len() >= nb * fmt.block_bytes() && (row0 + rows) * a.k <= a.q.len());
     assert!(Isa::Avx512Vnni.available());
-    let p = blocks.as_ptr();
+    let (p, sym) = (blocks.as_ptr(), fmt.sym);
     // SAFETY: the CPU has the features (asserted), `blocks` holds `nb` blocks of this format
-    // (64-byte aligned: they start at a multiple of 64 bytes of a `Line` vector) and rows row0..
+    // (loaded unaligned: symmetric f16 blocks are not multiples of 64 bytes) and rows row0..
     // of `a` exist (asserted).
     unsafe {
         match (fmt.kind, fmt.half) {
-            (QKind::Q8, false) => rows512::<false, false>(p, nb, a, row0, rows, out),
-            (QKind::Q8, true) => rows512::<false, true>(p, nb, a, row0, rows, out),
-            (QKind::Q4, false) => rows512::<true, false>(p, nb, a, row0, rows, out),
-            (QKind::Q4, true) => rows512::<true, true>(p, nb, a, row0, rows, out),
+            (QKind::Q8, false) => rows512::<false, false>(p, sym, nb, a, row0, rows, out),
+            (QKind::Q8, true) => rows512::<false, true>(p, sym, nb, a, row0, rows, out),
+            (QKind::Q4, false) => rows512::<true, false>(p, sym, nb, a, row0, rows, out),
+            (QKind::Q4, true) => rows512::<true, true>(p, sym, nb, a, row0, rows, out),
         }
     }
 }
@@ -58,6 +78,7 @@ pub(crate) fn tile_avx512_vnni(
 #[inline(always)]
 unsafe fn rows512<const Q4: bool, const HALF: bool>(
     p: *const u8,
+    sym: bool,
     nb: usize,
     a: &QActs,
     row0: usize,
@@ -65,56 +86,75 @@ unsafe fn rows512<const Q4: bool, const HALF: bool>(
     out: &mut Tile,
 ) {
     match rows {
-        1 => avx512::<Q4, HALF, 1>(p, nb, a, row0, out),
-        2 => avx512::<Q4, HALF, 2>(p, nb, a, row0, out),
-        3 => avx512::<Q4, HALF, 3>(p, nb, a, row0, out),
-        4 => avx512::<Q4, HALF, 4>(p, nb, a, row0, out),
-        5 => avx512::<Q4, HALF, 5>(p, nb, a, row0, out),
-        6 => avx512::<Q4, HALF, 6>(p, nb, a, row0, out),
-        7 => avx512::<Q4, HALF, 7>(p, nb, a, row0, out),
-        _ => avx512::<Q4, HALF, 8>(p, nb, a, row0, out),
+        1 => avx512::<Q4, HALF, 1>(p, sym, nb, a, row0, out),
+        2 => avx512::<Q4, HALF, 2>(p, sym, nb, a, row0, out),
+        3 => avx512::<Q4, HALF, 3>(p, sym, nb, a, row0, out),
+        4 => avx512::<Q4, HALF, 4>(p, sym, nb, a, row0, out),
+        5 => avx512::<Q4, HALF, 5>(p, sym, nb, a, row0, out),
+        6 => avx512::<Q4, HALF, 6>(p, sym, nb, a, row0, out),
+        7 => avx512::<Q4, HALF, 7>(p, sym, nb, a, row0, out),
+        _ => avx512::<Q4, HALF, 8>(p, sym, nb, a, row0, out),
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn avx512<const Q4: bool, const HALF: bool, const MR: usize>(
     blocks: *const u8,
+    sym: bool,
     nb: usize,
     a: &QActs,
     row0: usize,
     out: &mut Tile,
 ) {
     let kind = if Q4 { QKind::Q4 } else { QKind::Q8 };
-    let fmt = Format { kind, half: HALF };
-    let (bb, qb) = (fmt.block_bytes(), fmt.quant_bytes());
+    let fmt = Format {
+        kind,
+        half: HALF,
+        sym,
+    };
+    let (bb, qb, sb) = (fmt.block_bytes(), fmt.quant_bytes(), fmt.scales_bytes());
     let x: [*const i8; MR] = std::array::from_fn(|r| a.q.as_ptr().add((row0 + r) * a.k));
     let xs: [*const f32; MR] = std::array::from_fn(|r| a.scale.as_ptr().add((row0 + r) * nb));
     let xsum: [*const f32; MR] = std::array::from_fn(|r| a.sum.as_ptr().add((row0 + r) * nb));
     let nibble = _mm512_set1_epi8(0x0F);
+    let neg_offset = _mm512_set1_ps(kind.neg_offset());
     let mut acc = [_mm512_setzero_ps(); MR];
     for b in 0..nb {
         let blk = blocks.add(b * bb);
         let c0 = b * BLOCK;
         let mut even = [_mm512_setzero_si512(); MR];
         let mut odd = [_mm512_setzero_si512(); MR];
-        if Q4 {
+        if Q4 && MR < 4 {
+            // The high nibbles stay in place (16 q each): the odd sums are 16x theirs, one
+            // exact shift a block instead of one a chunk, so a latency-bound M = 1 issues
+            // fewer ops per byte.
+            let high = _mm512_set1_epi8(0xF0u8 as i8);
             for j in 0..4 {
-                let v = _mm512_load_si512(blk.add(j * 64) as *const __m512i);
+                let v = _mm512_loadu_si512(blk.add(j * 64) as *const __m512i);
+                let lo = _mm512_and_si512(v, nibble);
+                let hi = _mm512_and_si512(v, high);
+                for r in 0..MR {
+                    even[r] = _mm512_dpbusd_epi32(even[r], lo, x4_512(x[r], c0 + 4 * j));
+                    odd[r] = _mm512_dpbusd_epi32(odd[r], hi, x4_512(x[r], c0 + 16 + 4 * j));
+                }
+            }
+            for o in odd.iter_mut() {
+                *o = _mm512_srai_epi32::<4>(*o);
+            }
+        } else if Q4 {
+            for j in 0..4 {
+                let v = _mm512_loadu_si512(blk.add(j * 64) as *const __m512i);
                 let lo = _mm512_and_si512(v, nibble);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
                 for r in 0..MR {
                     even[r] = _mm512_dpbusd_epi32(even[r], lo, x4_512(x[r], c0 + 4 * j));
-                    if MR < 4 {
-                        odd[r] = _mm512_dpbusd_epi32(odd[r], hi, x4_512(x[r], c0 + 16 + 4 * j));
-                    } else {
-                        even[r] = _mm512_dpbusd_epi32(even[r], hi, x4_512(x[r], c0 + 16 + 4 * j));
-                    }
+                    even[r] = _mm512_dpbusd_epi32(even[r], hi, x4_512(x[r], c0 + 16 + 4 * j));
                 }
             }
         } else {
             for j in 0..4 {
-                let v0 = _mm512_load_si512(blk.add(128 * j) as *const __m512i);
-                let v1 = _mm512_load_si512(blk.add(128 * j + 64) as *const __m512i);
+                let v0 = _mm512_loadu_si512(blk.add(128 * j) as *const __m512i);
+                let v1 = _mm512_loadu_si512(blk.add(128 * j + 64) as *const __m512i);
                 for r in 0..MR {
                     even[r] = _mm512_dpbusd_epi32(even[r], v0, x4_512(x[r], c0 + 8 * j));
                     if MR < 4 {
@@ -125,16 +165,12 @@ unsafe fn avx512<const Q4: bool, const HALF: bool, const MR: usize>(
                 }
             }
         }
-        let (scale, min) = if HALF {
-            (
-                _mm512_cvtph_ps(_mm256_load_si256(blk.add(qb) as *const __m256i)),
-                _mm512_cvtph_ps(_mm256_load_si256(blk.add(qb + 32) as *const __m256i)),
-            )
+        let scale = load16(blk.add(qb), HALF);
+        // -offset * scale is exact (a power of two): the min a full block would store.
+        let min = if sym {
+            _mm512_mul_ps(scale, neg_offset)
         } else {
-            (
-                _mm512_load_ps(blk.add(qb) as *const f32),
-                _mm512_load_ps(blk.add(qb + 64) as *const f32),
-            )
+            load16(blk.add(qb + sb), HALF)
         };
         for r in 0..MR {
             let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
@@ -183,18 +219,18 @@ macro_rules! tile256 {
         ) {
             assert!(blocks.len() >= nb * fmt.block_bytes() && (row0 + rows) * a.k <= a.q.len());
             assert!(Isa::$isa.available());
-            let p = blocks.as_ptr();
+            let (p, s) = (blocks.as_ptr(), fmt.sym);
             // SAFETY: as in `tile_avx512_vnni`.
             unsafe {
                 match (fmt.kind, fmt.half, rows) {
-                    (QKind::Q8, false, 1) => $body::<false, false, 1>(p, nb, a, row0, out),
-                    (QKind::Q8, false, _) => $body::<false, false, 2>(p, nb, a, row0, out),
-                    (QKind::Q8, true, 1) => $body::<false, true, 1>(p, nb, a, row0, out),
-                    (QKind::Q8, true, _) => $body::<false, true, 2>(p, nb, a, row0, out),
-                    (QKind::Q4, false, 1) => $body::<true, false, 1>(p, nb, a, row0, out),
-                    (QKind::Q4, false, _) => $body::<true, false, 2>(p, nb, a, row0, out),
-                    (QKind::Q4, true, 1) => $body::<true, true, 1>(p, nb, a, row0, out),
-                    (QKind::Q4, true, _) => $body::<true, true, 2>(p, nb, a, row0, out),
+                    (QKind::Q8, false, 1) => $body::<false, false, 1>(p, s, nb, a, row0, out),
+                    (QKind::Q8, false, _) => $body::<false, false, 2>(p, s, nb, a, row0, out),
+                    (QKind::Q8, true, 1) => $body::<false, true, 1>(p, s, nb, a, row0, out),
+                    (QKind::Q8, true, _) => $body::<false, true, 2>(p, s, nb, a, row0, out),
+                    (QKind::Q4, false, 1) => $body::<true, false, 1>(p, s, nb, a, row0, out),
+                    (QKind::Q4, false, _) => $body::<true, false, 2>(p, s, nb, a, row0, out),
+                    (QKind::Q4, true, 1) => $body::<true, true, 1>(p, s, nb, a, row0, out),
+                    (QKind::Q4, true, _) => $body::<true, true, 2>(p, s, nb, a, row0, out),
                 }
             }
         }
@@ -202,14 +238,20 @@ macro_rules! tile256 {
         #[target_feature(enable = $features)]
         unsafe fn $body<const Q4: bool, const HALF: bool, const MR: usize>(
             blocks: *const u8,
+            sym: bool,
             nb: usize,
             a: &QActs,
             row0: usize,
             out: &mut Tile,
         ) {
             let kind = if Q4 { QKind::Q4 } else { QKind::Q8 };
-            let fmt = Format { kind, half: HALF };
-            let (bb, qb) = (fmt.block_bytes(), fmt.quant_bytes());
+            let fmt = Format {
+                kind,
+                half: HALF,
+                sym,
+            };
+            let (bb, qb, sb) = (fmt.block_bytes(), fmt.quant_bytes(), fmt.scales_bytes());
+            let neg_offset = _mm256_set1_ps(kind.neg_offset());
             let x: [*const i8; MR] = std::array::from_fn(|r| a.q.as_ptr().add((row0 + r) * a.k));
             let base: [usize; MR] = std::array::from_fn(|r| (row0 + r) * nb);
             let nibble = _mm256_set1_epi8(0x0F);
@@ -222,7 +264,7 @@ macro_rules! tile256 {
                 for h in 0..2 {
                     if Q4 {
                         for j in 0..4 {
-                            let v = _mm256_load_si256(blk.add(j * 64 + 32 * h) as *const __m256i);
+                            let v = _mm256_loadu_si256(blk.add(j * 64 + 32 * h) as *const __m256i);
                             let lo = _mm256_and_si256(v, nibble);
                             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
                             for r in 0..MR {
@@ -233,7 +275,7 @@ macro_rules! tile256 {
                         }
                     } else {
                         for j in 0..8 {
-                            let v = _mm256_load_si256(blk.add(j * 64 + 32 * h) as *const __m256i);
+                            let v = _mm256_loadu_si256(blk.add(j * 64 + 32 * h) as *const __m256i);
                             for r in 0..MR {
                                 let i = &mut isum[r][h];
                                 *i = $dot(*i, v, x4_256(x[r], c0 + 4 * j), true);
@@ -247,20 +289,12 @@ macro_rules! tile256 {
                     let xsum = _mm256_set1_ps(a.sum[ia]);
                     let fix = _mm256_set1_epi32(if $offset && !Q4 { 128 * a.qsum[ia] } else { 0 });
                     for h in 0..2 {
-                        let (scale, min) = if HALF {
-                            (
-                                _mm256_cvtph_ps(_mm_load_si128(
-                                    blk.add(qb + 16 * h) as *const __m128i
-                                )),
-                                _mm256_cvtph_ps(_mm_load_si128(
-                                    blk.add(qb + 32 + 16 * h) as *const __m128i
-                                )),
-                            )
+                        let at = if HALF { 16 * h } else { 32 * h };
+                        let scale = load8(blk.add(qb + at), HALF);
+                        let min = if sym {
+                            _mm256_mul_ps(scale, neg_offset)
                         } else {
-                            (
-                                _mm256_load_ps(blk.add(qb + 32 * h) as *const f32),
-                                _mm256_load_ps(blk.add(qb + 64 + 32 * h) as *const f32),
-                            )
+                            load8(blk.add(qb + sb + at), HALF)
                         };
                         let s = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[r][h], fix));
                         acc[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(scale, xs), acc[r][h]);
