@@ -82,6 +82,22 @@ class RequestResult:
     error: str = ""
     retries: int = 0
 
+    def take(self, event: dict[str, Any], now: float, last: float) -> float:
+        """One SSE event (its usage, its token chunks) into the result, at time `now`; returns when the last
+        token chunk so far arrived (`last` if this event carried none)."""
+        usage = event.get("usage")
+        if usage:
+            self.output_tokens = int(usage.get("completion_tokens", 0))
+        for choice in event.get("choices") or ():
+            if choice.get("text") or choice.get("finish_reason") is None:  # a token, not the end marker
+                if self.token_chunks == 0:
+                    self.ttft = now - self.start
+                else:
+                    self.itl.append(now - last)
+                self.token_chunks += 1
+                last = now
+        return last
+
     @property
     def tpot(self) -> float | None:
         if self.output_tokens < 2:
@@ -193,17 +209,7 @@ async def _attempt(client, url: str, payload: dict[str, Any], res: RequestResult
                     res.error = str(obj["error"])[:300]
                     return False, None
                 now = time.perf_counter()
-                usage = obj.get("usage")
-                if usage:
-                    res.output_tokens = int(usage.get("completion_tokens", 0))
-                for choice in obj.get("choices") or ():
-                    if choice.get("text") or choice.get("finish_reason") is None:  # a token, not the end marker
-                        if res.token_chunks == 0:
-                            res.ttft = now - res.start
-                        else:
-                            res.itl.append(now - last)
-                        res.token_chunks += 1
-                        last = now
+                last = res.take(obj, now, last)
         res.end = time.perf_counter()
         res.latency = res.end - res.start
         if not res.output_tokens:  # a server that sends no usage: one token per chunk

@@ -121,14 +121,4 @@ def _exchange(host: str, port: int, message: bytes, res: RequestResult, timeout_
                 if "error" in obj:
                     res.error = str(obj["error"])[:300]
                     return
-                usage = obj.get("usage")
-                if usage:
-                    res.output_tokens = int(usage.get("completion_tokens", 0))
-                for choice in obj.get("choices") or ():
-                    if choice.get("text") or choice.get("finish_reason") is None:  # a token, not the end marker
-                        if res.token_chunks == 0:
-                            res.ttft = now - res.start
-                        else:
-                            res.itl.append(now - last)
-                        res.token_chunks += 1
-                        last = now
+                last = res.take(obj, now, last)
