@@ -9,35 +9,17 @@ else the tests run in a subprocess that sets it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from triton_mode import DEVICE, IN_PROCESS, ON_GPU, subprocess_test  # first: it sets TRITON_INTERPRET
 
-import torch
-
-ON_GPU = torch.cuda.is_available()
-
-
-def _interpreter_usable() -> bool:
-    if "triton" not in sys.modules:
-        return True
-    import triton.language.standard as std
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(std.sum, InterpretedFunction)
-
-
-IN_PROCESS = ON_GPU or _interpreter_usable()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+# isort: split
 
 import pytest
+import torch
 
 from ironlm.model.moe import fused
 from ironlm.model.moe.experts import MoeBlock
 from ironlm.model.moe.spec import MoeConfig, RouteSpec
 
-DEVICE = "cuda" if ON_GPU else "cpu"
 E, TOP_K, HIDDEN, INTER = 8, 2, 32, 64
 # max |fused - loop| / max |loop|: fp32 is exact products summed in another order; 16-bit rounds the intermediate
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -234,13 +216,7 @@ def test_tiny_mixtral_matches_transformers_on_the_kernel(fm, tmp_path) -> None:
     assert _run_and_compare(lm, load_hf_reference(path), 4) < 1e-4
 
 
-if not IN_PROCESS:
+if not IN_PROCESS:  # triton was imported in compiled mode before this module
     for _name in [n for n in globals() if n.startswith("test_")]:
         del globals()[_name]
-
-    def test_fused_moe_in_interpreter_subprocess() -> None:
-        """Triton was imported in compiled mode before this module: run these tests in a fresh process."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              env=env, capture_output=True, text=True, timeout=600, check=False)
-        assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    test_fused_moe_in_interpreter_subprocess = subprocess_test(__file__)

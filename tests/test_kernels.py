@@ -12,38 +12,20 @@ the tests run the real kernels instead.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from triton_mode import DEVICE, IN_PROCESS, ON_GPU, subprocess_test  # first: it sets TRITON_INTERPRET
 
-import torch
-
-ON_GPU = torch.cuda.is_available()
-
-
-def _interpreter_usable() -> bool:
-    if "triton" not in sys.modules:
-        return True  # imported after the variable is set below: interpreted
-    import triton.language.standard as std
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(std.sum, InterpretedFunction)
-
-
-IN_PROCESS = ON_GPU or _interpreter_usable()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+# isort: split
 
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from ironlm.attention import AttentionMetadata, get_backend
 from ironlm.attention.torch_backend import write_kv_cache
 from test_attention_torch import make_case, reference
 
-DEVICE = "cuda" if ON_GPU else "cpu"
 # Small tiles so the tiny test sequences still take several loop iterations and splits.
 SMALL = {"decode_block_n": 16, "prefill_block_m": 16, "prefill_block_n": 16}
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
@@ -372,13 +354,7 @@ def test_model_with_triton_quant_linears(kernels: SimpleNamespace, tmp_path, var
     assert worst < TRITON_QUANT_BOUNDS[(bits, group)], f"{variant} int{bits} g{group}: {worst:.3g}"
 
 
-if not IN_PROCESS:
+if not IN_PROCESS:  # triton was imported in compiled mode before this module
     for _name in [n for n in globals() if n.startswith("test_")]:
         del globals()[_name]
-
-    def test_kernels_in_interpreter_subprocess() -> None:
-        """Triton was imported in compiled mode before this module: run the kernel tests in a fresh process."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              env=env, capture_output=True, text=True, timeout=600, check=False)
-        assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    test_kernels_in_interpreter_subprocess = subprocess_test(__file__)

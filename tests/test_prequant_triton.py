@@ -10,35 +10,17 @@ refused on this path, naming what.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from triton_mode import DEVICE, IN_PROCESS, ON_GPU, subprocess_test  # first: it sets TRITON_INTERPRET
+
+# isort: split
 from types import SimpleNamespace
 
-import torch
-
-ON_GPU = torch.cuda.is_available()
-
-
-def _interpreter_usable() -> bool:
-    if "triton" not in sys.modules:
-        return True
-    import triton.language.standard as std
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(std.sum, InterpretedFunction)
-
-
-IN_PROCESS = ON_GPU or _interpreter_usable()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
+import torch
 
 from ironlm.exceptions import UnsupportedModelError
 from prequant_ckpt import Case, make_prequant
 
-DEVICE = "cuda" if ON_GPU else "cpu"
 # Worst |log-softmax diff| vs transformers on the dequantized weights: fp32 rounding in another summation order
 # (measured 1e-5 in the interpreter, the same as dense fp32); a wrong nibble order or scale would be ~1.
 EXACT_BOUND = 1e-3
@@ -87,13 +69,7 @@ def test_zero_points_and_act_order_are_refused_on_the_gpu_path(tmp_path):
         _triton_model(act.qdir)
 
 
-if not IN_PROCESS:
+if not IN_PROCESS:  # triton was imported in compiled mode before this module
     for _name in [n for n in globals() if n.startswith("test_")]:
         del globals()[_name]
-
-    def test_in_interpreter_subprocess() -> None:
-        """Triton was imported in compiled mode before this module: run these tests in a fresh process."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              env=env, capture_output=True, text=True, timeout=600, check=False)
-        assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    test_in_interpreter_subprocess = subprocess_test(__file__)
