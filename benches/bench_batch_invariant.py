@@ -15,21 +15,16 @@ import statistics
 import time
 
 from ironlm import LLM, SamplingParams
+from ironlm.bench.report import cpu_jiffies
 from ironlm.model.default import default_model_path
 
 
-def _busy() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    return sum(parts) - parts[3] - parts[4], sum(parts)
-
-
 def _timed(fn: object) -> tuple[float, float]:
-    b0, t0 = _busy()
+    b0, t0 = cpu_jiffies()
     start = time.perf_counter()
     fn()  # type: ignore[operator]
     dt = time.perf_counter() - start
-    b1, t1 = _busy()
+    b1, t1 = cpu_jiffies()
     return dt, (b1 - b0) / max(1, t1 - t0)
 
 

@@ -17,13 +17,8 @@ import numpy as np
 import torch
 
 from ironlm.attention import AttentionMetadata, CpuAttention
+from ironlm.bench.report import cpu_jiffies
 from ironlm.model import lean, load_model
-
-
-def _busy() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    return sum(parts) - parts[3] - parts[4], sum(parts)
 
 
 def main() -> None:
@@ -52,7 +47,7 @@ def main() -> None:
         return time.perf_counter() - t0
 
     saved = lean.LEAN_MAX_TOKENS
-    b0 = _busy()
+    b0 = cpu_jiffies()
     for t in (1, 6, 12, 18, 24):
         times: dict[bool, list[float]] = {True: [], False: []}
         for i in range(a.steps + 2):
@@ -62,7 +57,7 @@ def main() -> None:
                     times[on].append(dt)
         fmt = {on: f"best {min(v) * 1e3:.1f} median {np.median(v) * 1e3:.1f} ms" for on, v in times.items()}
         print(f"t={t:2d}: lean {fmt[True]} | ordinary {fmt[False]}", flush=True)
-    b1 = _busy()
+    b1 = cpu_jiffies()
     lean.LEAN_MAX_TOKENS = saved
     print(f"machine busy share over the run (ours included): {(b1[0] - b0[0]) / max(1, b1[1] - b0[1]):.2f}")
 

@@ -36,20 +36,16 @@ from typing import Any
 
 import torch
 
+from ironlm.bench.report import cpu_jiffies
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_http  # benches/ is not a package: found through sys.path
 from make_gemma_gguf import make_tokenizer, quantize
 
 
-def _busy() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    return sum(parts) - parts[3] - parts[4], sum(parts)
-
-
 def _busy_since(start: tuple[int, int]) -> float:
-    b1, t1 = _busy()
+    b1, t1 = cpu_jiffies()
     return (b1 - start[0]) / max(1, t1 - start[1])
 
 
@@ -123,7 +119,7 @@ def run_ironlm(path: Path, args: argparse.Namespace) -> dict[str, float]:
         return timed(n), expert_bytes_read(llm) - before
 
     timed(4)  # warm-up: first-call allocations, thread pool start
-    busy = _busy()
+    busy = cpu_jiffies()
     prefills = [read(1) for _ in range(args.reps)]
     fulls = [read(args.gen) for _ in range(args.reps)]
     prefill, full = min(t for t, _ in prefills), min(t for t, _ in fulls)
@@ -140,7 +136,7 @@ def run_ironlm(path: Path, args: argparse.Namespace) -> dict[str, float]:
 def run_llama(path: Path, args: argparse.Namespace) -> dict[str, float]:
     from ironlm.bench.llama_cpp import run_bench
 
-    busy = _busy()
+    busy = cpu_jiffies()
     out = run_bench(path, prompt_len=args.prompt, gen_len=args.gen, threads=args.threads)
     return {**out, "busy": _busy_since(busy)}
 

@@ -27,17 +27,12 @@ import time
 import torch
 
 from ironlm import _core
+from ironlm.bench.report import cpu_jiffies
 from ironlm.model.linear import QuantLinear
 from ironlm.model.moe.experts import MoeBlock
 from ironlm.model.moe.route import route
 from ironlm.model.moe.spec import MoeConfig, RouteSpec
 from ironlm.model.quantize import QuantSpec, from_float
-
-
-def _busy() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    return sum(parts) - parts[3] - parts[4], sum(parts)
 
 
 def make_block(args: argparse.Namespace, bits: int) -> MoeBlock:
@@ -98,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    busy = _busy()
+    busy = cpu_jiffies()
     results = []
     for bits in (int(b) for b in args.bits.split(",")):
         block = make_block(args, bits)
@@ -108,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"int{bits} T={tokens:3d}: loop {row['loop_ms']:.3f} ms, core {row['core_ms']:.3f} ms "
                   f"({row['speedup']:.2f}x), identical {row['identical']}; streamed {row['streamed_mb']:.2f} MB of "
                   f"{row['active_mb']:.2f} MB active ({row['streamed_over_active']:.2f})")
-    b1, t1 = _busy()
+    b1, t1 = cpu_jiffies()
     frac = (b1 - busy[0]) / max(1, t1 - busy[1])
     print(f"machine busy {frac:.0%} over the run ({args.threads} threads asked)")
     if args.json:

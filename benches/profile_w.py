@@ -32,7 +32,7 @@ import torch
 from ironlm import _core
 from ironlm.attention import cpu_backend, torch_backend
 from ironlm.bench.datasets import RandomSpec, random_dataset
-from ironlm.bench.report import machine_info
+from ironlm.bench.report import cpu_jiffies, machine_info
 from ironlm.model import lean, linear, llama
 
 DEFAULT_HF = "/work/main/.vllm-cpu/hf/SmolLM2-135M-Instruct"
@@ -156,12 +156,6 @@ def report(ledger: Ledger, breakdown: dict[str, float], elapsed: float) -> dict[
     return {"rows": rows, "forward_s": forward, "elapsed_s": elapsed, "phases_s": breakdown}
 
 
-def busy() -> int:
-    with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:]]
-    return sum(vals) - vals[3] - vals[4]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=DEFAULT_HF)
@@ -209,7 +203,7 @@ def main() -> None:
     llm.engine.scheduler.reset_prefix_cache()
     if args.ab:
         times: dict[bool, list[float]] = {True: [], False: []}
-        jiffies, cpu0, t0 = busy(), time.process_time(), time.perf_counter()
+        jiffies, cpu0, t0 = cpu_jiffies()[0], time.process_time(), time.perf_counter()
         for _ in range(args.ab):
             for on in (False, True):
                 switch.set(on)
@@ -217,7 +211,7 @@ def main() -> None:
                 times[on].append(run(reqs))
         med = {k: statistics.median(v) for k, v in times.items()}
         wall = time.perf_counter() - t0
-        others = ((busy() - jiffies) / 100 - (time.process_time() - cpu0)) / wall
+        others = ((cpu_jiffies()[0] - jiffies) / 100 - (time.process_time() - cpu0)) / wall
         print(f"cpu: {machine_info().get('cpu_model')}, threads {torch.get_num_threads()}; {len(reqs)} requests, "
               f"{sum(len(r.prompt_token_ids) for r in reqs)} prompt + {sum(r.output_len for r in reqs)} output "
               f"tokens; other processes {max(0.0, others):.2f} cores")
@@ -230,11 +224,11 @@ def main() -> None:
     llm.engine.timer.reset()
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.torch_profile \
         else nullcontext()
-    jiffies, cpu0 = busy(), time.process_time()
+    jiffies, cpu0 = cpu_jiffies()[0], time.process_time()
     with prof:
         elapsed = run(reqs)
     hz = 100
-    others = ((busy() - jiffies) / hz - (time.process_time() - cpu0)) / elapsed
+    others = ((cpu_jiffies()[0] - jiffies) / hz - (time.process_time() - cpu0)) / elapsed
     info = machine_info()
     print(f"cpu: {info.get('cpu_model')}, threads {torch.get_num_threads()}, torch {torch.__version__}; "
           f"{len(reqs)} requests, {sum(len(r.prompt_token_ids) for r in reqs)} prompt + "

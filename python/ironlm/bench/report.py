@@ -24,6 +24,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine since boot, from /proc/stat (busy: all but idle and iowait).
+    Their difference over a run, less the run's own CPU time, is what other processes took meanwhile."""
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    return sum(parts) - parts[3] - parts[4], sum(parts)
+
+
 # The /proc/cpuinfo flags that decide which kernels torch and llama.cpp can use.
 _SIMD_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "vnni", "bf16")
 

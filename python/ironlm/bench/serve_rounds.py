@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ironlm.bench.datasets import Dataset
+from ironlm.bench.report import cpu_jiffies
 from ironlm.bench.serve import RequestResult, ServeConfig, drive, summarize
 from ironlm.bench.server_process import ServerProcess
 
@@ -51,12 +52,6 @@ def _proc_ticks() -> dict[int, tuple[str, int, int]]:
     return out
 
 
-def _machine_busy() -> int:
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    return sum(parts) - parts[3] - parts[4]  # all but idle and iowait
-
-
 def _tree(root: int, procs: dict[int, tuple[str, int, int]]) -> set[int]:
     pids, grew = {root}, True
     while grew:
@@ -70,11 +65,11 @@ class CpuWatch:
     """CPU seconds between start() and stop(): the whole machine's, a server tree's, this client's, the rest."""
 
     def start(self) -> None:
-        self.t0, self.busy0, self.procs0, self.self0 = time.perf_counter(), _machine_busy(), _proc_ticks(), \
+        self.t0, self.busy0, self.procs0, self.self0 = time.perf_counter(), cpu_jiffies()[0], _proc_ticks(), \
             time.process_time()
 
     def stop(self, server_pid: int) -> dict[str, Any]:
-        wall, busy, procs = time.perf_counter() - self.t0, _machine_busy() - self.busy0, _proc_ticks()
+        wall, busy, procs = time.perf_counter() - self.t0, cpu_jiffies()[0] - self.busy0, _proc_ticks()
         client = time.process_time() - self.self0
         server = _tree(server_pid, procs)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ironlm import LLM, SamplingParams
+from ironlm.bench.report import cpu_jiffies
 from ironlm.bench.spec_pair import build_pair
 from ironlm.bench.spec_prompts import chat_prompt, load_prompts
 
@@ -34,14 +35,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def _busy() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine: how much else ran during a measurement."""
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + parts[4]
-    return sum(parts) - idle, sum(parts)
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -87,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         a.model, draft = str(target), str(pair_draft)
     kw: dict[str, Any] = {"model": a.model, "kv_cache_memory": "512MiB", "max_model_len": 4096, "seed": 0,
                           "batch_invariant": a.batch_invariant}
-    b0 = _busy()
+    b0 = cpu_jiffies()
     plain = LLM(**kw)
     texts = load_prompts()[:a.num_prompts]
     prompts = [chat_prompt(plain.engine.tokenizer, t) for t in texts]
@@ -111,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         llama_plain = llama_spec.run("llama-lookup", gguf, rendered, a.max_tokens, 0, a.threads)
         llama = llama_spec.run(binary, gguf, rendered, a.max_tokens, a.k, a.threads,
                                None if draft is None else Path(draft))
-    b1 = _busy()
+    b1 = cpu_jiffies()
     same = sum(x == y for x, y in zip(base["outputs"], spec["outputs"]))
     report = {
         "cpu": _cpu_model(), "model": a.model, "draft_pair": a.draft_pair, "prompt_tokens": [len(p) for p in prompts], "max_tokens": a.max_tokens,
