@@ -122,7 +122,7 @@ impl QKind {
 /// f16 (when every one of them is exactly an f16, as in Q4_0, Q4_1 and Q8_0 files: 5 and 9 bits a
 /// weight instead of 6 and 10, less to stream per token) or f32, and whether the mins are stored
 /// at all: in symmetric blocks (Q4_0, Q8_0, int8 per channel) every min is exactly
-/// `-offset * scale` ([`QKind::offset`]), which the kernels recompute (exact: a power of two), so
+/// `-offset * scale` ([`QKind::neg_offset`]), which the kernels recompute (exact: a power of two), so
 /// a block is its quants and 16 scales only (4.5 and 8.5 bits a weight with f16 scales).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Format {
