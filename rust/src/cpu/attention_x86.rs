@@ -59,25 +59,25 @@ pub(super) unsafe fn attend<T: Elem>(
 /// Where a (row, head) pair's numbers live: its logits at `scores[off..off + len - first]`
 /// (position `first` first), its output at `out[out..out + D]`.
 #[derive(Clone, Copy, Default)]
-struct Pair {
-    first: usize,
-    len: usize,
-    off: usize,
-    out: usize,
+pub(super) struct Pair {
+    pub(super) first: usize,
+    pub(super) len: usize,
+    pub(super) off: usize,
+    pub(super) out: usize,
 }
 
 /// The cache geometry the passes need, pulled out of `DecodeArgs`.
 #[derive(Clone, Copy)]
-struct Geo<'a> {
-    table: &'a [i32],
-    block_size: usize,
-    width: usize,
+pub(super) struct Geo<'a> {
+    pub(super) table: &'a [i32],
+    pub(super) block_size: usize,
+    pub(super) width: usize,
 }
 
 impl Geo<'_> {
     /// The element offset of position `pos`'s cache row (every KV head).
     #[inline(always)]
-    fn row(&self, pos: usize) -> usize {
+    pub(super) fn row(&self, pos: usize) -> usize {
         let b = self.block_size;
         (self.table[pos / b] as usize * b + pos % b) * self.width
     }
