@@ -374,6 +374,8 @@ fn tile_avx2_q4(
     }
 }
 
+// `h` picks the chunk half and each row's accumulator alike: an index reads plainer than a zip.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2_q4<const HALF: bool, const MR: usize>(
     blocks: *const u8,
