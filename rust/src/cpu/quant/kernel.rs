@@ -1,12 +1,12 @@
 //! The matmul driver: quantize `x` once, split the row groups over threads, and for each group
-//! run a register tile of up to `Isa::tile_rows()` activation rows against its blocks. Each
+//! run a register tile of up to `Isa::tile_rows` activation rows against its blocks. Each
 //! group's blocks (≤ 10 KiB per 576 columns) stay in L1 while every tile of `x` streams past.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use super::act::{self, QActs};
-use super::{Format, QMatrix, Tile, BLOCK, ROWS};
+use super::{Format, QKind, QMatrix, Tile, BLOCK, ROWS};
 use crate::error::{CoreError, CoreResult};
 
 /// A SIMD path of the kernel.
@@ -74,12 +74,14 @@ impl Isa {
         Ok(isa)
     }
 
-    /// Activation rows per register tile (16 ymm registers hold 2 rows' accumulators).
-    pub(super) fn tile_rows(self) -> usize {
-        match self {
-            Isa::Avx512Vnni => 8,
-            Isa::Scalar => 4,
-            Isa::Avx2 | Isa::AvxVnni => 2,
+    /// Activation rows per register tile of a `kind` matrix (16 ymm registers hold 2 rows'
+    /// accumulators; AVX2's 4-bit body sums in i16 lanes and folds each block half at once, so
+    /// 4 rows fit and every unpacked chunk serves twice as many rows).
+    pub(super) fn tile_rows(self, kind: QKind) -> usize {
+        match (self, kind) {
+            (Isa::Avx512Vnni, _) => 8,
+            (Isa::Scalar, _) | (Isa::Avx2, QKind::Q4) => 4,
+            (Isa::Avx2 | Isa::AvxVnni, _) => 2,
         }
     }
 }
@@ -189,7 +191,7 @@ impl QMatrix {
         accumulate: bool,
         res: &mut Tile,
     ) {
-        let (n, nb, mr) = (self.rows, self.blocks_per_row(), isa.tile_rows());
+        let (n, nb, mr) = (self.rows, self.blocks_per_row(), isa.tile_rows(self.kind()));
         let (blocks, fmt) = (self.group(g), self.format());
         let cols = ROWS.min(n - g * ROWS);
         let bias = bias.map(|b| &b[g * ROWS..g * ROWS + cols]);
