@@ -193,6 +193,12 @@ impl QMatrix {
     ) {
         let (n, nb, mr) = (self.rows, self.blocks_per_row(), isa.tile_rows(self.kind()));
         let (blocks, fmt) = (self.group(g), self.format());
+        // The caller picks the tile by ISA; Q6K blocks have tiles of their own.
+        let tile = if fmt.kind == QKind::Q6K {
+            super::q6k::tile_fn(isa)
+        } else {
+            tile
+        };
         let cols = ROWS.min(n - g * ROWS);
         let bias = bias.map(|b| &b[g * ROWS..g * ROWS + cols]);
         for i0 in rows.clone().step_by(mr) {

@@ -71,6 +71,7 @@ pub(crate) fn tile_avx512_vnni(
             (QKind::Q8, true) => rows512::<false, true>(p, sym, nb, a, row0, rows, out),
             (QKind::Q4, false) => rows512::<true, false>(p, sym, nb, a, row0, rows, out),
             (QKind::Q4, true) => rows512::<true, true>(p, sym, nb, a, row0, rows, out),
+            (QKind::Q6K, _) => super::q6k_x86::tile_avx2(fmt, blocks, nb, a, row0, rows, out),
         }
     }
 }
@@ -246,6 +247,9 @@ macro_rules! tile256 {
                     (QKind::Q4, false, _) => $body::<true, false, 2>(p, s, nb, a, row0, out),
                     (QKind::Q4, true, 1) => $body::<true, true, 1>(p, s, nb, a, row0, out),
                     (QKind::Q4, true, _) => $body::<true, true, 2>(p, s, nb, a, row0, out),
+                    (QKind::Q6K, _, _) => {
+                        super::q6k_x86::tile_avx2(fmt, blocks, nb, a, row0, rows, out)
+                    }
                 }
             }
         }
