@@ -195,7 +195,7 @@ impl QMatrix {
         let (blocks, fmt) = (self.group(g), self.format());
         // The caller picks the tile by ISA; Q6K blocks have tiles of their own.
         let tile = if fmt.kind == QKind::Q6K {
-            super::q6k::tile_fn(isa)
+            q6k_tile_fn(isa)
         } else {
             tile
         };
@@ -213,6 +213,18 @@ impl QMatrix {
                 epilogue(o, &vals[..cols], bias, accumulate);
             }
         }
+    }
+}
+
+/// The tile function of `isa` for Q6K blocks: the AVX2 body on every x86 SIMD path (its
+/// `vpmaddwd` scaling has no VNNI or 512-bit counterpart here).
+fn q6k_tile_fn(isa: Isa) -> TileFn {
+    match isa {
+        Isa::Scalar => super::q6k::tile_scalar,
+        #[cfg(target_arch = "x86_64")]
+        _ => super::q6k_x86::tile_avx2,
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("only Scalar is available"),
     }
 }
 

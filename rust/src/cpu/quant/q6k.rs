@@ -29,7 +29,6 @@
 
 use super::act::QActs;
 use super::ggml::{self, f16_to_f32};
-use super::kernel::{Isa, TileFn};
 use super::{Line, QKind, QMatrix, Tile, BLOCK, ROWS};
 
 /// Weights of a Q6_K super-block.
@@ -204,20 +203,8 @@ impl QMatrix {
     }
 }
 
-/// The tile function of `isa` for Q6K blocks: the AVX2 body on every x86 SIMD path (its
-/// `vpmaddwd` scaling has no VNNI or 512-bit counterpart here).
-pub(super) fn tile_fn(isa: Isa) -> TileFn {
-    match isa {
-        Isa::Scalar => tile_scalar,
-        #[cfg(target_arch = "x86_64")]
-        _ => super::q6k_x86::tile_avx2,
-        #[cfg(not(target_arch = "x86_64"))]
-        _ => unreachable!("only Scalar is available"),
-    }
-}
-
 /// The reference path: per block the exact `Σ sc (q - 32) xq`, then `acc += isum · (d · xs)`.
-fn tile_scalar(
+pub(super) fn tile_scalar(
     _fmt: super::Format,
     blocks: &[u8],
     nb: usize,
