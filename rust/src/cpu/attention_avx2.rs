@@ -21,7 +21,7 @@ use std::any::TypeId;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::x86::{Geo, Pair};
+use super::x86::{At, Geo, Pair, Spans};
 use super::{DecodeArgs, Lanes, Scratch};
 use crate::cpu::elem::{Bf16, Elem, F16};
 
@@ -425,11 +425,12 @@ unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
 ) {
     let np = pairs.len().min(NP);
     let pairs = &pairs[..np];
-    let lo = pairs.iter().map(|p| p.first).min().unwrap_or(0);
-    let hi = pairs.iter().map(|p| p.len).max().unwrap_or(0);
-    // Positions every pair attends: no span check there.
-    let all_lo = pairs.iter().map(|p| p.first).max().unwrap_or(0);
-    let all_hi = pairs.iter().map(|p| p.len).min().unwrap_or(0).max(all_lo);
+    let Spans {
+        lo,
+        all_lo,
+        all_hi,
+        hi,
+    } = Spans::of(pairs);
     let mut acc = [[_mm256_setzero_ps(); NC]; NP];
     let at = At {
         v_cache,
@@ -462,15 +463,6 @@ unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
             }
         }
     }
-}
-
-/// What `weigh` reads: the V cache at columns `col..`, the probabilities, the positions' end.
-struct At<'a, T> {
-    v_cache: &'a [T],
-    scores: &'a [f32],
-    geo: Geo<'a>,
-    col: usize,
-    hi: usize,
 }
 
 /// One position of `weigh`: its V row (NC vectors) into every pair's accumulators; with
