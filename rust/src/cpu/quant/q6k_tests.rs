@@ -5,7 +5,7 @@
 
 use super::ggml::{self, f16_to_f32};
 use super::q6k::{RAW_BYTES, SUPER};
-use super::tests::reference_block;
+use super::tests::{assert_within_bound, reference_block};
 use super::{DequantOut, Isa, MatmulOpts, QKind, QMatrix, BLOCK};
 use crate::test_rng::Rng;
 
@@ -147,24 +147,13 @@ fn q6k_matmul_matches_the_dequantized_weights_within_the_activation_bound() {
                     isa: Some(isa),
                 };
                 w.matmul(&x, m, &mut out, &opts).unwrap();
-                for i in 0..m * n {
-                    let mut exact = want[i];
-                    if use_bias {
-                        exact += bias[i % n] as f64;
-                    }
-                    if accumulate {
-                        exact += prior[i] as f64;
-                    }
-                    let tol = bound[i] + 2.0 * EPS * (exact.abs() + 1.0);
-                    let err = (out[i] as f64 - exact).abs();
-                    assert!(
-                        err <= tol,
-                        "{isa:?} case {case} m={m} k={k} n={n} threads={threads} [{}, {}]: {} vs {exact} (bound {tol})",
-                        i / n,
-                        i % n,
-                        out[i]
-                    );
-                }
+                let (b, p) = (
+                    use_bias.then_some(&bias[..]),
+                    accumulate.then_some(&prior[..]),
+                );
+                assert_within_bound(&out, &want, &bound, b, p, &|| {
+                    format!("{isa:?} case {case} m={m} k={k} n={n} threads={threads}")
+                });
                 match &first {
                     Some(f) => {
                         assert!(f == &bits(&out), "{isa:?} case {case}: threads change bits")

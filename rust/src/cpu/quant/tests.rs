@@ -341,6 +341,36 @@ fn reference(w: &QMatrix, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
     (out, bound)
 }
 
+/// Asserts each `out[i]` (row-major, as many columns as the bias has) lies
+/// within `bound[i]`, plus f32 rounding of the sum, of `want[i]` with the bias and, when
+/// accumulating, the prior output added; `what` names the case in the failure.
+pub(super) fn assert_within_bound(
+    out: &[f32],
+    want: &[f64],
+    bound: &[f64],
+    bias: Option<&[f32]>,
+    prior: Option<&[f32]>,
+    what: &dyn Fn() -> String,
+) {
+    for i in 0..want.len() {
+        let mut exact = want[i];
+        if let Some(b) = bias {
+            exact += b[i % b.len()] as f64;
+        }
+        if let Some(p) = prior {
+            exact += p[i] as f64;
+        }
+        let tol = bound[i] + 2.0 * EPS * (exact.abs() + 1.0);
+        let err = (out[i] as f64 - exact).abs();
+        assert!(
+            err <= tol,
+            "{} [{i}]: {} vs {exact} (bound {tol})",
+            what(),
+            out[i]
+        );
+    }
+}
+
 fn random_matrix(rng: &mut Rng, kind: QKind, n: usize, k: usize) -> QMatrix {
     let w: Vec<f32> = rng.floats(n * k);
     let m = match kind {
@@ -395,19 +425,13 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
                     isa: Some(isa),
                 };
                 w.matmul(&x, m, &mut out, &opts).unwrap();
-                for i in 0..m * n {
-                    let mut exact = want[i];
-                    let mut tol = bound[i];
-                    if use_bias {
-                        exact += bias[i % n] as f64;
-                    }
-                    if accumulate {
-                        exact += prior[i] as f64;
-                    }
-                    tol += 2.0 * EPS * (exact.abs() + 1.0);
-                    let err = (out[i] as f64 - exact).abs();
-                    assert!(err <= tol, "{isa:?} {kind:?} m={m} k={k} n={n} threads={threads} [{}, {}]: {} vs {exact} (bound {tol})", i / n, i % n, out[i]);
-                }
+                let (b, p) = (
+                    use_bias.then_some(&bias[..]),
+                    accumulate.then_some(&prior[..]),
+                );
+                assert_within_bound(&out, &want, &bound, b, p, &|| {
+                    format!("{isa:?} {kind:?} m={m} k={k} n={n} threads={threads}")
+                });
                 // Threads split whole row groups, so the result never depends on them.
                 match &first {
                     Some(f) if threads > 1 => assert_eq!(f, &out, "{isa:?} threads"),
