@@ -17,14 +17,17 @@ pub(crate) struct QActs {
     pub scale: Vec<f32>,
     pub sum: Vec<f32>,
     pub qsum: Vec<i32>,
-    /// Per block: `Σ q[0..16]` in the low i16, `Σ q[16..32]` in the high one.
+    /// Per block: `Σ q[0..16]` in the low i16, `Σ q[16..32]` in the high one (empty unless
+    /// asked for: see `quantize`).
     pub halves: Vec<i32>,
 }
 
 /// Rows per part below which one thread quantizes everything (a fork costs a few µs).
 const MIN_PART: usize = 1 << 15;
 
-pub(crate) fn quantize(x: &[f32], m: usize, k: usize, threads: usize) -> QActs {
+/// `halves`: also fill [`QActs::halves`], which only Q6K tiles read (a serial pass over `q`,
+/// skipped for every other kind).
+pub(crate) fn quantize(x: &[f32], m: usize, k: usize, threads: usize, halves: bool) -> QActs {
     let nb = k / BLOCK;
     let mut a = QActs {
         k,
@@ -64,7 +67,9 @@ pub(crate) fn quantize(x: &[f32], m: usize, k: usize, threads: usize) -> QActs {
         quantize_rows(&mut run);
     });
     drop(runs);
-    a.halves = half_sums(&a.q);
+    if halves {
+        a.halves = half_sums(&a.q);
+    }
     a
 }
 

@@ -148,7 +148,7 @@ impl QMatrix {
         if m == 0 {
             return Ok(());
         }
-        let acts = act::quantize(x, m, k, opts.threads);
+        let acts = act::quantize(x, m, k, opts.threads, self.kind() == QKind::Q6K);
         let tile = tile_fn(isa);
         let dst = OutPtr(out.as_mut_ptr());
         let dst = &dst;
