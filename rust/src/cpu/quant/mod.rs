@@ -50,12 +50,15 @@ mod dequant;
 pub mod ggml;
 mod kernel;
 mod moe;
+mod mx4;
 mod parts;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 #[cfg(test)]
 mod moe_tests;
+#[cfg(test)]
+mod mx4_tests;
 #[cfg(test)]
 mod tests;
 
@@ -84,6 +87,9 @@ pub enum QKind {
     Q8,
     /// 4-bit unsigned quants.
     Q4,
+    /// MXFP4: 4-bit E2M1 codes read through a table as `2 e2m1 + 12` (0..=24), one E8M0 byte
+    /// per block for `scale = 2^(e - 128)`, min `-12 scale` (see `mx4.rs`).
+    Mx4,
 }
 
 impl QKind {
@@ -91,7 +97,7 @@ impl QKind {
     pub(crate) const fn quant_bytes(self) -> usize {
         match self {
             QKind::Q8 => ROWS * BLOCK,
-            QKind::Q4 => ROWS * BLOCK / 2,
+            QKind::Q4 | QKind::Mx4 => ROWS * BLOCK / 2,
         }
     }
 
@@ -99,6 +105,7 @@ impl QKind {
         match self {
             QKind::Q8 => 255,
             QKind::Q4 => 15,
+            QKind::Mx4 => 24,
         }
     }
 
@@ -107,6 +114,7 @@ impl QKind {
         match self {
             QKind::Q8 => -128.0,
             QKind::Q4 => -8.0,
+            QKind::Mx4 => -mx4::OFFSET,
         }
     }
 
@@ -114,6 +122,7 @@ impl QKind {
         match self {
             QKind::Q8 => "q8",
             QKind::Q4 => "q4",
+            QKind::Mx4 => "mxfp4",
         }
     }
 }
@@ -136,9 +145,13 @@ impl Format {
         self.kind.quant_bytes()
     }
 
-    /// Bytes of one block's 16 scales (or of its 16 mins).
+    /// Bytes of one block's 16 scales (or of its 16 mins; MXFP4: 16 E8M0 bytes, no mins).
     pub const fn scales_bytes(self) -> usize {
-        ROWS * if self.half { 2 } else { 4 }
+        ROWS * match (self.kind, self.half) {
+            (QKind::Mx4, _) => 1,
+            (_, true) => 2,
+            (_, false) => 4,
+        }
     }
 
     /// Bytes per packed block: quants, 16 scales, 16 mins unless symmetric (a multiple of 64
@@ -151,6 +164,10 @@ impl Format {
     #[inline(always)]
     pub fn scale_min_at(self, blk: &[u8], r: usize) -> (f32, f32) {
         let (qb, sb) = (self.quant_bytes(), self.scales_bytes());
+        if self.kind == QKind::Mx4 {
+            let s = mx4::e8m0_half(blk[qb + r]);
+            return (s, s * self.kind.neg_offset());
+        }
         let at = |o: usize| {
             if self.half {
                 ggml::f16_to_f32(u16::from_le_bytes([blk[o], blk[o + 1]]))
@@ -308,18 +325,24 @@ impl QMatrix {
         b: &Blocks,
         implied: bool,
     ) -> Self {
-        // Bit for bit, so the kernels' recomputed min is the stored one (-0.0 included).
-        let sym = implied
-            && b.scale
+        // Bit for bit, so the kernels' recomputed min is the stored one (-0.0 included). MXFP4
+        // has no stored mins (its callers only build blocks on its grid).
+        let mx = kind == QKind::Mx4;
+        let sym = mx
+            || implied
+                && b.scale
+                    .iter()
+                    .zip(&b.min)
+                    .all(|(&s, &m)| (s * kind.neg_offset()).to_bits() == m.to_bits());
+        let halves: Option<Vec<(u16, u16)>> = if mx {
+            None
+        } else {
+            b.scale
                 .iter()
                 .zip(&b.min)
-                .all(|(&s, &m)| (s * kind.neg_offset()).to_bits() == m.to_bits());
-        let halves: Option<Vec<(u16, u16)>> = b
-            .scale
-            .iter()
-            .zip(&b.min)
-            .map(|(&s, &m)| Some((exact_f16(s)?, if sym { 0 } else { exact_f16(m)? })))
-            .collect();
+                .map(|(&s, &m)| Some((exact_f16(s)?, if sym { 0 } else { exact_f16(m)? })))
+                .collect()
+        };
         let fmt = Format {
             kind,
             half: halves.is_some(),
@@ -342,13 +365,24 @@ impl QMatrix {
                         debug_assert!(v <= kind.max_q());
                         match kind {
                             QKind::Q8 => dst[(c / 4) * 64 + r * 4 + c % 4] = v,
-                            QKind::Q4 => {
+                            QKind::Q4 | QKind::Mx4 => {
+                                let v = if mx {
+                                    mx4::code_of(v).expect("MXFP4 quants lie on its grid")
+                                } else {
+                                    v
+                                };
                                 let (j, hi) = ((c / 4) % 4, c >= 16);
                                 dst[j * 64 + r * 4 + c % 4] |= if hi { v << 4 } else { v };
                             }
                         }
                     }
                     let i = row * nb + blk;
+                    if mx {
+                        let e = mx4::e8m0_of(b.scale[i]).expect("MXFP4 scales are E8M0 powers");
+                        debug_assert_eq!(b.min[i].to_bits(), (b.scale[i] * -mx4::OFFSET).to_bits());
+                        dst[qb + r] = e;
+                        continue;
+                    }
                     match &halves {
                         Some(h) => {
                             dst[qb + r * 2..][..2].copy_from_slice(&h[i].0.to_le_bytes());
@@ -411,8 +445,9 @@ impl QMatrix {
     }
 
     /// The rows of `parts` stacked into one matrix (e.g. q, k and v into one qkv projection, so
-    /// one call quantizes the activations once and streams all three). Q4 parts join a Q8
-    /// result losslessly (same scales and mins, 4-bit quants widened) when any part is Q8.
+    /// one call quantizes the activations once and streams all three). Q4 and MXFP4 parts join
+    /// a Q8 result losslessly (same scales and mins, quants widened) when the kinds differ,
+    /// except that Q4 parts stay Q4 and MXFP4 parts MXFP4 among themselves.
     pub fn concat(parts: &[&QMatrix]) -> CoreResult<QMatrix> {
         let Some(first) = parts.first() else {
             return Err(CoreError::invalid("parts", "needs at least one matrix"));
@@ -422,7 +457,10 @@ impl QMatrix {
             let r = format!("all parts need the same cols, got {} and {}", cols, p.cols);
             return Err(CoreError::invalid("parts", r));
         }
-        let kind = if parts.iter().any(|p| p.kind == QKind::Q8) {
+        // MXFP4 stays itself when alone; beside other kinds its quants (<= 24) widen to Q8.
+        let kind = if parts.iter().all(|p| p.kind == QKind::Mx4) {
+            QKind::Mx4
+        } else if parts.iter().any(|p| p.kind != QKind::Q4) {
             QKind::Q8
         } else {
             QKind::Q4
@@ -533,6 +571,7 @@ impl QMatrix {
                     }
                     (s, lo)
                 }
+                QKind::Mx4 => unreachable!("bits is 4 or 8"),
             };
             let blocks = group / BLOCK;
             b.scale[gi * blocks..][..blocks].fill(scale);

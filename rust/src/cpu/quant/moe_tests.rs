@@ -24,7 +24,11 @@ impl Case {
         let h = 32 * (1 + rng.index(3));
         let inter = 32 * (1 + rng.index(4));
         let group = if bits == 4 || rng.chance(50) { 32 } else { 0 };
+        // bits 39: MXFP4 blocks (ggml type 39), weights up to 12 · 2^-5
         let mat = |rng: &mut Rng, rows: usize, cols: usize| {
+            if bits == 39 {
+                return super::mx4_tests::random_mx4(rng, rows, cols, 118..124).1;
+            }
             let w: Vec<f32> = rng.floats(rows * cols).iter().map(|v| v * 0.3).collect();
             QMatrix::quantize(&w, rows, cols, bits, group).unwrap()
         };
@@ -207,7 +211,10 @@ fn run_is_the_per_expert_composition_bit_for_bit() {
         } else {
             (0, num_experts)
         };
-        let bits = if case_no % 2 == 0 { 8 } else { 4 };
+        let bits = match case_no % 4 {
+            3 => 39,
+            n => [8, 4][n % 2],
+        };
         let c = Case::random(&mut rng, local, first, num_experts, bits);
         let t = [1, 2, 3, 9, 17][rng.index(5)];
         let k = 1 + rng.index(num_experts.min(4));

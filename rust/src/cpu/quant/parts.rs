@@ -17,6 +17,10 @@ impl QMatrix {
         kind: QKind,
     ) -> CoreResult<Self> {
         check_shape(rows, cols)?;
+        if kind == QKind::Mx4 {
+            let r = "takes q4 or q8 (MXFP4 blocks come from from_ggml)";
+            return Err(CoreError::invalid("kind", r));
+        }
         if q.len() != rows * cols {
             let r = format!(
                 "has {} elements, expected rows * cols = {}",

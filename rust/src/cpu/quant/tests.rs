@@ -338,6 +338,7 @@ fn random_matrix(rng: &mut Rng, kind: QKind, n: usize, k: usize) -> QMatrix {
     let m = match kind {
         QKind::Q8 => QMatrix::quantize(&w, n, k, 8, 32),
         QKind::Q4 => QMatrix::quantize(&w, n, k, 4, 32),
+        QKind::Mx4 => unreachable!("MXFP4 cases are in mx4_tests.rs"),
     };
     m.unwrap()
 }
@@ -361,6 +362,7 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
                 (QKind::Q8, _) => ggml::Q8_0,
                 (QKind::Q4, 7) => ggml::Q4_0,
                 (QKind::Q4, _) => ggml::Q4_1,
+                (QKind::Mx4, _) => unreachable!("only Q8 and Q4 cases"),
             };
             let w = QMatrix::from_ggml(&raw_blocks(&mut rng, ty, n * k), ty, n, k).unwrap();
             assert!(w.half_scales());
