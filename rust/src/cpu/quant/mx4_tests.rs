@@ -192,6 +192,17 @@ fn mxfp4_concat_stays_mxfp4_and_widens_beside_other_kinds() {
     assert_eq!(mixed.kind(), QKind::Q8);
     let stacked: Vec<f32> = a.dequantize().into_iter().chain(q4.dequantize()).collect();
     assert_eq!(mixed.dequantize(), stacked);
+    // Beside a Q6K part too: the MXFP4 rows stay exact, the Q6K ones re-round as beside Q4.
+    let (_, c) = random_mx4(&mut rng, 3, 256, 110..130);
+    let raw = super::q6k_tests::random_raw(&mut rng, 4 * 256);
+    let q6 = QMatrix::from_ggml(&raw, super::ggml::Q6_K, 4, 256).unwrap();
+    let mixed = QMatrix::concat(&[&c, &q6]).unwrap();
+    assert_eq!((mixed.kind(), mixed.rows()), (QKind::Q8, 7));
+    let q4 = QMatrix::quantize(&rng.floats(2 * 256), 2, 256, 4, 32).unwrap();
+    let beside_q4 = QMatrix::concat(&[&q4, &q6]).unwrap().dequantize();
+    let deq = mixed.dequantize();
+    assert_eq!(&deq[..3 * 256], &c.dequantize()[..]);
+    assert_eq!(&deq[3 * 256..], &beside_q4[2 * 256..]);
     // and from_parts refuses the kind (its quants are table values, not free integers)
     let e = QMatrix::from_parts(&[12; 32], 1, 32, &[1.0], &[-12.0], QKind::Mx4).err();
     assert!(e.unwrap().to_string().contains("kind"));

@@ -17,8 +17,8 @@ impl QMatrix {
         kind: QKind,
     ) -> CoreResult<Self> {
         check_shape(rows, cols)?;
-        if kind == QKind::Mx4 {
-            let r = "takes q4 or q8 (MXFP4 blocks come from from_ggml)";
+        if matches!(kind, QKind::Q6K | QKind::Mx4) {
+            let r = "takes q4 or q8 (q6k and mxfp4 matrices come from GGUF blocks: from_ggml)";
             return Err(CoreError::invalid("kind", r));
         }
         if q.len() != rows * cols {
