@@ -229,7 +229,8 @@ class QuantMatrix:
     @staticmethod
     def from_ggml(raw: npt.NDArray[np.uint8], ggml_type: int, rows: int, cols: int) -> QuantMatrix:
         """From a GGUF tensor's raw bytes: Q4_0 (2), Q4_1 (3), Q4_K (12) exactly as 4-bit; Q8_0 (8), Q5_K (13)
-        exactly as 8-bit; Q6_K (14) exactly as its own blocks (``"q6k"``, 6.5625 bits a weight). ``cols`` is ggml's
+        exactly as 8-bit; Q6_K (14) exactly as its own blocks (``"q6k"``, 6.5625 bits a weight); MXFP4 (39) exactly
+        as kind ``"mxfp4"`` (E2M1 codes read through a table, E8M0 scales: 4.25 bits a weight). ``cols`` is ggml's
         first dimension."""
     @staticmethod
     def from_float(weight: npt.NDArray[np.float32], bits: int = 8, group_size: int = 0) -> QuantMatrix:
@@ -272,14 +273,15 @@ class QuantMatrix:
     @property
     def nbytes(self) -> int:
         """Resident bytes of the packed weights: 5 bits a weight for q4 and 9 for q8 when every scale and min is
-        exactly an f16 (Q4_0, Q4_1, Q8_0 files), else 6 and 10 (f32 scales); 6.5625 for q6k (Q6_K files)."""
+        exactly an f16 (Q4_0, Q4_1, Q8_0 files), else 6 and 10 (f32 scales); 4.5 and 8.5 when the mins are implied
+        (Q4_0, Q8_0); 6.5625 for q6k (Q6_K files); 4.25 for mxfp4."""
     @property
     def rows(self) -> int: ...
     @property
     def cols(self) -> int: ...
     @property
     def kind(self) -> str:
-        """``"q8"``, ``"q4"`` or ``"q6k"``."""
+        """``"q8"``, ``"q4"``, ``"q6k"`` or ``"mxfp4"``."""
 
 @final
 class MoeExperts:

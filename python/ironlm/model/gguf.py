@@ -3,7 +3,8 @@ through transformers' GGUF support (cached as a tokenizer.json folder after the 
 
 Metadata and tensor infos are parsed here with the `gguf` package's constants (gguf's `GGUFReader` builds a numpy
 memmap per token string, ~2 s for a 49k vocab; this parser takes milliseconds). Tensor data is memory-mapped.
-F32/F16/BF16/Q8_0/Q4_0/Q4_1/MXFP4 are dequantized in numpy (vectorised, bit-identical to `gguf.quants.dequantize`);
+F32/F16/BF16/Q8_0/Q4_0/Q4_1/MXFP4 are dequantized in numpy (vectorised, bit-identical to `gguf.quants.dequantize`)
+when a tensor is not kept quantized (`quantization none`, a GPU, a tensor-parallel column cut);
 every other type gguf knows (Q5_x, K-quants, ...) goes through `gguf.quants.dequantize`.
 
 llama.cpp's converter permutes the rows of Q and K for llama-architecture models (its rotary pairs adjacent

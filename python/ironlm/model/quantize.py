@@ -24,8 +24,9 @@ import torch
 from ironlm import _core
 from ironlm.exceptions import InvalidArgumentError
 
-# ggml types the core keeps quantized: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
-GGML_QUANTIZED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# ggml types the core keeps quantized: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, and MXFP4 (gpt-oss's experts, kept as
+# 4-bit E2M1 codes with their E8M0 scales: QuantMatrix kind "mxfp4"; a GPU or `none` dequantizes them at load)
+GGML_QUANTIZED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 39: "MXFP4"}
 # GGUF tensor-name suffixes of the linears that stay quantized
 _PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
                 "ffn_up.weight", "ffn_down.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",

@@ -311,7 +311,7 @@ impl PyQuantMatrix {
         self.inner.cols()
     }
 
-    /// `"q8"`, `"q4"` or `"q6k"`.
+    /// `"q8"`, `"q4"`, `"q6k"` or `"mxfp4"`.
     #[getter]
     fn kind(&self) -> &'static str {
         self.inner.kind().name()

@@ -45,13 +45,16 @@ pub(crate) fn unpack(kind: QKind, blk: &[u8], r: usize) -> [u8; BLOCK] {
                 q[4 * j..4 * j + 4].copy_from_slice(&blk[j * 64 + r * 4..][..4]);
             }
         }
-        QKind::Q4 => {
+        QKind::Q4 | QKind::Mx4 => {
             for j in 0..4 {
                 let w = &blk[j * 64 + r * 4..][..4];
                 for i in 0..4 {
                     q[4 * j + i] = w[i] & 0x0F;
                     q[16 + 4 * j + i] = w[i] >> 4;
                 }
+            }
+            if kind == QKind::Mx4 {
+                q.iter_mut().for_each(|v| *v = super::mx4::LUT[*v as usize]);
             }
         }
         QKind::Q6K => unreachable!("Q6K blocks have two scales: see q6k.rs"),

@@ -9,6 +9,7 @@
 //! | Q4_K (12) | 144 B / 256: f16 d, f16 dmin, 12 B 6-bit scales+mins, 128 B nibbles | `d sc q - dmin m` | Q4 (exact) |
 //! | Q5_K (13) | 176 B / 256: as Q4_K plus 32 B high bits | same, q in 0..32 | Q8 (exact) |
 //! | Q6_K (14) | 210 B / 256: 128 B low nibbles, 64 B high 2 bits, 16 i8 scales, f16 d | `d sc16 (q - 32)` | Q6K (exact, `q6k.rs`) |
+//! | MXFP4 (39) | 17 B: E8M0 e, 16 B E2M1 nibbles | `2^(e-128) · 2 e2m1(q)` | Mx4 (exact) |
 //!
 //! Q6_K has one scale per 16 weights, so a 32-block has two. Stacked with matrices of other kinds
 //! (`QMatrix::concat`, e.g. a Q6_K v beside Q4_K q and k) it becomes Q8: when both halves fit one grid of
@@ -18,7 +19,7 @@
 //! 64 steps of the coarser sub-scale, so the added error is at most `64 / 510` (one eighth) of that
 //! Q6_K step; the tests assert this bound.
 
-use super::{check_shape, Blocks, QKind, QMatrix, BLOCK};
+use super::{check_shape, mx4, Blocks, QKind, QMatrix, BLOCK};
 use crate::error::{CoreError, CoreResult};
 
 pub const Q4_0: u32 = 2;
@@ -27,6 +28,7 @@ pub const Q8_0: u32 = 8;
 pub const Q4_K: u32 = 12;
 pub const Q5_K: u32 = 13;
 pub const Q6_K: u32 = 14;
+pub const MXFP4: u32 = 39;
 
 /// `(weights per block, bytes per block)` of a supported ggml type.
 pub fn block_size(ggml_type: u32) -> Option<(usize, usize)> {
@@ -37,6 +39,7 @@ pub fn block_size(ggml_type: u32) -> Option<(usize, usize)> {
         Q4_K => (256, 144),
         Q5_K => (256, 176),
         Q6_K => (256, 210),
+        MXFP4 => (32, 17),
         _ => return None,
     })
 }
@@ -81,7 +84,7 @@ impl QMatrix {
     pub fn from_ggml(raw: &[u8], ggml_type: u32, rows: usize, cols: usize) -> CoreResult<Self> {
         check_shape(rows, cols)?;
         let Some((per, bytes)) = block_size(ggml_type) else {
-            let r = format!("unsupported type {ggml_type} (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)");
+            let r = format!("unsupported type {ggml_type} (supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, MXFP4=39)");
             return Err(CoreError::invalid("ggml_type", r));
         };
         if !cols.is_multiple_of(per) {
@@ -99,6 +102,7 @@ impl QMatrix {
         let kind = match ggml_type {
             Q4_0 | Q4_1 | Q4_K => QKind::Q4,
             Q6_K => return Ok(Self::pack_q6k(raw, rows, cols)),
+            MXFP4 => QKind::Mx4,
             _ => QKind::Q8,
         };
         let mut b = Blocks::new(rows, cols);
@@ -120,6 +124,16 @@ impl QMatrix {
                     }
                     b.scale[first] = d;
                     b.min[first] = min;
+                }
+                MXFP4 => {
+                    // Element l < 16 in byte l's low nibble, l + 16 in its high one, as Q4_0.
+                    let q = &mut b.q[first * BLOCK..][..BLOCK];
+                    for (l, &byte) in src[1..17].iter().enumerate() {
+                        q[l] = mx4::LUT[(byte & 0x0F) as usize];
+                        q[l + 16] = mx4::LUT[(byte >> 4) as usize];
+                    }
+                    b.scale[first] = mx4::e8m0_half(src[0]);
+                    b.min[first] = -mx4::OFFSET * b.scale[first];
                 }
                 Q8_0 => {
                     let d = f16_at(src, 0);

@@ -76,7 +76,9 @@ impl Isa {
 
     /// Activation rows per register tile of a `kind` matrix (16 ymm registers hold 2 rows'
     /// accumulators; AVX2's 4-bit body sums in i16 lanes and folds each block half at once, so
-    /// 4 rows fit and every unpacked chunk serves twice as many rows).
+    /// 4 rows fit and every unpacked chunk serves twice as many rows). MXFP4 cannot take that
+    /// body: its table values reach 24, and a lane's 8 pairs sum to up to 8 · 2 · 24 · 127 =
+    /// 48768 > 32767 (Q4: 30480), so it keeps the 2-row pair-at-a-time body (see `x86.rs`).
     pub(super) fn tile_rows(self, kind: QKind) -> usize {
         match (self, kind) {
             (Isa::Avx512Vnni, _) => 8,

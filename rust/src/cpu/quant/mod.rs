@@ -51,6 +51,7 @@ mod dequant;
 pub mod ggml;
 mod kernel;
 mod moe;
+mod mx4;
 mod parts;
 mod q6k;
 #[cfg(target_arch = "x86_64")]
@@ -60,6 +61,8 @@ mod x86;
 
 #[cfg(test)]
 mod moe_tests;
+#[cfg(test)]
+mod mx4_tests;
 #[cfg(test)]
 mod q6k_tests;
 #[cfg(test)]
@@ -93,6 +96,9 @@ pub enum QKind {
     /// GGUF Q6_K super-blocks: 6-bit quants, an i8 scale per 16 weights, an f16 one per 256
     /// (`q6k.rs`; only from Q6_K files).
     Q6K,
+    /// MXFP4: 4-bit E2M1 codes read through a table as `2 e2m1 + 12` (0..=24), one E8M0 byte
+    /// per block for `scale = 2^(e - 128)`, min `-12 scale` (see `mx4.rs`).
+    Mx4,
 }
 
 impl QKind {
@@ -100,7 +106,7 @@ impl QKind {
     pub(crate) const fn quant_bytes(self) -> usize {
         match self {
             QKind::Q8 => ROWS * BLOCK,
-            QKind::Q4 => ROWS * BLOCK / 2,
+            QKind::Q4 | QKind::Mx4 => ROWS * BLOCK / 2,
             QKind::Q6K => q6k::QUANT_BYTES,
         }
     }
@@ -110,6 +116,7 @@ impl QKind {
             QKind::Q8 => 255,
             QKind::Q4 => 15,
             QKind::Q6K => 63,
+            QKind::Mx4 => 24,
         }
     }
 
@@ -119,6 +126,7 @@ impl QKind {
             QKind::Q8 => -128.0,
             QKind::Q4 => -8.0,
             QKind::Q6K => -32.0,
+            QKind::Mx4 => -mx4::OFFSET,
         }
     }
 
@@ -127,6 +135,7 @@ impl QKind {
             QKind::Q8 => "q8",
             QKind::Q4 => "q4",
             QKind::Q6K => "q6k",
+            QKind::Mx4 => "mxfp4",
         }
     }
 }
@@ -149,9 +158,13 @@ impl Format {
         self.kind.quant_bytes()
     }
 
-    /// Bytes of one block's 16 scales (or of its 16 mins).
+    /// Bytes of one block's 16 scales (or of its 16 mins; MXFP4: 16 E8M0 bytes, no mins).
     pub const fn scales_bytes(self) -> usize {
-        ROWS * if self.half { 2 } else { 4 }
+        ROWS * match (self.kind, self.half) {
+            (QKind::Mx4, _) => 1,
+            (_, true) => 2,
+            (_, false) => 4,
+        }
     }
 
     /// Bytes per packed block: quants, 16 scales, 16 mins unless symmetric (a multiple of 64
@@ -176,6 +189,10 @@ impl Format {
     pub fn scale_min_at(self, blk: &[u8], r: usize) -> (f32, f32) {
         debug_assert!(self.kind != QKind::Q6K);
         let (qb, sb) = (self.quant_bytes(), self.scales_bytes());
+        if self.kind == QKind::Mx4 {
+            let s = mx4::e8m0_half(blk[qb + r]);
+            return (s, s * self.kind.neg_offset());
+        }
         let at = |o: usize| {
             if self.half {
                 ggml::f16_to_f32(u16::from_le_bytes([blk[o], blk[o + 1]]))
@@ -333,18 +350,24 @@ impl QMatrix {
         b: &Blocks,
         implied: bool,
     ) -> Self {
-        // Bit for bit, so the kernels' recomputed min is the stored one (-0.0 included).
-        let sym = implied
-            && b.scale
+        // Bit for bit, so the kernels' recomputed min is the stored one (-0.0 included). MXFP4
+        // has no stored mins (its callers only build blocks on its grid).
+        let mx = kind == QKind::Mx4;
+        let sym = mx
+            || implied
+                && b.scale
+                    .iter()
+                    .zip(&b.min)
+                    .all(|(&s, &m)| (s * kind.neg_offset()).to_bits() == m.to_bits());
+        let halves: Option<Vec<(u16, u16)>> = if mx {
+            None
+        } else {
+            b.scale
                 .iter()
                 .zip(&b.min)
-                .all(|(&s, &m)| (s * kind.neg_offset()).to_bits() == m.to_bits());
-        let halves: Option<Vec<(u16, u16)>> = b
-            .scale
-            .iter()
-            .zip(&b.min)
-            .map(|(&s, &m)| Some((exact_f16(s)?, if sym { 0 } else { exact_f16(m)? })))
-            .collect();
+                .map(|(&s, &m)| Some((exact_f16(s)?, if sym { 0 } else { exact_f16(m)? })))
+                .collect()
+        };
         let fmt = Format {
             kind,
             half: halves.is_some(),
@@ -367,7 +390,12 @@ impl QMatrix {
                         debug_assert!(v <= kind.max_q());
                         match kind {
                             QKind::Q8 => dst[(c / 4) * 64 + r * 4 + c % 4] = v,
-                            QKind::Q4 => {
+                            QKind::Q4 | QKind::Mx4 => {
+                                let v = if mx {
+                                    mx4::code_of(v).expect("MXFP4 quants lie on its grid")
+                                } else {
+                                    v
+                                };
                                 let (j, hi) = ((c / 4) % 4, c >= 16);
                                 dst[j * 64 + r * 4 + c % 4] |= if hi { v << 4 } else { v };
                             }
@@ -377,6 +405,12 @@ impl QMatrix {
                         }
                     }
                     let i = row * nb + blk;
+                    if mx {
+                        let e = mx4::e8m0_of(b.scale[i]).expect("MXFP4 scales are E8M0 powers");
+                        debug_assert_eq!(b.min[i].to_bits(), (b.scale[i] * -mx4::OFFSET).to_bits());
+                        dst[qb + r] = e;
+                        continue;
+                    }
                     match &halves {
                         Some(h) => {
                             dst[qb + r * 2..][..2].copy_from_slice(&h[i].0.to_le_bytes());
@@ -442,9 +476,10 @@ impl QMatrix {
     }
 
     /// The rows of `parts` stacked into one matrix (e.g. q, k and v into one qkv projection, so
-    /// one call quantizes the activations once and streams all three). Q4 parts join a Q8
-    /// result losslessly (same scales and mins, 4-bit quants widened) when any part is Q8; Q6K
-    /// parts stay Q6K among themselves and are re-rounded into Q8 beside other kinds.
+    /// one call quantizes the activations once and streams all three). Q4 and MXFP4 parts join
+    /// a Q8 result losslessly (same scales and mins, quants widened) when the kinds differ,
+    /// except that Q4 parts stay Q4 and MXFP4 parts MXFP4 among themselves; Q6K parts stay Q6K
+    /// among themselves and are re-rounded into Q8 beside other kinds.
     pub fn concat(parts: &[&QMatrix]) -> CoreResult<QMatrix> {
         let Some(first) = parts.first() else {
             return Err(CoreError::invalid("parts", "needs at least one matrix"));
@@ -459,7 +494,10 @@ impl QMatrix {
             let raw: Vec<u8> = parts.iter().flat_map(|p| p.q6k_raw()).collect();
             return Ok(Self::pack_q6k(&raw, rows, cols));
         }
-        let kind = if parts.iter().any(|p| p.kind != QKind::Q4) {
+        // MXFP4 stays itself when alone; beside other kinds its quants (<= 24) widen to Q8.
+        let kind = if parts.iter().all(|p| p.kind == QKind::Mx4) {
+            QKind::Mx4
+        } else if parts.iter().any(|p| p.kind != QKind::Q4) {
             QKind::Q8
         } else {
             QKind::Q4
@@ -573,7 +611,7 @@ impl QMatrix {
                     }
                     (s, lo)
                 }
-                QKind::Q6K => unreachable!("bits is 4 or 8"),
+                QKind::Q6K | QKind::Mx4 => unreachable!("bits is 4 or 8"),
             };
             let blocks = group / BLOCK;
             b.scale[gi * blocks..][..blocks].fill(scale);

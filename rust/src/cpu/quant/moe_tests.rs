@@ -28,7 +28,11 @@ impl Case {
             (32 * (1 + rng.index(3)), 32 * (1 + rng.index(4)))
         };
         let group = if bits == 4 || rng.chance(50) { 32 } else { 0 };
+        // bits 39: MXFP4 blocks (ggml type 39), weights up to 12 · 2^-5
         let mat = |rng: &mut Rng, rows: usize, cols: usize| {
+            if bits == 39 {
+                return super::mx4_tests::random_mx4(rng, rows, cols, 118..124).1;
+            }
             if bits == 6 {
                 let raw = super::q6k_tests::random_raw(rng, rows * cols);
                 return QMatrix::from_ggml(&raw, super::ggml::Q6_K, rows, cols).unwrap();
@@ -217,6 +221,7 @@ fn run_is_the_per_expert_composition_bit_for_bit() {
         };
         let bits = match case_no % 8 {
             7 => 6,
+            3 => 39,
             n if n % 2 == 0 => 8,
             _ => 4,
         };

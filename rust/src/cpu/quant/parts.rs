@@ -17,8 +17,8 @@ impl QMatrix {
         kind: QKind,
     ) -> CoreResult<Self> {
         check_shape(rows, cols)?;
-        if kind == QKind::Q6K {
-            let r = "q6k matrices come from GGUF Q6_K blocks (from_ggml)";
+        if matches!(kind, QKind::Q6K | QKind::Mx4) {
+            let r = "takes q4 or q8 (q6k and mxfp4 matrices come from GGUF blocks: from_ggml)";
             return Err(CoreError::invalid("kind", r));
         }
         if q.len() != rows * cols {

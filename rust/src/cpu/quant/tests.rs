@@ -376,7 +376,9 @@ fn random_matrix(rng: &mut Rng, kind: QKind, n: usize, k: usize) -> QMatrix {
     let m = match kind {
         QKind::Q8 => QMatrix::quantize(&w, n, k, 8, 32),
         QKind::Q4 => QMatrix::quantize(&w, n, k, 4, 32),
-        QKind::Q6K => unreachable!("Q6K matrices come from Q6_K blocks (q6k_tests.rs)"),
+        QKind::Q6K | QKind::Mx4 => {
+            unreachable!("Q6K and MXFP4 cases are in q6k_tests.rs, mx4_tests.rs")
+        }
     };
     m.unwrap()
 }
@@ -400,7 +402,7 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
                 (QKind::Q8, _) => ggml::Q8_0,
                 (QKind::Q4, 7) => ggml::Q4_0,
                 (QKind::Q4, _) => ggml::Q4_1,
-                (QKind::Q6K, _) => unreachable!("case kinds are Q8 and Q4"),
+                (QKind::Q6K | QKind::Mx4, _) => unreachable!("case kinds are Q8 and Q4"),
             };
             let w = QMatrix::from_ggml(&raw_blocks(&mut rng, ty, n * k), ty, n, k).unwrap();
             assert!(w.half_scales());

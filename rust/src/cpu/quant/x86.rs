@@ -12,12 +12,15 @@
 //! for MR = 2. AVX2 without VNNI has only `vpmaddubsw` (u8 × i8 pairs into saturating i16): 4-bit
 //! weights are safe (2 · 15 · 127 < 2^15), 8-bit ones are offset to `q - 128` and multiplied as
 //! `|q - 128| · sign(x, q - 128)` (|products| ≤ 128 · 127, pairs < 2^15), adding `128 Σ xq` back.
+//! MXFP4 runs the 4-bit body with one `vpshufb` per nibble vector ([`mx4::LUT`]: 0..=24, pairs
+//! ≤ 2 · 24 · 127 < 2^15) and E8M0 scales; it has no 512-bit body (none could be tested here):
+//! AVX-512 machines run it on the AVX2 tile.
 
 use std::arch::x86_64::*;
 
 use super::act::QActs;
 use super::Isa;
-use super::{Format, QKind, Tile, BLOCK};
+use super::{mx4, Format, QKind, Tile, BLOCK, ROWS};
 
 /// The four activation bytes `x[i][b*32 + c .. + 4]` in every i32 lane.
 #[inline(always)]
@@ -61,6 +64,16 @@ pub(crate) fn tile_avx512_vnni(
 ) {
     assert!(blocks.len() >= nb * fmt.block_bytes() && (row0 + rows) * a.k <= a.q.len());
     assert!(Isa::Avx512Vnni.available());
+    if fmt.kind == QKind::Mx4 {
+        // The AVX2 tile's two rows at a time (every AVX-512 CPU has AVX2, FMA and F16C).
+        let mut part: Tile = [[0.0; ROWS]; 8];
+        for r0 in (0..rows).step_by(2) {
+            let n = 2.min(rows - r0);
+            tile_avx2(fmt, blocks, nb, a, row0 + r0, n, &mut part);
+            out[r0..r0 + n].copy_from_slice(&part[..n]);
+        }
+        return;
+    }
     let (p, sym) = (blocks.as_ptr(), fmt.sym);
     // SAFETY: the CPU has the features (asserted), `blocks` holds `nb` blocks of this format
     // (loaded unaligned: symmetric f16 blocks are not multiples of 64 bytes) and rows row0..
@@ -71,6 +84,7 @@ pub(crate) fn tile_avx512_vnni(
             (QKind::Q8, true) => rows512::<false, true>(p, sym, nb, a, row0, rows, out),
             (QKind::Q4, false) => rows512::<true, false>(p, sym, nb, a, row0, rows, out),
             (QKind::Q4, true) => rows512::<true, true>(p, sym, nb, a, row0, rows, out),
+            (QKind::Mx4, _) => unreachable!("run on the AVX2 tile above"),
             (QKind::Q6K, _) => super::q6k_x86::tile_avx2(fmt, blocks, nb, a, row0, rows, out),
         }
     }
@@ -185,6 +199,22 @@ unsafe fn avx512<const Q4: bool, const HALF: bool, const MR: usize>(
     }
 }
 
+/// 8 E8M0 bytes at `p` as `2^(e - 128)`: [`mx4::e8m0_half`]'s two normal powers, exact.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn e8m0_8(p: *const u8) -> __m256 {
+    let e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+    let hi = _mm256_srli_epi32::<1>(_mm256_add_epi32(e, _mm256_set1_epi32(1)));
+    let lo = _mm256_srli_epi32::<1>(e);
+    let pow = |k| {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            k,
+            _mm256_set1_epi32(63),
+        )))
+    };
+    _mm256_mul_ps(pow(hi), pow(lo))
+}
+
 /// `acc + Σ4 u8 × i8` per i32 lane, by VNNI.
 #[inline]
 #[target_feature(enable = "avx2,avxvnni")]
@@ -239,14 +269,20 @@ macro_rules! tile256 {
             // SAFETY: as in `tile_avx512_vnni`.
             unsafe {
                 match (fmt.kind, fmt.half, rows) {
-                    (QKind::Q8, false, 1) => $body::<false, false, 1>(p, s, nb, a, row0, out),
-                    (QKind::Q8, false, _) => $body::<false, false, 2>(p, s, nb, a, row0, out),
-                    (QKind::Q8, true, 1) => $body::<false, true, 1>(p, s, nb, a, row0, out),
-                    (QKind::Q8, true, _) => $body::<false, true, 2>(p, s, nb, a, row0, out),
-                    (QKind::Q4, false, 1) => $body::<true, false, 1>(p, s, nb, a, row0, out),
-                    (QKind::Q4, false, _) => $body::<true, false, 2>(p, s, nb, a, row0, out),
-                    (QKind::Q4, true, 1) => $body::<true, true, 1>(p, s, nb, a, row0, out),
-                    (QKind::Q4, true, _) => $body::<true, true, 2>(p, s, nb, a, row0, out),
+                    (QKind::Q8, false, 1) => {
+                        $body::<false, false, false, 1>(p, s, nb, a, row0, out)
+                    }
+                    (QKind::Q8, false, _) => {
+                        $body::<false, false, false, 2>(p, s, nb, a, row0, out)
+                    }
+                    (QKind::Q8, true, 1) => $body::<false, true, false, 1>(p, s, nb, a, row0, out),
+                    (QKind::Q8, true, _) => $body::<false, true, false, 2>(p, s, nb, a, row0, out),
+                    (QKind::Q4, false, 1) => $body::<true, false, false, 1>(p, s, nb, a, row0, out),
+                    (QKind::Q4, false, _) => $body::<true, false, false, 2>(p, s, nb, a, row0, out),
+                    (QKind::Q4, true, 1) => $body::<true, true, false, 1>(p, s, nb, a, row0, out),
+                    (QKind::Q4, true, _) => $body::<true, true, false, 2>(p, s, nb, a, row0, out),
+                    (QKind::Mx4, _, 1) => $body::<true, false, true, 1>(p, s, nb, a, row0, out),
+                    (QKind::Mx4, _, _) => $body::<true, false, true, 2>(p, s, nb, a, row0, out),
                     (QKind::Q6K, _, _) => {
                         super::q6k_x86::tile_avx2(fmt, blocks, nb, a, row0, rows, out)
                     }
@@ -255,7 +291,7 @@ macro_rules! tile256 {
         }
 
         #[target_feature(enable = $features)]
-        unsafe fn $body<const Q4: bool, const HALF: bool, const MR: usize>(
+        unsafe fn $body<const Q4: bool, const HALF: bool, const MX: bool, const MR: usize>(
             blocks: *const u8,
             sym: bool,
             nb: usize,
@@ -263,7 +299,11 @@ macro_rules! tile256 {
             row0: usize,
             out: &mut Tile,
         ) {
-            let kind = if Q4 { QKind::Q4 } else { QKind::Q8 };
+            let kind = match (MX, Q4) {
+                (true, _) => QKind::Mx4,
+                (false, true) => QKind::Q4,
+                (false, false) => QKind::Q8,
+            };
             let fmt = Format {
                 kind,
                 half: HALF,
@@ -271,6 +311,8 @@ macro_rules! tile256 {
             };
             let (bb, qb, sb) = (fmt.block_bytes(), fmt.quant_bytes(), fmt.scales_bytes());
             let neg_offset = _mm256_set1_ps(kind.neg_offset());
+            let lut =
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(mx4::LUT.as_ptr() as *const __m128i));
             let x: [*const i8; MR] = std::array::from_fn(|r| a.q.as_ptr().add((row0 + r) * a.k));
             let base: [usize; MR] = std::array::from_fn(|r| (row0 + r) * nb);
             let nibble = _mm256_set1_epi8(0x0F);
@@ -284,8 +326,12 @@ macro_rules! tile256 {
                     if Q4 {
                         for j in 0..4 {
                             let v = _mm256_loadu_si256(blk.add(j * 64 + 32 * h) as *const __m256i);
-                            let lo = _mm256_and_si256(v, nibble);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+                            let mut lo = _mm256_and_si256(v, nibble);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+                            if MX {
+                                lo = _mm256_shuffle_epi8(lut, lo);
+                                hi = _mm256_shuffle_epi8(lut, hi);
+                            }
                             for r in 0..MR {
                                 let i = &mut isum[r][h];
                                 *i = $dot(*i, lo, x4_256(x[r], c0 + 4 * j), false);
@@ -309,7 +355,11 @@ macro_rules! tile256 {
                     let fix = _mm256_set1_epi32(if $offset && !Q4 { 128 * a.qsum[ia] } else { 0 });
                     for h in 0..2 {
                         let at = if HALF { 16 * h } else { 32 * h };
-                        let scale = load8(blk.add(qb + at), HALF);
+                        let scale = if MX {
+                            e8m0_8(blk.add(qb + 8 * h))
+                        } else {
+                            load8(blk.add(qb + at), HALF)
+                        };
                         let min = if sym {
                             _mm256_mul_ps(scale, neg_offset)
                         } else {
@@ -344,6 +394,7 @@ tile256!(
     dot_avx2,
     true,
     Avx2,
+    // Only Q4: MXFP4's table values (up to 24) would overflow the 4-row tile's i16 sums.
     |fmt: Format, _rows| fmt.kind == QKind::Q4
 );
 
@@ -351,7 +402,10 @@ tile256!(
 /// then one `vpmaddwd` per row and half instead of one per pair. 8 pairs of `15 · 127` products
 /// stay inside i16 (|Σ| ≤ 8 · 2 · 15 · 127 = 30480, activations never -128), and integer sums
 /// are exact, so the bits are those of the pair-at-a-time body; but at M > 1, where the
-/// multiply ports bound the tile, it issues 9 multiplies per 8 pairs, not 16.
+/// multiply ports bound the tile, it issues 9 multiplies per 8 pairs, not 16. Not for MXFP4:
+/// its table values 0..=24 (`2 e2m1 + 12`) give |Σ| up to 8 · 2 · 24 · 127 = 48768 > 32767, so
+/// the i16 lanes would wrap (folding every 4 pairs, 24384, would fit, but that body is not
+/// written); MXFP4 stays on the 2-row body, which folds each pair (≤ 6096) into i32 at once.
 fn tile_avx2_q4(
     fmt: Format,
     blocks: &[u8],
