@@ -16,6 +16,7 @@ import pytest
 from ironlm.bench import perplexity as pp
 from ironlm.bench.llama_cpp import find_binary
 from ironlm.exceptions import LlamaCppNotBuilt
+from ironlm.model.layers import cpu_has_fast_bf16
 from tiny_models import load_hf_gguf_reference, make_tiny_gguf, make_tiny_model, make_tiny_tokenizer
 
 N_TOKENS = 512
@@ -56,9 +57,17 @@ def test_fp32_matches_transformers(reference):
     assert np.abs(lp - hf_lp).max() < 1e-3
 
 
+def _auto_bound() -> float:
+    """`auto`'s bound for the path a 128-row chunk takes on this CPU (the measured values are beside its case)."""
+    return 0.004 if cpu_has_fast_bf16() else 0.008
+
+
 @pytest.mark.parametrize(("mode", "bound"), [
-    # The file's own Q4_1 blocks kept quantized, int8 activations per 32-block: measured +0.160% (full text +0.13%).
-    ("auto", 0.004),
+    # The file's own Q4_1 blocks kept quantized. A 128-token chunk is a "large batch": on CPUs with native bf16 it
+    # runs a dense bf16 GEMM over the dequantized blocks, measured +0.160% (full text +0.13%) on AVX-512 BF16; elsewhere
+    # the int8 kernels with activations rounded per 32-block, measured -0.545% on an AVX2-only AMD EPYC (Zen 3), where
+    # the windowed protocol gives 2.8919 against llama.cpp's 2.8970 on the same CPU (-0.18%). See _auto_bound.
+    ("auto", None),
     # int8, one scale per output channel, requantized from the Q4_1-dequantized weights: a row's largest weight sets
     # its step, which is coarser than Q4_1's per-32 step on rows with outliers: measured +0.315% (full text +1.07%).
     ("int8", 0.006),
@@ -69,6 +78,7 @@ def test_fp32_matches_transformers(reference):
     ("bf16", 0.0025),
 ])
 def test_mode_perplexity_within_bound(mode, bound, models, reference):
+    bound = _auto_bound() if bound is None else bound
     rel = _rel_to_fp32(mode, models, reference)
     assert abs(rel) < bound, f"{mode}: perplexity {100 * rel:+.3f}% vs fp32, bound {100 * bound}%"
 
@@ -85,7 +95,8 @@ def test_gguf_q4_matches_llama_cpp(models, reference):
                                             pp.added_bos(loaded.tokenizer)))
     theirs = pp.llama_cpp_perplexity(None, pp.TEXT_PATH.read_text(encoding="utf-8"), ctx=128, threads=2, chunks=4)
     assert theirs["windows"] == 4
-    # measured: ironlm 2.8965, llama.cpp 2.8942, +0.08% (full text, -c 512: +0.22%); both quantize activations to
+    # measured: ironlm 2.8965, llama.cpp 2.8942, +0.08% (full text, -c 512: +0.22%) on AVX-512; 2.8919 vs 2.8970, -0.18%,
+    # on an AVX2-only AMD EPYC (ironlm takes its int8 kernels there, see _auto_bound); both quantize activations to
     # int8 per 32-block but round and accumulate in a different order. The issue allows +-2%; 1% is our margin.
     assert abs(ours / theirs["ppl_windows"] - 1) < 0.01, (ours, theirs["ppl_windows"])
 

@@ -15,6 +15,7 @@ from ironlm.bench import serve as sv
 from ironlm.bench import throughput as tp
 from ironlm.bench import vllm_cpu as vc
 from ironlm.bench.datasets import BenchRequest
+from ironlm.model.layers import cpu_has_fast_bf16
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,13 @@ def test_serve_and_worker_commands(tmp_path):
     inst = _fake_install(tmp_path / "venv")
     cmd = vc.serve_command(inst, "/m/hf", host="127.0.0.1", port=5123)
     assert cmd[:3] == [str(inst.vllm), "serve", "/m/hf"]
-    assert cmd[cmd.index("--port") + 1] == "5123" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    # auto: bf16 only where this CPU does bf16 natively (emulated bf16 is vLLM's slowest path), as ironlm's auto
+    native = "bfloat16" if cpu_has_fast_bf16() else "float32"
+    assert cmd[cmd.index("--port") + 1] == "5123" and cmd[cmd.index("--dtype") + 1] == native
     w = vc.worker_command(inst, "/m/hf", reply_fd=7)
+    assert w[w.index("--dtype") + 1] == native
+    forced = vc.worker_command(inst, "/m/hf", reply_fd=7, dtype="bfloat16")
+    assert forced[forced.index("--dtype") + 1] == "bfloat16"
     # -P keeps ironlm/bench (modules named like PyPI packages: datasets, serve) off the worker's sys.path.
     assert w[:3] == [str(inst.python), "-P", str(vc.WORKER)] and vc.WORKER.is_file()
     assert w[w.index("--reply-fd") + 1] == "7" and w[w.index("--model") + 1] == "/m/hf"

@@ -234,4 +234,6 @@ def test_block_equals_gpt_oss_mlp_through_the_activation_hook():
     with torch.no_grad():
         want = hf(x[None])[0][0]
         got = block(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Outputs reach ~70 here, so fp32 rounding of the two sides' different sum orders is absolute, not relative: the
+    # largest difference measured was 8.5e-7 of the largest output (an AVX2-only AMD EPYC; under 1e-5 on AVX-512).
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=4e-6 * want.abs().max().item())

@@ -229,7 +229,8 @@ class QuantMatrix:
     @staticmethod
     def from_ggml(raw: npt.NDArray[np.uint8], ggml_type: int, rows: int, cols: int) -> QuantMatrix:
         """From a GGUF tensor's raw bytes: Q4_0 (2), Q4_1 (3), Q4_K (12) exactly as 4-bit; Q8_0 (8), Q5_K (13)
-        exactly and Q6_K (14) within 1/8 of its step as 8-bit. ``cols`` is ggml's first dimension."""
+        exactly as 8-bit; Q6_K (14) exactly as its own blocks (``"q6k"``, 6.5625 bits a weight). ``cols`` is ggml's
+        first dimension."""
     @staticmethod
     def from_float(weight: npt.NDArray[np.float32], bits: int = 8, group_size: int = 0) -> QuantMatrix:
         """Round-to-nearest: 8 bits symmetric, 4 bits asymmetric, one scale per ``group_size`` weights of a row (a
@@ -244,7 +245,8 @@ class QuantMatrix:
     @staticmethod
     def concat(parts: Sequence[QuantMatrix]) -> QuantMatrix:
         """The rows of ``parts`` stacked (q, k, v into one qkv matrix; gate and up into one): one matmul then
-        quantizes the activations once. q4 parts widen to q8 losslessly when any part is q8 (e.g. Q4_K q/k with a
+        quantizes the activations once. q4 parts widen to q8 losslessly when any part is q8; q6k parts stay q6k among
+        themselves and are re-rounded into q8 (within 1/8 of their step) beside other kinds (e.g. Q4_K q/k with a
         Q6_K v)."""
     def matmul(
         self,
@@ -270,14 +272,14 @@ class QuantMatrix:
     @property
     def nbytes(self) -> int:
         """Resident bytes of the packed weights: 5 bits a weight for q4 and 9 for q8 when every scale and min is
-        exactly an f16 (Q4_0, Q4_1, Q8_0 files), else 6 and 10 (f32 scales)."""
+        exactly an f16 (Q4_0, Q4_1, Q8_0 files), else 6 and 10 (f32 scales); 6.5625 for q6k (Q6_K files)."""
     @property
     def rows(self) -> int: ...
     @property
     def cols(self) -> int: ...
     @property
     def kind(self) -> str:
-        """``"q8"`` or ``"q4"``."""
+        """``"q8"``, ``"q4"`` or ``"q6k"``."""
 
 @final
 class MoeExperts:

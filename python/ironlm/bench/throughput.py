@@ -322,7 +322,8 @@ def run(config: ThroughputConfig) -> dict[str, Any]:
 
         from ironlm.bench.vllm_cpu import VllmOffline
 
-        vllm = VllmOffline(config.model, threads=torch.get_num_threads(), install=vllm_install)
+        vllm = VllmOffline(config.model, threads=torch.get_num_threads(), install=vllm_install,
+                           dtype=str(config.engine_args.get("dtype") or "auto"))
         vllm.start()
     try:
         ironlm_runs, base_runs = _timed_runs(config, llms, ds, warm, baseline, plan, server, vllm)

@@ -221,8 +221,11 @@ pub fn paged_decode<T: Elem>(
 pub(crate) enum Path {
     /// Plain Rust, any CPU.
     Generic,
-    /// The generic body compiled for AVX2 + FMA.
+    /// The generic body compiled for AVX2 + FMA (for a CPU without F16C; tests run it).
     Avx2,
+    /// `attention_avx2`'s explicit AVX2 passes where the head dim allows, else the generic body
+    /// compiled for AVX2 + FMA + F16C.
+    Avx2Tiles,
     /// The generic body compiled for AVX-512 (`Avx512Tiles` falls back to it; tests run it).
     #[cfg_attr(not(test), allow(dead_code))]
     Avx512,
@@ -232,7 +235,13 @@ pub(crate) enum Path {
 
 impl Path {
     #[cfg(test)]
-    pub(crate) const ALL: [Path; 4] = [Path::Generic, Path::Avx2, Path::Avx512, Path::Avx512Tiles];
+    pub(crate) const ALL: [Path; 5] = [
+        Path::Generic,
+        Path::Avx2,
+        Path::Avx2Tiles,
+        Path::Avx512,
+        Path::Avx512Tiles,
+    ];
 
     /// Whether this CPU can run the path.
     pub(crate) fn available(self) -> bool {
@@ -242,6 +251,7 @@ impl Path {
             match self {
                 Path::Generic => true,
                 Path::Avx2 => has!("avx2") && has!("fma"),
+                Path::Avx2Tiles => has!("avx2") && has!("fma") && has!("f16c"),
                 Path::Avx512 | Path::Avx512Tiles => has!("avx512f") && has!("avx512bw"),
             }
         }
@@ -252,7 +262,7 @@ impl Path {
     }
 
     fn best() -> Path {
-        [Path::Avx512Tiles, Path::Avx2]
+        [Path::Avx512Tiles, Path::Avx2Tiles, Path::Avx2]
             .into_iter()
             .find(|p| p.available())
             .unwrap_or(Path::Generic)
@@ -310,6 +320,8 @@ fn run_seqs<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T], path: Pa
         // SAFETY: as above.
         Path::Avx512 => return unsafe { run_seqs_avx512(args, first, out) },
         // SAFETY: as above.
+        Path::Avx2Tiles => return unsafe { run_seqs_avx2_tiles(args, first, out) },
+        // SAFETY: as above.
         Path::Avx2 => return unsafe { run_seqs_avx2(args, first, out) },
         Path::Generic => {}
     }
@@ -334,6 +346,19 @@ unsafe fn run_seqs_tiles<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut 
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn run_seqs_avx512<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
     run_seqs_generic(args, first, out, attend)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_seqs_avx2_tiles<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
+    if !avx2::serves(args.shape.head_dim) {
+        return run_seqs_generic(args, first, out, attend);
+    }
+    // SAFETY: this function's features are the body's; the args passed `validate`.
+    let body = |a: &DecodeArgs<T>, rows, sc: &mut Scratch, o: &mut [T]| unsafe {
+        avx2::attend(a, rows, sc, o)
+    };
+    run_seqs_generic(args, first, out, body)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -411,8 +436,8 @@ impl<T: Elem> DecodeArgs<'_, T> {
 }
 
 /// Per-thread f32 working rows: the group's logits, queries and output accumulators, each
-/// row's attended positions with the offset of its logits, and (`attention_x86`) the partial
-/// dot products of a tile of positions.
+/// row's attended positions with the offset of its logits, and (`attention_x86`,
+/// `attention_avx2`) the partial dot products of a tile of positions.
 struct Scratch {
     scores: Vec<f32>,
     q: Vec<f32>,
@@ -566,6 +591,10 @@ fn dot<T: Elem>(a: &[f32], b: &[T]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[path = "attention_x86.rs"]
 mod x86;
+
+#[cfg(target_arch = "x86_64")]
+#[path = "attention_avx2.rs"]
+mod avx2;
 
 #[cfg(test)]
 #[path = "attention_tests.rs"]

@@ -142,8 +142,10 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn matches_reference_across_shapes_and_thread_counts() {
     let mut rng = Rng(7);
-    // (Hq, Hkv, D, block_size): MHA, GQA, MQA, head dims that are not a multiple of 16, and
-    // every register count of the AVX-512 path (D / 16 = 1..=8, 16).
+    // (Hq, Hkv, D, block_size): MHA, GQA, MQA, head dims that are not a multiple of 16, every
+    // register count of the AVX-512 path (D / 16 = 1..=8, 16), and of the AVX2 path a head dim
+    // in one chunk of K registers, one with a remainder after full chunks (D / 8 = 9, 12), and
+    // several chunks (16, 32).
     for &(hq, hkv, d, bs) in &[
         (4, 4, 16, 4),
         (9, 3, 64, 16),
@@ -158,6 +160,8 @@ fn matches_reference_across_shapes_and_thread_counts() {
         (2, 2, 112, 16),
         (4, 2, 256, 16),
         (3, 1, 72, 16),
+        (6, 3, 24, 3),
+        (4, 4, 104, 16),
     ] {
         for path in paths() {
             for threads in [1, 2, 3, 8] {
@@ -492,8 +496,8 @@ fn rows_sharing_a_table_equal_each_row_alone() {
     }
 }
 
-/// Random shapes (GQA groups 1, 3, 4, 8; head dims the AVX-512 path serves and some it does
-/// not; odd lengths and block sizes) with random windows, soft-caps and sinks, in f32, bf16 and
+/// Random shapes (GQA groups 1, 3, 4, 8; head dims the AVX-512 and AVX2 paths serve and some
+/// only the AVX2 one does; odd lengths and block sizes) with random windows, soft-caps and sinks, in f32, bf16 and
 /// f16 caches, on every path: close to the f64 reference, and each row of a batch bit for bit
 /// the row computed alone.
 #[test]
@@ -554,8 +558,8 @@ fn random_shapes_and_options_match_the_reference_row_by_row() {
         }
     }
     let mut rng = Rng(77);
-    let dims = [64, 128, 80, 16, 40, 72];
-    for trial in 0..24 {
+    let dims = [64, 128, 80, 16, 40, 72, 24, 56];
+    for trial in 0..32 {
         let hkv = 1 + rng.index(3);
         let group = [1, 3, 4, 8][trial % 4];
         let d = dims[rng.index(dims.len())];

@@ -59,25 +59,25 @@ pub(super) unsafe fn attend<T: Elem>(
 /// Where a (row, head) pair's numbers live: its logits at `scores[off..off + len - first]`
 /// (position `first` first), its output at `out[out..out + D]`.
 #[derive(Clone, Copy, Default)]
-struct Pair {
-    first: usize,
-    len: usize,
-    off: usize,
-    out: usize,
+pub(super) struct Pair {
+    pub(super) first: usize,
+    pub(super) len: usize,
+    pub(super) off: usize,
+    pub(super) out: usize,
 }
 
 /// The cache geometry the passes need, pulled out of `DecodeArgs`.
 #[derive(Clone, Copy)]
-struct Geo<'a> {
-    table: &'a [i32],
-    block_size: usize,
-    width: usize,
+pub(super) struct Geo<'a> {
+    pub(super) table: &'a [i32],
+    pub(super) block_size: usize,
+    pub(super) width: usize,
 }
 
 impl Geo<'_> {
     /// The element offset of position `pos`'s cache row (every KV head).
     #[inline(always)]
-    fn row(&self, pos: usize) -> usize {
+    pub(super) fn row(&self, pos: usize) -> usize {
         let b = self.block_size;
         (self.table[pos / b] as usize * b + pos % b) * self.width
     }
@@ -394,11 +394,12 @@ unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
 ) {
     let np = pairs.len().min(NP);
     let pairs = &pairs[..np];
-    let lo = pairs.iter().map(|p| p.first).min().unwrap_or(0);
-    let hi = pairs.iter().map(|p| p.len).max().unwrap_or(0);
-    // Positions every pair attends: no span check there.
-    let all_lo = pairs.iter().map(|p| p.first).max().unwrap_or(0);
-    let all_hi = pairs.iter().map(|p| p.len).min().unwrap_or(0).max(all_lo);
+    let Spans {
+        lo,
+        all_lo,
+        all_hi,
+        hi,
+    } = Spans::of(pairs);
     let mut acc = [[_mm512_setzero_ps(); NC]; NP];
     let at = At {
         v_cache,
@@ -433,13 +434,35 @@ unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
     }
 }
 
-/// What `weigh` reads: the V cache at columns `col..`, the probabilities, the positions' end.
-struct At<'a, T> {
-    v_cache: &'a [T],
-    scores: &'a [f32],
-    geo: Geo<'a>,
-    col: usize,
-    hi: usize,
+/// What `weigh` reads: the V cache at columns `col..`, the probabilities, the positions' end
+/// (both widths' `weigh`).
+pub(super) struct At<'a, T> {
+    pub(super) v_cache: &'a [T],
+    pub(super) scores: &'a [f32],
+    pub(super) geo: Geo<'a>,
+    pub(super) col: usize,
+    pub(super) hi: usize,
+}
+
+/// The positions `weigh` walks for its pairs: `lo..hi` in all, and `all_lo..all_hi`, attended
+/// by every pair, where no span check is needed.
+pub(super) struct Spans {
+    pub(super) lo: usize,
+    pub(super) all_lo: usize,
+    pub(super) all_hi: usize,
+    pub(super) hi: usize,
+}
+
+impl Spans {
+    pub(super) fn of(pairs: &[Pair]) -> Spans {
+        let all_lo = pairs.iter().map(|p| p.first).max().unwrap_or(0);
+        Spans {
+            lo: pairs.iter().map(|p| p.first).min().unwrap_or(0),
+            all_lo,
+            all_hi: pairs.iter().map(|p| p.len).min().unwrap_or(0).max(all_lo),
+            hi: pairs.iter().map(|p| p.len).max().unwrap_or(0),
+        }
+    }
 }
 
 /// One position of `weigh`: its V row (NC vectors) into every pair's accumulators; with

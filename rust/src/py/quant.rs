@@ -311,7 +311,7 @@ impl PyQuantMatrix {
         self.inner.cols()
     }
 
-    /// `"q8"` or `"q4"`.
+    /// `"q8"`, `"q4"` or `"q6k"`.
     #[getter]
     fn kind(&self) -> &'static str {
         self.inner.kind().name()

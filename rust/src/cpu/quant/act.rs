@@ -5,6 +5,9 @@
 //! keeps the result that of `W @ xq` with no other error: `Σ (s q_w + m)(x - e) = Σ w x - Σ w e`,
 //! `|e| <= scale / 2`; with the exact sum the error would be `Σ (w - m) e`, and `w - m` is up to
 //! twice `|w|` (for Q8_0, `m = -128 s`, 128 steps on every weight).
+//!
+//! Q6_K weights (`q6k.rs`) have one scale per 16 columns, so their offset correction needs the sums of each
+//! block's two halves: `halves`, both in one i32 as two i16s (`|Σ| <= 16 · 127`), the operand of one `vpmaddwd`.
 
 use super::BLOCK;
 
@@ -14,12 +17,17 @@ pub(crate) struct QActs {
     pub scale: Vec<f32>,
     pub sum: Vec<f32>,
     pub qsum: Vec<i32>,
+    /// Per block: `Σ q[0..16]` in the low i16, `Σ q[16..32]` in the high one (empty unless
+    /// asked for: see `quantize`).
+    pub halves: Vec<i32>,
 }
 
 /// Rows per part below which one thread quantizes everything (a fork costs a few µs).
 const MIN_PART: usize = 1 << 15;
 
-pub(crate) fn quantize(x: &[f32], m: usize, k: usize, threads: usize) -> QActs {
+/// `halves`: also fill [`QActs::halves`], which only Q6K tiles read (a serial pass over `q`,
+/// skipped for every other kind).
+pub(crate) fn quantize(x: &[f32], m: usize, k: usize, threads: usize, halves: bool) -> QActs {
     let nb = k / BLOCK;
     let mut a = QActs {
         k,
@@ -27,6 +35,7 @@ pub(crate) fn quantize(x: &[f32], m: usize, k: usize, threads: usize) -> QActs {
         scale: vec![0.0; m * nb],
         sum: vec![0.0; m * nb],
         qsum: vec![0; m * nb],
+        halves: Vec::new(),
     };
     let parts = threads.clamp(1, (m * k / MIN_PART).clamp(1, m.max(1)));
     // Disjoint row ranges of every array, one per part (the mutex only proves them disjoint).
@@ -58,7 +67,18 @@ pub(crate) fn quantize(x: &[f32], m: usize, k: usize, threads: usize) -> QActs {
         quantize_rows(&mut run);
     });
     drop(runs);
+    if halves {
+        a.halves = half_sums(&a.q);
+    }
     a
+}
+
+/// [`QActs::halves`] of quantized blocks `q`.
+pub(crate) fn half_sums(q: &[i8]) -> Vec<i32> {
+    let sum = |h: &[i8]| h.iter().map(|&v| v as i32).sum::<i32>();
+    q.chunks_exact(BLOCK)
+        .map(|b| (sum(&b[..16]) & 0xFFFF) | (sum(&b[16..]) << 16))
+        .collect()
 }
 
 /// A run of rows: their `x`, and where their quants and block sums go.
@@ -225,6 +245,7 @@ mod tests {
                 scale: vec![0.0; m * k / 32],
                 sum: vec![0.0; m * k / 32],
                 qsum: vec![0; m * k / 32],
+                halves: Vec::new(),
             };
             f(&mut Rows {
                 x: &x,

@@ -54,6 +54,7 @@ pub(crate) fn unpack(kind: QKind, blk: &[u8], r: usize) -> [u8; BLOCK] {
                 }
             }
         }
+        QKind::Q6K => unreachable!("Q6K blocks have two scales: see q6k.rs"),
     }
     q
 }
@@ -62,6 +63,16 @@ pub(crate) fn unpack(kind: QKind, blk: &[u8], r: usize) -> [u8; BLOCK] {
 #[inline(always)]
 fn group_into<T: Elem>(m: &QMatrix, g: usize, out: &mut [T]) {
     let (cols, fmt) = (m.cols, m.format());
+    if fmt.kind == QKind::Q6K {
+        let mut row = vec![0.0f32; cols];
+        for (r, dst) in out.chunks_exact_mut(cols).enumerate() {
+            m.q6k_row_into(g * ROWS + r, &mut row);
+            for (o, &v) in dst.iter_mut().zip(&row) {
+                *o = T::from_f32(v);
+            }
+        }
+        return;
+    }
     let bb = fmt.block_bytes();
     let blocks = m.group(g);
     for (r, dst) in out.chunks_exact_mut(cols).enumerate() {

@@ -8,9 +8,10 @@
 //! | Q8_0 (8) | 34 B: f16 d, 32 i8 | `d q` | Q8, q + 128, min -128d (exact) |
 //! | Q4_K (12) | 144 B / 256: f16 d, f16 dmin, 12 B 6-bit scales+mins, 128 B nibbles | `d sc q - dmin m` | Q4 (exact) |
 //! | Q5_K (13) | 176 B / 256: as Q4_K plus 32 B high bits | same, q in 0..32 | Q8 (exact) |
-//! | Q6_K (14) | 210 B / 256: 128 B low nibbles, 64 B high 2 bits, 16 i8 scales, f16 d | `d sc16 (q - 32)` | Q8, see below |
+//! | Q6_K (14) | 210 B / 256: 128 B low nibbles, 64 B high 2 bits, 16 i8 scales, f16 d | `d sc16 (q - 32)` | Q6K (exact, `q6k.rs`) |
 //!
-//! Q6_K has one scale per 16 weights, so a 32-block has two. When both halves fit one grid of
+//! Q6_K has one scale per 16 weights, so a 32-block has two. Stacked with matrices of other kinds
+//! (`QMatrix::concat`, e.g. a Q6_K v beside Q4_K q and k) it becomes Q8: when both halves fit one grid of
 //! 256 steps (`scale = d g`, `g` the gcd of the two sub-scales: equal sub-scales, one twice the
 //! other, ...) the block is kept as is (up to the f32 rounding of `scale * q + min`); otherwise it
 //! is re-rounded onto `s = (hi - lo) / 255` over the block's own range. The range spans at most
@@ -97,6 +98,7 @@ impl QMatrix {
         }
         let kind = match ggml_type {
             Q4_0 | Q4_1 | Q4_K => QKind::Q4,
+            Q6_K => return Ok(Self::pack_q6k(raw, rows, cols)),
             _ => QKind::Q8,
         };
         let mut b = Blocks::new(rows, cols);
@@ -152,30 +154,6 @@ impl QMatrix {
                         b.min[first + sub] = -(dmin * m as f32);
                     }
                 }
-                Q6_K => {
-                    let (ql, qh, sc) = (&src[0..128], &src[128..192], &src[192..208]);
-                    let d = f16_at(src, 208);
-                    for sub in 0..8 {
-                        // Weights 128h + 32p + l (l < 32) come from ql[64h + 32(p%2) + l] (low
-                        // nibble for p < 2, high otherwise) and bits 2p.. of qh[32h + l].
-                        let (h, p) = (sub / 4, sub % 4);
-                        let mut q6 = [0i32; BLOCK];
-                        for (l, v) in q6.iter_mut().enumerate() {
-                            let byte = ql[64 * h + 32 * (p % 2) + l];
-                            let lo = if p < 2 { byte & 0x0F } else { byte >> 4 };
-                            let hi = (qh[32 * h + l] >> (2 * p)) & 3;
-                            *v = (lo | (hi << 4)) as i32 - 32;
-                        }
-                        let s = [
-                            sc[8 * h + 2 * p] as i8 as i32,
-                            sc[8 * h + 2 * p + 1] as i8 as i32,
-                        ];
-                        let q = &mut b.q[(first + sub) * BLOCK..][..BLOCK];
-                        let (scale, min) = q6_block(d, s, &q6, q);
-                        b.scale[first + sub] = scale;
-                        b.min[first + sub] = min;
-                    }
-                }
                 _ => unreachable!("checked by block_size"),
             }
         }
@@ -193,7 +171,7 @@ fn gcd(a: i32, b: i32) -> i32 {
 
 /// One Q6_K 32-block (`w[l] = d · s[l / 16] · q6[l]`) as Q8 quants `q` (returns scale, min):
 /// exact when the two halves fit one 256-step grid, re-rounded otherwise.
-fn q6_block(d: f32, s: [i32; 2], q6: &[i32; BLOCK], q: &mut [u8]) -> (f32, f32) {
+pub(super) fn q6_block(d: f32, s: [i32; 2], q6: &[i32; BLOCK], q: &mut [u8]) -> (f32, f32) {
     let g = gcd(s[0], s[1]);
     if g == 0 {
         q.fill(0);

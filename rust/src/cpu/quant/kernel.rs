@@ -1,12 +1,12 @@
 //! The matmul driver: quantize `x` once, split the row groups over threads, and for each group
-//! run a register tile of up to `Isa::tile_rows()` activation rows against its blocks. Each
+//! run a register tile of up to `Isa::tile_rows` activation rows against its blocks. Each
 //! group's blocks (≤ 10 KiB per 576 columns) stay in L1 while every tile of `x` streams past.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use super::act::{self, QActs};
-use super::{Format, QMatrix, Tile, BLOCK, ROWS};
+use super::{Format, QKind, QMatrix, Tile, BLOCK, ROWS};
 use crate::error::{CoreError, CoreResult};
 
 /// A SIMD path of the kernel.
@@ -74,12 +74,14 @@ impl Isa {
         Ok(isa)
     }
 
-    /// Activation rows per register tile (16 ymm registers hold 2 rows' accumulators).
-    pub(super) fn tile_rows(self) -> usize {
-        match self {
-            Isa::Avx512Vnni => 8,
-            Isa::Scalar => 4,
-            Isa::Avx2 | Isa::AvxVnni => 2,
+    /// Activation rows per register tile of a `kind` matrix (16 ymm registers hold 2 rows'
+    /// accumulators; AVX2's 4-bit body sums in i16 lanes and folds each block half at once, so
+    /// 4 rows fit and every unpacked chunk serves twice as many rows).
+    pub(super) fn tile_rows(self, kind: QKind) -> usize {
+        match (self, kind) {
+            (Isa::Avx512Vnni, _) => 8,
+            (Isa::Scalar, _) | (Isa::Avx2, QKind::Q4) => 4,
+            (Isa::Avx2 | Isa::AvxVnni, _) => 2,
         }
     }
 }
@@ -146,7 +148,7 @@ impl QMatrix {
         if m == 0 {
             return Ok(());
         }
-        let acts = act::quantize(x, m, k, opts.threads);
+        let acts = act::quantize(x, m, k, opts.threads, self.kind() == QKind::Q6K);
         let tile = tile_fn(isa);
         let dst = OutPtr(out.as_mut_ptr());
         let dst = &dst;
@@ -189,8 +191,14 @@ impl QMatrix {
         accumulate: bool,
         res: &mut Tile,
     ) {
-        let (n, nb, mr) = (self.rows, self.blocks_per_row(), isa.tile_rows());
+        let (n, nb, mr) = (self.rows, self.blocks_per_row(), isa.tile_rows(self.kind()));
         let (blocks, fmt) = (self.group(g), self.format());
+        // The caller picks the tile by ISA; Q6K blocks have tiles of their own.
+        let tile = if fmt.kind == QKind::Q6K {
+            q6k_tile_fn(isa)
+        } else {
+            tile
+        };
         let cols = ROWS.min(n - g * ROWS);
         let bias = bias.map(|b| &b[g * ROWS..g * ROWS + cols]);
         for i0 in rows.clone().step_by(mr) {
@@ -205,6 +213,18 @@ impl QMatrix {
                 epilogue(o, &vals[..cols], bias, accumulate);
             }
         }
+    }
+}
+
+/// The tile function of `isa` for Q6K blocks: the AVX2 body on every x86 SIMD path (its
+/// `vpmaddwd` scaling has no VNNI or 512-bit counterpart here).
+fn q6k_tile_fn(isa: Isa) -> TileFn {
+    match isa {
+        Isa::Scalar => super::q6k::tile_scalar,
+        #[cfg(target_arch = "x86_64")]
+        _ => super::q6k_x86::tile_avx2,
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("only Scalar is available"),
     }
 }
 

@@ -5,8 +5,9 @@
 //! Every run of 32 consecutive weights of a row (a *block*) is affine: `w = scale * q + min`,
 //! `q` unsigned (`u8` for [`QKind::Q8`], 4-bit for [`QKind::Q4`]), `scale` and `min` f32. The
 //! GGUF formats Q4_0, Q4_1 and Q4_K map onto Q4 exactly, Q8_0 and Q5_K onto Q8 exactly (their
-//! sub-block scales and mins are exact f32 products); Q6_K, whose scales cover 16 weights, is
-//! re-rounded into Q8 unless a block happens to be exact (see [`ggml`]).
+//! sub-block scales and mins are exact f32 products). Q6_K, whose scales cover 16 weights, keeps
+//! its own blocks as [`QKind::Q6K`] (6.5625 bits a weight, layout and kernels in `q6k.rs`);
+//! stacked with other kinds ([`QMatrix::concat`]) it is re-rounded into Q8 (see [`ggml`]).
 //!
 //! Unsigned weights times signed int8 activations is what VNNI `vpdpbusd` (u8 × i8, four
 //! products summed into each i32 lane) and AVX2 `vpmaddubsw` take. The min term needs no
@@ -51,11 +52,16 @@ pub mod ggml;
 mod kernel;
 mod moe;
 mod parts;
+mod q6k;
+#[cfg(target_arch = "x86_64")]
+mod q6k_x86;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 #[cfg(test)]
 mod moe_tests;
+#[cfg(test)]
+mod q6k_tests;
 #[cfg(test)]
 mod tests;
 
@@ -84,6 +90,9 @@ pub enum QKind {
     Q8,
     /// 4-bit unsigned quants.
     Q4,
+    /// GGUF Q6_K super-blocks: 6-bit quants, an i8 scale per 16 weights, an f16 one per 256
+    /// (`q6k.rs`; only from Q6_K files).
+    Q6K,
 }
 
 impl QKind {
@@ -92,6 +101,7 @@ impl QKind {
         match self {
             QKind::Q8 => ROWS * BLOCK,
             QKind::Q4 => ROWS * BLOCK / 2,
+            QKind::Q6K => q6k::QUANT_BYTES,
         }
     }
 
@@ -99,6 +109,7 @@ impl QKind {
         match self {
             QKind::Q8 => 255,
             QKind::Q4 => 15,
+            QKind::Q6K => 63,
         }
     }
 
@@ -107,6 +118,7 @@ impl QKind {
         match self {
             QKind::Q8 => -128.0,
             QKind::Q4 => -8.0,
+            QKind::Q6K => -32.0,
         }
     }
 
@@ -114,6 +126,7 @@ impl QKind {
         match self {
             QKind::Q8 => "q8",
             QKind::Q4 => "q4",
+            QKind::Q6K => "q6k",
         }
     }
 }
@@ -144,12 +157,24 @@ impl Format {
     /// Bytes per packed block: quants, 16 scales, 16 mins unless symmetric (a multiple of 64
     /// except for symmetric f16 blocks, 288 and 544 B, which the kernels load unaligned).
     pub const fn block_bytes(self) -> usize {
-        self.quant_bytes() + self.scales_bytes() * if self.sym { 1 } else { 2 }
+        match self.kind {
+            QKind::Q6K => q6k::BLOCK_BYTES,
+            _ => self.quant_bytes() + self.scales_bytes() * if self.sym { 1 } else { 2 },
+        }
     }
 
-    /// `(scale, min)` of row `r` (0..16) in a packed block.
+    /// Bytes of a row group's blocks over `cols` columns (Q6K adds its super-blocks' `d`s).
+    pub const fn group_bytes(self, cols: usize) -> usize {
+        match self.kind {
+            QKind::Q6K => cols / q6k::SUPER * q6k::SUPER_BYTES,
+            _ => cols / BLOCK * self.block_bytes(),
+        }
+    }
+
+    /// `(scale, min)` of row `r` (0..16) in a packed block (not Q6K: two scales a block).
     #[inline(always)]
     pub fn scale_min_at(self, blk: &[u8], r: usize) -> (f32, f32) {
+        debug_assert!(self.kind != QKind::Q6K);
         let (qb, sb) = (self.quant_bytes(), self.scales_bytes());
         let at = |o: usize| {
             if self.half {
@@ -290,7 +315,7 @@ impl QMatrix {
 
     /// The packed blocks of row group `g`, in `K` order.
     pub(crate) fn group(&self, g: usize) -> &[u8] {
-        let len = self.blocks_per_row() * self.format().block_bytes();
+        let len = self.format().group_bytes(self.cols);
         &self.bytes()[g * len..(g + 1) * len]
     }
 
@@ -346,6 +371,9 @@ impl QMatrix {
                                 let (j, hi) = ((c / 4) % 4, c >= 16);
                                 dst[j * 64 + r * 4 + c % 4] |= if hi { v << 4 } else { v };
                             }
+                            QKind::Q6K => {
+                                unreachable!("Q6K is packed from its own blocks (q6k.rs)")
+                            }
                         }
                     }
                     let i = row * nb + blk;
@@ -378,8 +406,11 @@ impl QMatrix {
         }
     }
 
-    /// Block `b` of `row`: `(scale, min, quants)`.
+    /// Block `b` of `row`: `(scale, min, quants)`; a Q6K block re-rounded into Q8 (see `ggml.rs`).
     pub fn block(&self, row: usize, b: usize) -> (f32, f32, [u8; BLOCK]) {
+        if self.kind == QKind::Q6K {
+            return self.q6k_block_q8(row, b);
+        }
         let fmt = self.format();
         let bb = fmt.block_bytes();
         let blk = &self.group(row / ROWS)[b * bb..][..bb];
@@ -412,7 +443,8 @@ impl QMatrix {
 
     /// The rows of `parts` stacked into one matrix (e.g. q, k and v into one qkv projection, so
     /// one call quantizes the activations once and streams all three). Q4 parts join a Q8
-    /// result losslessly (same scales and mins, 4-bit quants widened) when any part is Q8.
+    /// result losslessly (same scales and mins, 4-bit quants widened) when any part is Q8; Q6K
+    /// parts stay Q6K among themselves and are re-rounded into Q8 beside other kinds.
     pub fn concat(parts: &[&QMatrix]) -> CoreResult<QMatrix> {
         let Some(first) = parts.first() else {
             return Err(CoreError::invalid("parts", "needs at least one matrix"));
@@ -422,12 +454,16 @@ impl QMatrix {
             let r = format!("all parts need the same cols, got {} and {}", cols, p.cols);
             return Err(CoreError::invalid("parts", r));
         }
-        let kind = if parts.iter().any(|p| p.kind == QKind::Q8) {
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        if parts.iter().all(|p| p.kind == QKind::Q6K) {
+            let raw: Vec<u8> = parts.iter().flat_map(|p| p.q6k_raw()).collect();
+            return Ok(Self::pack_q6k(&raw, rows, cols));
+        }
+        let kind = if parts.iter().any(|p| p.kind != QKind::Q4) {
             QKind::Q8
         } else {
             QKind::Q4
         };
-        let rows: usize = parts.iter().map(|p| p.rows).sum();
         let mut all = Blocks {
             q: Vec::new(),
             scale: Vec::new(),
@@ -461,6 +497,10 @@ impl QMatrix {
             ));
         }
         for (&row, dst) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
+            if self.kind == QKind::Q6K {
+                self.q6k_row_into(row as usize, dst);
+                continue;
+            }
             for (b, d) in dst.chunks_exact_mut(BLOCK).enumerate() {
                 let (s, m, q) = self.block(row as usize, b);
                 for (o, &q) in d.iter_mut().zip(&q) {
@@ -533,6 +573,7 @@ impl QMatrix {
                     }
                     (s, lo)
                 }
+                QKind::Q6K => unreachable!("bits is 4 or 8"),
             };
             let blocks = group / BLOCK;
             b.scale[gi * blocks..][..blocks].fill(scale);

@@ -13,7 +13,7 @@
 
 use super::act::{self, QActs};
 use super::kernel::{self, OutPtr, TileFn};
-use super::{Isa, QMatrix, ROWS};
+use super::{Isa, QKind, QMatrix, ROWS};
 use crate::cpu::ops::{self, GatedAct};
 use crate::error::{CoreError, CoreResult};
 
@@ -48,6 +48,11 @@ pub struct Routing<'a> {
     pub ids: &'a [i64],
     pub weights: &'a [f32],
     pub top_k: usize,
+}
+
+/// Whether any expert's matrix is Q6K: its tiles need the activations' half sums.
+fn any_q6k(ws: &[&QMatrix]) -> bool {
+    ws.iter().any(|w| w.kind() == QKind::Q6K)
 }
 
 fn check_len(name: &'static str, got: usize, want: usize, what: &str) -> CoreResult<()> {
@@ -183,11 +188,11 @@ impl<'a> Experts<'a> {
         };
         let inter = self.inter;
         let mut gu = vec![0.0f32; total * 2 * inter];
-        let acts = act::quantize(&xs, total, h, threads);
+        let acts = act::quantize(&xs, total, h, threads, any_q6k(&self.gate_up));
         pass.run(&self.gate_up, self.gate_up_bias, &acts, &mut gu);
         let mut a = vec![0.0f32; total * inter];
         self.activate(&gu, &mut a, threads)?;
-        let acts = act::quantize(&a, total, inter, threads);
+        let acts = act::quantize(&a, total, inter, threads, any_q6k(&self.down));
         let mut y = xs; // the gathered rows are spent: reuse their buffer, [total, h] as well
         pass.run(&self.down, self.down_bias, &acts, &mut y);
         combine(out, &y, &pairs, route, h, threads);

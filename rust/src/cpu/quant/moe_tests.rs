@@ -20,11 +20,19 @@ struct Case {
 }
 
 impl Case {
+    /// `bits` 4 or 8: load-time quantized; 6: GGUF Q6_K blocks (Q6K, 256 columns).
     fn random(rng: &mut Rng, local: usize, first: usize, num_experts: usize, bits: u32) -> Case {
-        let h = 32 * (1 + rng.index(3));
-        let inter = 32 * (1 + rng.index(4));
+        let (h, inter) = if bits == 6 {
+            (256, 256)
+        } else {
+            (32 * (1 + rng.index(3)), 32 * (1 + rng.index(4)))
+        };
         let group = if bits == 4 || rng.chance(50) { 32 } else { 0 };
         let mat = |rng: &mut Rng, rows: usize, cols: usize| {
+            if bits == 6 {
+                let raw = super::q6k_tests::random_raw(rng, rows * cols);
+                return QMatrix::from_ggml(&raw, super::ggml::Q6_K, rows, cols).unwrap();
+            }
             let w: Vec<f32> = rng.floats(rows * cols).iter().map(|v| v * 0.3).collect();
             QMatrix::quantize(&w, rows, cols, bits, group).unwrap()
         };
@@ -207,7 +215,11 @@ fn run_is_the_per_expert_composition_bit_for_bit() {
         } else {
             (0, num_experts)
         };
-        let bits = if case_no % 2 == 0 { 8 } else { 4 };
+        let bits = match case_no % 8 {
+            7 => 6,
+            n if n % 2 == 0 => 8,
+            _ => 4,
+        };
         let c = Case::random(&mut rng, local, first, num_experts, bits);
         let t = [1, 2, 3, 9, 17][rng.index(5)];
         let k = 1 + rng.index(num_experts.min(4));

@@ -17,6 +17,10 @@ impl QMatrix {
         kind: QKind,
     ) -> CoreResult<Self> {
         check_shape(rows, cols)?;
+        if kind == QKind::Q6K {
+            let r = "q6k matrices come from GGUF Q6_K blocks (from_ggml)";
+            return Err(CoreError::invalid("kind", r));
+        }
         if q.len() != rows * cols {
             let r = format!(
                 "has {} elements, expected rows * cols = {}",

@@ -56,7 +56,7 @@ fn raw_blocks(rng: &mut Rng, ty: u32, n: usize) -> Vec<u8> {
 }
 
 /// f64 reference: one super-block of `ty` → its weights, following llama.cpp's loops.
-fn reference_block(ty: u32, b: &[u8]) -> Vec<f64> {
+pub(super) fn reference_block(ty: u32, b: &[u8]) -> Vec<f64> {
     let mut y = Vec::new();
     match ty {
         ggml::Q4_0 | ggml::Q4_1 => {
@@ -184,10 +184,10 @@ fn ggml_formats_match_the_f64_reference() {
         let (rows, cols) = (37, 2 * per.max(64));
         let raw = raw_blocks(&mut rng, ty, rows * cols);
         let m = QMatrix::from_ggml(&raw, ty, rows, cols).unwrap();
-        let kind = if matches!(ty, ggml::Q4_0 | ggml::Q4_1 | ggml::Q4_K) {
-            QKind::Q4
-        } else {
-            QKind::Q8
+        let kind = match ty {
+            ggml::Q4_0 | ggml::Q4_1 | ggml::Q4_K => QKind::Q4,
+            ggml::Q6_K => QKind::Q6K,
+            _ => QKind::Q8,
         };
         assert_eq!(m.kind(), kind);
         let want: Vec<f64> = raw
@@ -200,7 +200,15 @@ fn ggml_formats_match_the_f64_reference() {
             for b in 0..cols / BLOCK {
                 let (s, mn, q) = m.block(row, b);
                 let at = row * cols + b * BLOCK;
-                let (w, g) = (&want[at..at + BLOCK], &got[at..at + BLOCK]);
+                // Q6K's `block` is its Q8 re-rounding (what it becomes beside other kinds); its
+                // own dequantization is exact (q6k_tests.rs).
+                let q8: Vec<f32> = (0..BLOCK).map(|c| s * q[c] as f32 + mn).collect();
+                let g = if ty == ggml::Q6_K {
+                    &q8[..]
+                } else {
+                    &got[at..at + BLOCK]
+                };
+                let w = &want[at..at + BLOCK];
                 // f32 evaluation of `s q + m`: two roundings.
                 let ulp =
                     |c: usize| 2.0 * EPS * ((s as f64 * q[c] as f64).abs() + (mn as f64).abs());
@@ -333,11 +341,42 @@ fn reference(w: &QMatrix, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
     (out, bound)
 }
 
+/// Asserts each `out[i]` (row-major, as many columns as the bias has) lies
+/// within `bound[i]`, plus f32 rounding of the sum, of `want[i]` with the bias and, when
+/// accumulating, the prior output added; `what` names the case in the failure.
+pub(super) fn assert_within_bound(
+    out: &[f32],
+    want: &[f64],
+    bound: &[f64],
+    bias: Option<&[f32]>,
+    prior: Option<&[f32]>,
+    what: &dyn Fn() -> String,
+) {
+    for i in 0..want.len() {
+        let mut exact = want[i];
+        if let Some(b) = bias {
+            exact += b[i % b.len()] as f64;
+        }
+        if let Some(p) = prior {
+            exact += p[i] as f64;
+        }
+        let tol = bound[i] + 2.0 * EPS * (exact.abs() + 1.0);
+        let err = (out[i] as f64 - exact).abs();
+        assert!(
+            err <= tol,
+            "{} [{i}]: {} vs {exact} (bound {tol})",
+            what(),
+            out[i]
+        );
+    }
+}
+
 fn random_matrix(rng: &mut Rng, kind: QKind, n: usize, k: usize) -> QMatrix {
     let w: Vec<f32> = rng.floats(n * k);
     let m = match kind {
         QKind::Q8 => QMatrix::quantize(&w, n, k, 8, 32),
         QKind::Q4 => QMatrix::quantize(&w, n, k, 4, 32),
+        QKind::Q6K => unreachable!("Q6K matrices come from Q6_K blocks (q6k_tests.rs)"),
     };
     m.unwrap()
 }
@@ -361,6 +400,7 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
                 (QKind::Q8, _) => ggml::Q8_0,
                 (QKind::Q4, 7) => ggml::Q4_0,
                 (QKind::Q4, _) => ggml::Q4_1,
+                (QKind::Q6K, _) => unreachable!("case kinds are Q8 and Q4"),
             };
             let w = QMatrix::from_ggml(&raw_blocks(&mut rng, ty, n * k), ty, n, k).unwrap();
             assert!(w.half_scales());
@@ -385,19 +425,13 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
                     isa: Some(isa),
                 };
                 w.matmul(&x, m, &mut out, &opts).unwrap();
-                for i in 0..m * n {
-                    let mut exact = want[i];
-                    let mut tol = bound[i];
-                    if use_bias {
-                        exact += bias[i % n] as f64;
-                    }
-                    if accumulate {
-                        exact += prior[i] as f64;
-                    }
-                    tol += 2.0 * EPS * (exact.abs() + 1.0);
-                    let err = (out[i] as f64 - exact).abs();
-                    assert!(err <= tol, "{isa:?} {kind:?} m={m} k={k} n={n} threads={threads} [{}, {}]: {} vs {exact} (bound {tol})", i / n, i % n, out[i]);
-                }
+                let (b, p) = (
+                    use_bias.then_some(&bias[..]),
+                    accumulate.then_some(&prior[..]),
+                );
+                assert_within_bound(&out, &want, &bound, b, p, &|| {
+                    format!("{isa:?} {kind:?} m={m} k={k} n={n} threads={threads}")
+                });
                 // Threads split whole row groups, so the result never depends on them.
                 match &first {
                     Some(f) if threads > 1 => assert_eq!(f, &out, "{isa:?} threads"),
@@ -649,7 +683,6 @@ fn scales_are_stored_as_f16_exactly_when_they_all_are_f16s() {
         (ggml::Q4_1, true),
         (ggml::Q8_0, true),
         (ggml::Q4_K, false),
-        (ggml::Q6_K, false),
     ] {
         let m = QMatrix::from_ggml(&raw_blocks(&mut rng, ty, 16 * 256), ty, 16, 256).unwrap();
         assert_eq!(m.half_scales(), half, "type {ty}");

@@ -71,6 +71,7 @@ pub(crate) fn tile_avx512_vnni(
             (QKind::Q8, true) => rows512::<false, true>(p, sym, nb, a, row0, rows, out),
             (QKind::Q4, false) => rows512::<true, false>(p, sym, nb, a, row0, rows, out),
             (QKind::Q4, true) => rows512::<true, true>(p, sym, nb, a, row0, rows, out),
+            (QKind::Q6K, _) => super::q6k_x86::tile_avx2(fmt, blocks, nb, a, row0, rows, out),
         }
     }
 }
@@ -208,6 +209,18 @@ unsafe fn dot_avx2(acc: __m256i, w: __m256i, x: __m256i, q8: bool) -> __m256i {
 /// A 256-bit tile body, instantiated per ISA so every helper inlines into its target features.
 macro_rules! tile256 {
     ($entry:ident, $body:ident, $features:literal, $dot:ident, $offset:literal, $isa:ident) => {
+        tile256!(
+            $entry,
+            $body,
+            $features,
+            $dot,
+            $offset,
+            $isa,
+            |_fmt, _rows| false
+        );
+    };
+    ($entry:ident, $body:ident, $features:literal, $dot:ident, $offset:literal, $isa:ident,
+     $own:expr) => {
         pub(crate) fn $entry(
             fmt: Format,
             blocks: &[u8],
@@ -219,6 +232,9 @@ macro_rules! tile256 {
         ) {
             assert!(blocks.len() >= nb * fmt.block_bytes() && (row0 + rows) * a.k <= a.q.len());
             assert!(Isa::$isa.available());
+            if ($own)(fmt, rows) {
+                return tile_avx2_q4(fmt, blocks, nb, a, row0, rows, out);
+            }
             let (p, s) = (blocks.as_ptr(), fmt.sym);
             // SAFETY: as in `tile_avx512_vnni`.
             unsafe {
@@ -231,6 +247,9 @@ macro_rules! tile256 {
                     (QKind::Q4, false, _) => $body::<true, false, 2>(p, s, nb, a, row0, out),
                     (QKind::Q4, true, 1) => $body::<true, true, 1>(p, s, nb, a, row0, out),
                     (QKind::Q4, true, _) => $body::<true, true, 2>(p, s, nb, a, row0, out),
+                    (QKind::Q6K, _, _) => {
+                        super::q6k_x86::tile_avx2(fmt, blocks, nb, a, row0, rows, out)
+                    }
                 }
             }
         }
@@ -318,4 +337,104 @@ tile256!(
     false,
     AvxVnni
 );
-tile256!(tile_avx2, avx2, "avx2,fma,f16c", dot_avx2, true, Avx2);
+tile256!(
+    tile_avx2,
+    avx2,
+    "avx2,fma,f16c",
+    dot_avx2,
+    true,
+    Avx2,
+    |fmt: Format, _rows| fmt.kind == QKind::Q4
+);
+
+/// AVX2's 4-bit tile of up to 4 rows: a block half's `vpmaddubsw` pairs summed in i16 lanes,
+/// then one `vpmaddwd` per row and half instead of one per pair. 8 pairs of `15 · 127` products
+/// stay inside i16 (|Σ| ≤ 8 · 2 · 15 · 127 = 30480, activations never -128), and integer sums
+/// are exact, so the bits are those of the pair-at-a-time body; but at M > 1, where the
+/// multiply ports bound the tile, it issues 9 multiplies per 8 pairs, not 16.
+fn tile_avx2_q4(
+    fmt: Format,
+    blocks: &[u8],
+    nb: usize,
+    a: &QActs,
+    row0: usize,
+    rows: usize,
+    out: &mut Tile,
+) {
+    assert!(fmt.kind == QKind::Q4 && rows <= 4);
+    let (p, s) = (blocks.as_ptr(), fmt.sym);
+    // SAFETY: as in `tile_avx512_vnni`; the caller (`tile_avx2`) checked the features and sizes.
+    unsafe {
+        match (fmt.half, rows) {
+            (false, 1) => avx2_q4::<false, 1>(p, s, nb, a, row0, out),
+            (false, 2) => avx2_q4::<false, 2>(p, s, nb, a, row0, out),
+            (false, 3) => avx2_q4::<false, 3>(p, s, nb, a, row0, out),
+            (false, _) => avx2_q4::<false, 4>(p, s, nb, a, row0, out),
+            (true, 1) => avx2_q4::<true, 1>(p, s, nb, a, row0, out),
+            (true, 2) => avx2_q4::<true, 2>(p, s, nb, a, row0, out),
+            (true, 3) => avx2_q4::<true, 3>(p, s, nb, a, row0, out),
+            (true, _) => avx2_q4::<true, 4>(p, s, nb, a, row0, out),
+        }
+    }
+}
+
+// `h` picks the chunk half and each row's accumulator alike: an index reads plainer than a zip.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_q4<const HALF: bool, const MR: usize>(
+    blocks: *const u8,
+    sym: bool,
+    nb: usize,
+    a: &QActs,
+    row0: usize,
+    out: &mut Tile,
+) {
+    let fmt = Format {
+        kind: QKind::Q4,
+        half: HALF,
+        sym,
+    };
+    let (bb, qb, sb) = (fmt.block_bytes(), fmt.quant_bytes(), fmt.scales_bytes());
+    let neg_offset = _mm256_set1_ps(QKind::Q4.neg_offset());
+    let x: [*const i8; MR] = std::array::from_fn(|r| a.q.as_ptr().add((row0 + r) * a.k));
+    let base: [usize; MR] = std::array::from_fn(|r| (row0 + r) * nb);
+    let (nibble, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    // [row][half]: rows 0..8 of the group in the low 32 bytes of a chunk, 8..16 high.
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    for b in 0..nb {
+        let blk = blocks.add(b * bb);
+        let c0 = b * BLOCK;
+        for h in 0..2 {
+            let mut pairs = [_mm256_setzero_si256(); MR];
+            for j in 0..4 {
+                let v = _mm256_loadu_si256(blk.add(j * 64 + 32 * h) as *const __m256i);
+                let lo = _mm256_and_si256(v, nibble);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+                for r in 0..MR {
+                    let p = &mut pairs[r];
+                    *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(lo, x4_256(x[r], c0 + 4 * j)));
+                    let xh = x4_256(x[r], c0 + 16 + 4 * j);
+                    *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(hi, xh));
+                }
+            }
+            let at = if HALF { 16 * h } else { 32 * h };
+            let scale = load8(blk.add(qb + at), HALF);
+            let min = if sym {
+                _mm256_mul_ps(scale, neg_offset)
+            } else {
+                load8(blk.add(qb + sb + at), HALF)
+            };
+            for r in 0..MR {
+                let ia = base[r] + b;
+                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
+                let xs = _mm256_set1_ps(a.scale[ia]);
+                acc[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(scale, xs), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.sum[ia]), acc[r][h]);
+            }
+        }
+    }
+    for r in 0..MR {
+        _mm256_storeu_ps(out[r].as_mut_ptr(), acc[r][0]);
+        _mm256_storeu_ps(out[r].as_mut_ptr().add(8), acc[r][1]);
+    }
+}

@@ -1,0 +1,122 @@
+//! The AVX2 tile of [`QKind::Q6K`](super::QKind::Q6K) blocks (layout and arithmetic in `q6k.rs`):
+//! up to two activation rows at a time, each 256-bit vector holding 8 rows of the group (the low
+//! or high 32 bytes of a 64-byte chunk), as in the other kinds' 256-bit tiles.
+
+use std::arch::x86_64::*;
+
+use super::act::QActs;
+use super::q6k::{BLOCK_BYTES, D_AT, QUANT_BYTES, SUPER_BYTES};
+use super::{Format, Isa, Tile, BLOCK, ROWS};
+
+/// The four activation bytes `x[c .. c + 4]` in every i32 lane.
+#[inline(always)]
+unsafe fn x4(x: *const i8, c: usize) -> __m256i {
+    _mm256_set1_epi32(std::ptr::read_unaligned(x.add(c) as *const i32))
+}
+
+pub(crate) fn tile_avx2(
+    _fmt: Format,
+    blocks: &[u8],
+    nb: usize,
+    a: &QActs,
+    row0: usize,
+    rows: usize,
+    out: &mut Tile,
+) {
+    assert!(blocks.len() >= nb / 8 * SUPER_BYTES && nb.is_multiple_of(8));
+    assert!((row0 + rows) * a.k <= a.q.len() && (row0 + rows) * nb <= a.halves.len());
+    assert!(rows <= out.len() && Isa::Avx2.available());
+    let p = blocks.as_ptr();
+    // Pairs of rows: each row's arithmetic is the same in a pair or alone.
+    for r in (0..rows).step_by(2) {
+        let o = &mut out[r..];
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted), `blocks` holds `nb / 8` packed
+        // super-blocks and rows row0 .. row0 + rows of `a` exist (asserted).
+        unsafe {
+            if rows - r >= 2 {
+                body::<2>(p, nb, a, row0 + r, o)
+            } else {
+                body::<1>(p, nb, a, row0 + r, o)
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn body<const MR: usize>(
+    blocks: *const u8,
+    nb: usize,
+    a: &QActs,
+    row0: usize,
+    out: &mut [[f32; ROWS]],
+) {
+    let x: [*const i8; MR] = std::array::from_fn(|r| a.q.as_ptr().add((row0 + r) * a.k));
+    let base: [usize; MR] = std::array::from_fn(|r| (row0 + r) * nb);
+    let (nibble, high) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    // [row][half]: rows 0..8 of the group, then 8..16.
+    let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+    for s in 0..nb / 8 {
+        let sb = blocks.add(s * SUPER_BYTES);
+        let d = [
+            _mm256_cvtph_ps(_mm_loadu_si128(sb.add(D_AT) as *const __m128i)),
+            _mm256_cvtph_ps(_mm_loadu_si128(sb.add(D_AT + 16) as *const __m128i)),
+        ];
+        for b8 in 0..8 {
+            let blk = sb.add(b8 * BLOCK_BYTES);
+            let b = s * 8 + b8;
+            let c0 = b * BLOCK;
+            for h in 0..2 {
+                let lo8 = _mm_loadl_epi64(blk.add(QUANT_BYTES + 8 * h) as *const __m128i);
+                let hi8 = _mm_loadl_epi64(blk.add(QUANT_BYTES + ROWS + 8 * h) as *const __m128i);
+                // Each row's sub-scale in both i16 halves of its lane: vpmaddwd's multiplier.
+                let sc_lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo8, lo8));
+                let sc_hi = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(hi8, hi8));
+                // (32 sc_lo, 32 sc_hi) per lane, against the activations' half sums: the -32.
+                let sc32 =
+                    _mm256_slli_epi16::<5>(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo8, hi8)));
+                let mut isum = [_mm256_setzero_si256(); MR];
+                for u in 0..2 {
+                    let hb = _mm256_loadu_si256(blk.add(256 + 64 * u + 32 * h) as *const __m256i);
+                    for jj in 0..2 {
+                        let j = 2 * u + jj;
+                        let v = _mm256_loadu_si256(blk.add(64 * j + 32 * h) as *const __m256i);
+                        // Bit pairs 2t.. with t = 2 jj (+ 1 for the high nibbles), moved to bits 4..6.
+                        let (hl, hh) = if jj == 0 {
+                            (_mm256_slli_epi16::<4>(hb), _mm256_slli_epi16::<2>(hb))
+                        } else {
+                            (hb, _mm256_srli_epi16::<2>(hb))
+                        };
+                        let ql = _mm256_or_si256(
+                            _mm256_and_si256(v, nibble),
+                            _mm256_and_si256(hl, high),
+                        );
+                        let qh = _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble),
+                            _mm256_and_si256(hh, high),
+                        );
+                        for r in 0..MR {
+                            let pl = _mm256_maddubs_epi16(ql, x4(x[r], c0 + 4 * j));
+                            let ph = _mm256_maddubs_epi16(qh, x4(x[r], c0 + 16 + 4 * j));
+                            let both = _mm256_add_epi32(
+                                _mm256_madd_epi16(pl, sc_lo),
+                                _mm256_madd_epi16(ph, sc_hi),
+                            );
+                            isum[r] = _mm256_add_epi32(isum[r], both);
+                        }
+                    }
+                }
+                for r in 0..MR {
+                    let ia = base[r] + b;
+                    let corr = _mm256_madd_epi16(sc32, _mm256_set1_epi32(a.halves[ia]));
+                    let f = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], corr));
+                    let ds = _mm256_mul_ps(d[h], _mm256_set1_ps(a.scale[ia]));
+                    acc[r][h] = _mm256_fmadd_ps(f, ds, acc[r][h]);
+                }
+            }
+        }
+    }
+    for r in 0..MR {
+        _mm256_storeu_ps(out[r].as_mut_ptr(), acc[r][0]);
+        _mm256_storeu_ps(out[r].as_mut_ptr().add(8), acc[r][1]);
+    }
+}
