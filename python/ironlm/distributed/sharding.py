@@ -164,12 +164,15 @@ class ShardSpec:
     def _mla_cuts(self) -> dict[str, Cut]:
         """Each rank's heads of q (q_proj or q_b_proj) and of kv_b_proj (their keys' and values' up-projections);
         kv_a_proj, q_a_proj and their norms make the latent every head reads: whole on every rank, and so is each
-        rank's cache of it."""
+        rank's cache of it. GGUF files hold kv_b_proj as llama.cpp's per-head halves k_b [heads, rank, nope] and
+        v_b [heads, v, rank]: the same heads, taken along their leading head axis."""
         cfg, n = self.config, self.num_heads
         qk, kv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
         q = Cut(0, self.rank * n * qk, (self.rank + 1) * n * qk)
+        heads = Cut(0, self.rank * n, (self.rank + 1) * n)
         return {"self_attn.q_proj": q, "self_attn.q_b_proj": q,
-                "self_attn.kv_b_proj": Cut(0, self.rank * n * kv, (self.rank + 1) * n * kv)}
+                "self_attn.kv_b_proj": Cut(0, self.rank * n * kv, (self.rank + 1) * n * kv),
+                "self_attn.k_b_proj": heads, "self_attn.v_b_proj": heads}
 
     def take(self, name: str, source: Any, shape: tuple[int, ...]) -> torch.Tensor:
         """This rank's slice of weight `name` read from `source` (a tensor, or a safetensors slice: only the shard's

@@ -458,6 +458,10 @@ def from_gguf(gf: GGUFFile, name: str, spec: QuantSpec, unpermute_heads: int = 0
             logger.info("tensor parallel: %s is split across its quantized blocks; this rank dequantizes its "
                         "columns and keeps them as int8", name)
         w = shard.take(hf, w, tuple(w.shape))
+        if cut is not None and cut.dim == 1 and w.shape[1] % 32:  # the core's rows are whole 32-column blocks
+            raise UnsupportedModelError(
+                f"tensor parallel: {name} splits into {w.shape[1]} columns a rank, not a multiple of 32, which its "
+                "quantized blocks need; load it with quantization='none' or fewer ranks")
     return from_float(w, spec if spec.source == "load" else QuantSpec(bits=8, group_size=32))
 
 

@@ -102,7 +102,7 @@ def _load_shard(model: DecoderLM, files: list[Path]) -> None:
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                if model.weight_target(weights.canonical(model.config, name)) is not None:
+                if weights.wanted(model, weights.canonical(model.config, name)):
                     part = sf.get_slice(name)
                     model.load_weight(name, part, tuple(part.get_shape()))
 

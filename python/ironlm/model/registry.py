@@ -58,6 +58,8 @@ class Family:
     hf_renames: Mapping[str, str] = field(default_factory=dict)
     # (config, ironlm name, tensor) -> [(name, tensor), ...] for fused checkpoint tensors; None = none fused
     split: Callable[[Any, str, Any], list[tuple[str, Any]] | None] | None = None
+    # how its checkpoints stack routed experts in one tensor, if they do (a key of moe/stacked.py's LAYOUTS)
+    experts_layout: str = "transformers"
     gguf_permuted_qk: bool = False  # llama.cpp's converter permuted Q/K rows (LlamaModel and its subclasses)
     # GGUF layer-tensor suffix -> ironlm's, where the architecture's slot means another weight than weights.py's
     gguf_renames: Mapping[str, str] = field(default_factory=dict)

@@ -3,8 +3,9 @@
 ironlm names weights as Llama's HF checkpoints do (``model.layers.N.self_attn.q_proj.weight``, ...) plus the two
 norms Llama lacks: ``post_attn_norm.weight`` (on the attention output) and ``post_mlp_norm.weight`` (on the MLP
 output); ``post_attention_layernorm.weight`` is always the norm *before* the MLP. A family whose checkpoints name
-them otherwise renames (`Family.hf_renames`) or splits fused tensors (`Family.split`) on the way in. GGUF tensor
-names (llama.cpp's, one per slot whatever the family) map onto the same names.
+them otherwise renames (`Family.hf_renames`) or splits fused tensors (`Family.split`) on the way in; routed experts
+stacked in one tensor per projection (transformers 5, gpt-oss) load through moe/stacked.py in every MoE family.
+GGUF tensor names (llama.cpp's, one per slot whatever the family) map onto the same names.
 
 Parameters are stored fused and transposed (see llama.py), so a projection's target is a transposed, possibly
 strided view in the checkpoint's own [out, in] shape. A family's ``norm_offset`` (Gemma's ``1 + w``) is added to
@@ -22,6 +23,7 @@ import torch
 
 from ironlm.model import registry
 from ironlm.model.mla import LatentAttention
+from ironlm.model.moe import stacked
 
 if TYPE_CHECKING:
     from ironlm.model.config import ModelConfig
@@ -197,6 +199,9 @@ def load_weight(model: Any, name: str, tensor: Any, shape: tuple[int, ...] | Non
     this rank's part is read and copied."""
     cfg = model.config
     name = canonical(cfg, name)
+    m = LAYER_RE.match(name)
+    if m is not None and stacked.is_stacked(m.group(2)):
+        return _copy_stacked(model, int(m.group(1)), name, m.group(2), tensor, shape)
     split = registry.by_model_type(cfg.architecture).split
     if split is not None:
         whole = cfg if model.tp is None else model.tp.shard.config  # a fused tensor holds every rank's rows
@@ -204,6 +209,24 @@ def load_weight(model: Any, name: str, tensor: Any, shape: tuple[int, ...] | Non
         if parts is not None:
             return any([_copy(model, n, t, None) for n, t in parts])  # noqa: C419 - copy every part
     return _copy(model, name, tensor, shape)
+
+
+def _copy_stacked(model: Any, idx: int, name: str, rest: str, tensor: Any, shape: tuple[int, ...] | None) -> bool:
+    """A MoE layer's experts stacked in one tensor (moe/stacked.py): this rank's experts, whole (expert
+    parallelism splits experts, never an expert's rows)."""
+    if idx >= model.config.num_layers or model.layers[idx].moe is None:
+        return False
+    layout = stacked.LAYOUTS[registry.by_model_type(model.config.architecture).experts_layout]
+    filled = stacked.load(model.layers[idx].moe, layout, name, rest, tensor, shape)
+    for n in filled:
+        model.mark_loaded(f"model.layers.{idx}.{n}")
+    return bool(filled)
+
+
+def wanted(model: Any, name: str) -> bool:
+    """Whether ironlm loads the ironlm-named tensor `name` (a stacked expert tensor has no one weight_target)."""
+    m = LAYER_RE.match(name)
+    return model.weight_target(name) is not None or (m is not None and stacked.is_stacked(m.group(2)))
 
 
 def _copy(model: Any, name: str, tensor: Any, shape: tuple[int, ...] | None) -> bool:

@@ -4,8 +4,8 @@ other layer (128 tokens in the released models), YaRN RoPE.
 
 Its checkpoints stack the experts: ``mlp.experts.gate_up_proj`` ``[E, hidden, 2I]`` with gate and up columns
 interleaved (gate = even columns), ``down_proj`` ``[E, I, hidden]``, both already ``[in, out]``, and the biases
-``gate_up_proj_bias`` ``[E, 2I]`` (interleaved alike) and ``down_proj_bias`` ``[E, hidden]``; `split` cuts them
-into the per-expert HF-style names the MoE block loads (weights.moe_target), de-interleaving gate from up.
+``gate_up_proj_bias`` ``[E, 2I]`` (interleaved alike) and ``down_proj_bias`` ``[E, hidden]``: moe/stacked.py's
+``gpt_oss`` layout, which de-interleaves gate from up as it copies them into the MoE block.
 
 GGUF (llama.cpp's ``gpt-oss``): the converter de-interleaves and stacks the experts (``ffn_*_exps`` weights and
 biases, moe/gguf.py splits them), names the pre-MLP norm ``post_attention_norm`` and writes neither the SwiGLU
@@ -16,7 +16,6 @@ alpha/limit nor the window pattern nor YaRN's truncate: llama.cpp's graph fixes 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import numpy as np
@@ -26,8 +25,6 @@ from ironlm.model.families.common import gguf_rope_scaling, layer_types_window
 from ironlm.model.moe.gguf import gguf_moe
 from ironlm.model.moe.spec import MoeConfig, RouteSpec
 from ironlm.model.registry import Family, register
-
-_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?$")
 
 
 def _hf(hf_config: Any) -> dict[str, Any]:
@@ -73,24 +70,6 @@ def _gguf(meta: Any, gf: Any) -> dict[str, Any]:
     }
 
 
-def _split(cfg: Any, name: str, tensor: Any) -> list[tuple[str, Any]] | None:
-    """A stacked expert tensor -> one (ironlm name, HF [out, in]-shaped view) per expert and projection."""
-    m = _STACKED.match(name)
-    if m is None:
-        return None
-    prefix, proj, bias = m.group(1), m.group(2), m.group(3) is not None
-    kind = "bias" if bias else "weight"
-    out: list[tuple[str, Any]] = []
-    for e in range(tensor.shape[0]):
-        t = tensor[e]
-        if proj == "down_proj":
-            out.append((f"{prefix}{e}.down_proj.{kind}", t if bias else t.t()))
-            continue
-        gate, up = (t[0::2], t[1::2]) if bias else (t[:, 0::2].t(), t[:, 1::2].t())
-        out += [(f"{prefix}{e}.gate_proj.{kind}", gate), (f"{prefix}{e}.up_proj.{kind}", up)]
-    return out
-
-
 GPT_OSS = register(Family(
     name="gpt_oss",
     hf_classes=("GptOssForCausalLM",),
@@ -101,7 +80,7 @@ GPT_OSS = register(Family(
               "alternating sliding / full layers (layer_types)", "YaRN RoPE"),
     hf_fields=_hf,
     hf_renames={"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias"},
-    split=_split,
+    experts_layout="gpt_oss",
     gguf_fields=_gguf,
     gguf_renames={"post_attention_norm.weight": "post_attention_layernorm.weight"},  # gpt-oss: the pre-MLP norm
 ))
