@@ -2,7 +2,7 @@
 projection, attention by kind, norms, activation, RoPE, the rest of the forward, sampling), on the first N requests
 of workload W through `LLM.generate`.
 
-    flock /tmp/ironlm-bench.lock .venv/bin/python benches/profile_w.py [HF_DIR] [--requests 24] [--dtype bfloat16]
+    flock /tmp/ironlm-bench.lock .venv/bin/python benches/profile_w.py [HF_DIR] [--requests 24] [--dtype auto]
         [--torch-profile] [--json PATH]
 
 Every timed call is wrapped (perf_counter, the CPU ops are synchronous) with exclusive accounting: a call inside
@@ -105,7 +105,7 @@ def _install(ledger: Ledger, names: dict[int, str]) -> None:
 
 
 class _Switch:
-    """Turns the issue-20 paths in `names` off (pack: oneDNN's prepacked bf16 GEMMs; attn: bf16 prefill attention,
+    """Turns the issue-20 paths in `names` off (pack: oneDNN's prepacked f32 / bf16 GEMMs; attn: bf16 prefill attention,
     the fp32 upcast instead) and back on, between runs of one process."""
 
     def __init__(self, names: set[str]) -> None:
@@ -160,14 +160,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=DEFAULT_HF)
     p.add_argument("--requests", type=int, default=24, help="the first N requests of W (64 requests, seed 0)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 on native-bf16 CPUs, else float32")
     p.add_argument("--torch-profile", action="store_true")
     p.add_argument("--no-wrap", action="store_true", help="time the run only (an A/B probe without wrappers)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="K=V", help="extra LLM(...) argument")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a loaded machine's "
                    "OpenMP barrier stalls out of the per-op figures")
     p.add_argument("--off", default="", help="comma list of issue-20 paths to turn off for an A/B: pack (oneDNN "
-                   "prepacked bf16 GEMMs), attn (bf16 prefill attention; fp32 upcast instead)")
+                   "prepacked f32 / bf16 GEMMs), attn (bf16 prefill attention; fp32 upcast instead)")
     p.add_argument("--output-len", type=int, help="every request's output length (e.g. 1: the prefill alone)")
     p.add_argument("--ab", type=int, metavar="ROUNDS", help="no profile: alternate --off's paths off and on for "
                    "ROUNDS rounds in one process and print each side's median wall time")
