@@ -3,6 +3,7 @@
 //! this CPU has against the f64 matmul over those weights, within the activation rounding bound.
 
 use super::ggml::MXFP4;
+use super::tests::reference_matmul;
 use super::{Isa, MatmulOpts, QKind, QMatrix, BLOCK};
 use crate::test_rng::Rng;
 
@@ -61,26 +62,10 @@ fn reference_weights(raw: &[u8]) -> Vec<f64> {
 /// of size `(s u + 12 s) (|x| + amax / 254) <= (|w| + 24 s) (...)`.
 fn reference(raw: &[u8], n: usize, k: usize, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
     let (nb, w) = (k / BLOCK, reference_weights(raw));
-    let (mut out, mut bound) = (vec![0.0; m * n], vec![0.0; m * n]);
-    for i in 0..m {
-        for row in 0..n {
-            let (mut acc, mut quant, mut mag) = (0.0f64, 0.0f64, 0.0f64);
-            for b in 0..nb {
-                let xb = &x[i * k + b * BLOCK..][..BLOCK];
-                let wb = &w[row * k + b * BLOCK..][..BLOCK];
-                let s = 2f64.powi(raw[(row * nb + b) * 17] as i32 - 128);
-                let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
-                for c in 0..BLOCK {
-                    acc += wb[c] * xb[c] as f64;
-                    quant += wb[c].abs() * amax / 127.0 * (0.5 + 1e-4);
-                    mag += (wb[c].abs() + 24.0 * s) * (xb[c].abs() as f64 + amax / 254.0);
-                }
-            }
-            out[i * n + row] = acc;
-            bound[i * n + row] = quant + (2 * nb + 40) as f64 * EPS * mag;
-        }
-    }
-    (out, bound)
+    let wmag: Vec<f64> = (0..n * k)
+        .map(|i| w[i].abs() + 24.0 * 2f64.powi(raw[(i / k * nb + i % k / BLOCK) * 17] as i32 - 128))
+        .collect();
+    reference_matmul(&w, &wmag, n, k, x, m)
 }
 
 #[test]

@@ -5,7 +5,7 @@
 
 use super::ggml::{self, f16_to_f32};
 use super::q6k::{RAW_BYTES, SUPER};
-use super::tests::{assert_within_bound, reference_block};
+use super::tests::{assert_within_bound, reference_block, reference_matmul};
 use super::{DequantOut, Isa, MatmulOpts, QKind, QMatrix, BLOCK};
 use crate::test_rng::Rng;
 
@@ -93,29 +93,11 @@ fn q6k_keeps_the_gguf_blocks_at_their_size() {
     assert!(QMatrix::from_parts(&q, 1, 32, &[1.0], &[0.0], QKind::Q6K).is_err());
 }
 
-/// f64 `x @ W^T` over the Q6_K weights and the bound on |kernel - exact| (as in `tests.rs`):
-/// activation rounding `amax / 254` per element times `Σ |w|`, plus f32 accumulation.
+/// f64 `x @ W^T` over the Q6_K weights and the bound on |kernel - exact| (`reference_matmul`:
+/// the kernel sums each weight whole, so its magnitude is `|w|`).
 fn reference(w: &[f64], n: usize, k: usize, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
-    let nb = k / BLOCK;
-    let (mut out, mut bound) = (vec![0.0; m * n], vec![0.0; m * n]);
-    for i in 0..m {
-        for row in 0..n {
-            let (mut acc, mut quant, mut mag) = (0.0f64, 0.0f64, 0.0f64);
-            for b in 0..nb {
-                let xb = &x[i * k + b * BLOCK..][..BLOCK];
-                let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
-                for c in 0..BLOCK {
-                    let wc = w[row * k + b * BLOCK + c];
-                    acc += wc * xb[c] as f64;
-                    mag += wc.abs() * (xb[c].abs() as f64 + amax / 254.0);
-                    quant += wc.abs() * amax / 127.0 * (0.5 + 1e-4);
-                }
-            }
-            out[i * n + row] = acc;
-            bound[i * n + row] = quant + (2 * nb + 40) as f64 * EPS * mag;
-        }
-    }
-    (out, bound)
+    let wmag: Vec<f64> = w.iter().map(|v| v.abs()).collect();
+    reference_matmul(w, &wmag, n, k, x, m)
 }
 
 #[test]

@@ -316,21 +316,44 @@ fn f32_quantization_error_is_within_half_a_step() {
 /// `|x - xs q| <= xs / 2` times `Σ |w|` per block, plus f32 rounding of the accumulation.
 fn reference(w: &QMatrix, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
     let (n, k) = (w.rows(), w.cols());
+    let (mut wf, mut wmag) = (Vec::with_capacity(n * k), Vec::with_capacity(n * k));
+    for row in 0..n {
+        for b in 0..k / BLOCK {
+            let (s, mn, q) = w.block(row, b);
+            let (s, mn) = (s as f64, mn as f64);
+            for &qc in &q[..BLOCK] {
+                wf.push(s * qc as f64 + mn);
+                wmag.push((s * qc as f64).abs() + mn.abs());
+            }
+        }
+    }
+    reference_matmul(&wf, &wmag, n, k, x, m)
+}
+
+/// f64 `x @ W^T` over exact weights `w` (`[n, k]`) and the bound on |kernel - exact| that every
+/// kind's tests share: the activations' rounding, `amax / 127 · (0.5 + 1e-4)` per element times
+/// `|w|`, plus the f32 rounding of each block's FMAs and of the accumulation over terms of size
+/// `wmag · (|x| + amax / 254)`, `wmag` the magnitude of the parts the kernel sums for a weight.
+pub(super) fn reference_matmul(
+    w: &[f64],
+    wmag: &[f64],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+) -> (Vec<f64>, Vec<f64>) {
     let nb = k / BLOCK;
     let (mut out, mut bound) = (vec![0.0; m * n], vec![0.0; m * n]);
     for i in 0..m {
         for row in 0..n {
             let (mut acc, mut quant, mut mag) = (0.0f64, 0.0f64, 0.0f64);
             for b in 0..nb {
-                let (s, mn, q) = w.block(row, b);
-                let (s, mn) = (s as f64, mn as f64);
                 let xb = &x[i * k + b * BLOCK..][..BLOCK];
                 let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
                 for c in 0..BLOCK {
-                    let wc = s * q[c] as f64 + mn;
+                    let (wc, wm) = (w[row * k + b * BLOCK + c], wmag[row * k + b * BLOCK + c]);
                     acc += wc * xb[c] as f64;
-                    mag +=
-                        ((s * q[c] as f64).abs() + mn.abs()) * (xb[c].abs() as f64 + amax / 254.0);
+                    mag += wm * (xb[c].abs() as f64 + amax / 254.0);
                     quant += wc.abs() * amax / 127.0 * (0.5 + 1e-4);
                 }
             }
