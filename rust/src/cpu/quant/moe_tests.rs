@@ -3,6 +3,7 @@
 //! (within the activation rounding), over random shapes, routings, formats, activations, biases,
 //! thread counts, SIMD paths and expert-parallel ranges.
 
+use super::tests::isas;
 use super::{Experts, Isa, MatmulOpts, MoeAct, QMatrix, Routing};
 use crate::cpu::ops::{self, GatedAct};
 use crate::test_rng::Rng;
@@ -201,10 +202,6 @@ fn routing(rng: &mut Rng, t: usize, k: usize, num_experts: usize) -> (Vec<i64>, 
     }
     let weights = (0..t * k).map(|_| 0.05 + rng.floats(1)[0].abs()).collect();
     (ids, weights)
-}
-
-fn isas() -> Vec<Isa> {
-    Isa::ALL.into_iter().filter(|i| i.available()).collect()
 }
 
 #[test]

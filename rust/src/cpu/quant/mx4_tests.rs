@@ -3,7 +3,7 @@
 //! this CPU has against the f64 matmul over those weights, within the activation rounding bound.
 
 use super::ggml::MXFP4;
-use super::tests::reference_matmul;
+use super::tests::{isas, reference_matmul};
 use super::{Isa, MatmulOpts, QKind, QMatrix, BLOCK};
 use crate::test_rng::Rng;
 
@@ -103,7 +103,7 @@ fn from_ggml_keeps_mxfp4_exactly_at_4_25_bits() {
 #[test]
 fn mxfp4_matmul_matches_f64_within_the_activation_quantization_bound() {
     let mut rng = Rng(43);
-    let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.available()).collect();
+    let isas = isas();
     println!("paths tested: {isas:?}");
     for case in 0..24 {
         let m = [1, 2, 3, 5, 8, 9, 17][case % 7];

@@ -5,7 +5,7 @@
 
 use super::ggml::{self, f16_to_f32};
 use super::q6k::{RAW_BYTES, SUPER};
-use super::tests::{assert_within_bound, reference_block, reference_matmul};
+use super::tests::{assert_within_bound, isas, reference_block, reference_matmul};
 use super::{DequantOut, Isa, MatmulOpts, QKind, QMatrix, BLOCK};
 use crate::test_rng::Rng;
 
@@ -33,10 +33,6 @@ fn reference_weights(raw: &[u8]) -> Vec<f64> {
     raw.chunks_exact(RAW_BYTES)
         .flat_map(|b| reference_block(ggml::Q6_K, b))
         .collect()
-}
-
-fn isas() -> Vec<Isa> {
-    Isa::ALL.into_iter().filter(|i| i.available()).collect()
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -312,6 +312,11 @@ fn f32_quantization_error_is_within_half_a_step() {
     assert!(z.dequantize().iter().all(|&v| v == 0.0));
 }
 
+/// The ISAs this CPU runs, scalar included: every test runs each of them.
+pub(super) fn isas() -> Vec<Isa> {
+    Isa::ALL.into_iter().filter(|i| i.available()).collect()
+}
+
 /// f64 `x @ W^T` and the analytic bound on |kernel - exact|: activation rounding
 /// `|x - xs q| <= xs / 2` times `Σ |w|` per block, plus f32 rounding of the accumulation.
 fn reference(w: &QMatrix, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
@@ -409,7 +414,7 @@ fn random_matrix(rng: &mut Rng, kind: QKind, n: usize, k: usize) -> QMatrix {
 #[test]
 fn matmul_matches_f64_within_the_activation_quantization_bound() {
     let mut rng = Rng(11);
-    let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.available()).collect();
+    let isas = isas();
     println!("paths tested: {isas:?}");
     for case in 0..48 {
         let kind = if case % 2 == 0 { QKind::Q8 } else { QKind::Q4 };
@@ -473,7 +478,7 @@ fn matmul_matches_f64_within_the_activation_quantization_bound() {
 #[test]
 fn implied_mins_are_the_stored_ones_bit_for_bit() {
     let mut rng = Rng(37);
-    let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.available()).collect();
+    let isas = isas();
     let cases = [
         (ggml::Q4_0, 37, 96),
         (ggml::Q8_0, 21, 64),
@@ -732,7 +737,7 @@ fn non_finite_activations_give_nan_rows_on_every_path() {
     let mut x = rng.floats(m * k);
     x[k + 40] = f32::NAN;
     x[2 * k + 3] = f32::INFINITY;
-    for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+    for isa in isas() {
         let mut out = vec![0.0; m * n];
         let opts = MatmulOpts {
             isa: Some(isa),
