@@ -139,6 +139,28 @@ def paged_decode_attention(
     torch is loaded). Raises ``InvalidArgumentError`` naming the argument for any shape, dtype, block id or
     length it cannot follow."""
 
+def prefill_attention(
+    q: npt.NDArray[np.int16],
+    k: npt.NDArray[np.int16],
+    v: npt.NDArray[np.int16],
+    context_len: int,
+    scale: float,
+    out: npt.NDArray[np.int16],
+    threads: int = 1,
+) -> None:
+    """Causal attention of one sequence's bfloat16 prefill chunk (the ``cpu`` backend's prefill).
+
+    ``out[i, h] = softmax(q[i, h] . K^T * scale) V`` over keys ``0..context_len + i``: q ``[n, Hq, D]``, k
+    ``[S, Hkv, D]``, v ``[S, Hkv, Dv]`` with ``S = context_len + n`` keys in position order (rows may be
+    strided, as views into a fused q|k|v row), out ``[n, Hq, Dv]`` C-contiguous; every array holds the int16
+    bits of a bfloat16 tensor. Scores and softmax in f32, the probabilities rounded to bf16 for the weighted
+    sum (f32 accumulation), as SDPA's bf16 path. Runs with the GIL released on up to ``threads`` threads;
+    fast only where ``prefill_attention_serves(D, Dv)``. Raises ``InvalidArgumentError`` naming the argument
+    for a shape or stride it cannot follow."""
+
+def prefill_attention_serves(head_dim: int, v_dim: int) -> bool:
+    """Whether ``prefill_attention`` runs these head dims on its AVX-512 BF16 tiles on this CPU."""
+
 def decode_attention_qkv(
     qkv: _Floats,
     k_cache: _Floats,

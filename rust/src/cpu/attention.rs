@@ -590,7 +590,7 @@ fn dot<T: Elem>(a: &[f32], b: &[T]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[path = "attention_x86.rs"]
-mod x86;
+pub(crate) mod x86;
 
 #[cfg(target_arch = "x86_64")]
 #[path = "attention_avx2.rs"]

@@ -309,7 +309,7 @@ unsafe fn logits<T: Elem, const DV: usize>(
 
 /// `ops::exp` on 16 lanes, the same operations in the same order (so the same bits).
 #[inline(always)]
-unsafe fn exp16(x: __m512) -> __m512 {
+pub(crate) unsafe fn exp16(x: __m512) -> __m512 {
     // SAFETY: register arithmetic only; the caller guarantees AVX-512F.
     unsafe {
         use crate::cpu::ops::exp_consts::*;

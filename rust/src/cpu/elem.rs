@@ -105,7 +105,13 @@ mod tests {
         assert_eq!(Bf16::store(1.0 + 1.0 / 256.0).load(), 1.0);
         assert_eq!(Bf16::store(1.0 + 3.0 / 256.0).load(), 1.0 + 4.0 / 256.0);
         assert_eq!(Bf16::store(f32::NAN).0, 0x7fc0);
-        for bits in [0xffc0_0000u32, 0x7f80_0001, 0xff80_0001, 0x7fff_ffff, 0xffff_ffff] {
+        for bits in [
+            0xffc0_0000u32,
+            0x7f80_0001,
+            0xff80_0001,
+            0x7fff_ffff,
+            0xffff_ffff,
+        ] {
             assert_eq!(Bf16::store(f32::from_bits(bits)).0, 0x7fc0, "{bits:#x}");
         }
     }

@@ -9,4 +9,5 @@ pub mod elem;
 pub mod features;
 pub mod ops;
 pub mod parallel;
+pub mod prefill;
 pub mod quant;

@@ -5,10 +5,12 @@
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::ops::{dtype_arg, ro, rw, with_elem, Ro, Rw};
+use super::ops::{dtype_arg, ro, rw, with_elem, DType, Ro, Rw};
 use super::value_error;
 use crate::cpu::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
 use crate::cpu::decode::{decode_from_qkv, QkNorm, QkvStep};
+use crate::cpu::elem::Bf16;
+use crate::cpu::prefill::{prefill, tiles_serve, PrefillArgs, PrefillShape};
 
 /// `out[i, h] = softmax(q[i, h] · K_i^T * scale) V_i` over the first `seq_lens[i]` positions of
 /// sequence `i`'s pages. Shapes: q/out `[n, Hq, D]` (q's rows may be strided, as a view into a
@@ -286,4 +288,72 @@ impl<'a, T> Cache<'a, T> {
 #[pyfunction]
 pub(crate) fn parallel_runtime() -> &'static str {
     crate::cpu::parallel::runtime_name()
+}
+
+/// Causal attention of one sequence's bf16 prefill chunk (`crate::cpu::prefill`): `out[i, h] =
+/// softmax(q[i, h] · K^T * scale) V` over keys `0..=context_len + i`. q `[n, Hq, D]`, k `[S, Hkv,
+/// D]`, v `[S, Hkv, Dv]` (int16 views of bf16 tensors; rows may be strided, as views into a fused
+/// q|k|v projection) with `S = context_len + n` keys in position order; out `[n, Hq, Dv]`
+/// C-contiguous. Runs anywhere; fast where `prefill_attention_serves(D, Dv)`.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, context_len, scale, out, threads = 1))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefill_attention(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    context_len: usize,
+    scale: f32,
+    out: &Bound<'_, PyAny>,
+    threads: usize,
+) -> PyResult<()> {
+    let dt = DType::Bf16;
+    let (q, k, v) = (ro(q, "q", dt)?, ro(k, "k", dt)?, ro(v, "v", dt)?);
+    let mut out = rw(out, "out", dt)?;
+    let (qr, kr, vr) = (
+        q.rows::<Bf16>("q")?,
+        k.rows::<Bf16>("k")?,
+        v.rows::<Bf16>("v")?,
+    );
+    let (qs, ks, vs) = (&qr.shape, &kr.shape, &vr.shape);
+    if qs.len() != 3 || ks.len() != 3 || vs.len() != 3 {
+        let r = format!("q, k and v must be 3-D, got {qs:?}, {ks:?} and {vs:?}");
+        return Err(value_error("q", r));
+    }
+    if ks[0] != context_len + qs[0] || vs[..2] != ks[..2] || ks[2] != qs[2] {
+        let r = format!("k {ks:?} and v {vs:?} do not fit q {qs:?} after {context_len} keys");
+        return Err(value_error("k", r));
+    }
+    let (os, oshape) = out.slice::<Bf16>("out")?;
+    if oshape != [qs[0], qs[1], vs[2]] {
+        let r = format!("shape {oshape:?}, expected {:?}", [qs[0], qs[1], vs[2]]);
+        return Err(value_error("out", r));
+    }
+    let args = PrefillArgs {
+        shape: PrefillShape {
+            rows: qs[0],
+            context_len,
+            num_q_heads: qs[1],
+            num_kv_heads: ks[1],
+            head_dim: qs[2],
+            v_dim: vs[2],
+        },
+        q: qr.data,
+        q_stride: qr.stride,
+        k: kr.data,
+        k_stride: kr.stride,
+        v: vr.data,
+        v_stride: vr.stride,
+        scale,
+    };
+    py.detach(|| prefill(&args, os, threads))?;
+    Ok(())
+}
+
+/// Whether `prefill_attention` runs heads of these dims on its fast tiles on this CPU (AVX-512
+/// BF16, head_dim a multiple of 32, v_dim of 16).
+#[pyfunction]
+pub(crate) fn prefill_attention_serves(head_dim: usize, v_dim: usize) -> bool {
+    tiles_serve(head_dim, v_dim)
 }

@@ -280,6 +280,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attn::paged_decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(attn::parallel_runtime, m)?)?;
     m.add_function(wrap_pyfunction!(attn::decode_attention_qkv, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::prefill_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(attn::prefill_attention_serves, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(ops::residual_add, m)?)?;
     m.add_function(wrap_pyfunction!(ops::rope_inplace, m)?)?;
