@@ -86,7 +86,8 @@ def _install(ledger: Ledger, names: dict[int, str]) -> None:
         setattr(linear.DenseLinear, meth, ledger.wrap(getattr(linear.DenseLinear, meth), lin_name, lin_shape))
     for fn, op in (("rms_norm", "norm"), ("silu_and_mul", "act"), ("gelu_tanh_and_mul", "act"),
                    ("rope_inplace", "rope"), ("qk_norm_inplace", "rope"), ("dense_matmul", "gemm.core_kernel"),
-                   ("paged_decode_attention", "attn.decode_kernel"), ("decode_attention_qkv", "attn.decode_kernel")):
+                   ("paged_decode_attention", "attn.decode_kernel"), ("decode_attention_qkv", "attn.decode_kernel"),
+                   ("prefill_attention", "attn.prefill")):
         setattr(_core, fn, ledger.wrap(getattr(_core, fn), op))
     cpu_backend.CpuAttention.forward = ledger.wrap(cpu_backend.CpuAttention.forward, "attn.other")  # type: ignore[method-assign]
     cpu_backend._prefill_one = ledger.wrap(cpu_backend._prefill_one, "attn.prefill")
