@@ -33,9 +33,16 @@ from ironlm.model.layers import CoreRope
 if TYPE_CHECKING:
     from ironlm.attention import AttentionMetadata
 
-# Decode batches of up to this many tokens take the lean step: there per-op dispatch, not the matmuls' work, is
-# what a step spends outside the weight streaming.
-LEAN_MAX_TOKENS = 8
+# Decode batches of up to this many tokens take the lean step. Below ~8 rows per-op dispatch, not the matmuls'
+# work, is what a step spends outside the weight streaming; at W's 34-row mean decode batch the ordinary forward
+# still spent ~5 ms a step in Python and torch glue (its op chain, a separate RoPE and attention plan per layer):
+# measured on a 2-core Zen 4 (benches/profile_w.py, 64 requests, bf16), W's decode phase 15.7 -> 14.6 s with
+# every decode step here (and the GEMMs writing no copies, see `DenseLinear.into`).
+LEAN_MAX_TOKENS = 256
+# Steps with chunks (speculative verification rows: a sequence's last token and its proposals) take it up to this
+# many tokens: each chunk row is attended as a decode row of its own, which past a few rows (a prefill tail, a
+# batch of verifications) the ordinary forward's chunk attention does for less.
+LEAN_CHUNK_MAX_TOKENS = 8
 
 
 class LeanBuffers:
@@ -95,7 +102,8 @@ def lean_forward(
     sends to cascade attention)."""
     t = input_ids.shape[0]
     backend = model.attn_backend
-    if (t > LEAN_MAX_TOKENS or not model.config.lean_supported or model.dtype not in CORE_DTYPES
+    if (t > LEAN_MAX_TOKENS or (t > LEAN_CHUNK_MAX_TOKENS and not meta.decode_only)
+            or not model.config.lean_supported or model.dtype not in CORE_DTYPES
             or not getattr(backend, "fused_decode_qkv", False) or not kv_caches):
         return None
     plan = backend.lean_plan(meta, kv_caches[0][0].shape[1], t)
@@ -152,7 +160,7 @@ def lean_layer(layer: Any, ws: LeanBuffers, k_cache: np.ndarray, v_cache: np.nda
         views = layer._lean_views = _views(layer)
     assert layer.qkv is not None and layer.o is not None and layer.gate_up is not None and layer.down is not None
     x, x_np = _normed(layer, views.input, ws, step)
-    layer.qkv.into(x, ws.qkv, x_np, ws.qkv_np)
+    ws.qkv, ws.qkv_np = _held(layer.qkv.into(x, ws.qkv, x_np, ws.qkv_np), ws.qkv, ws.qkv_np)
     qk = views.qk
     if layer.qk_norm_ranks:  # the whole-width norm needs every rank's heads: normed here, not in the kernel
         layer.qk_norm_across_ranks(ws.qkv)
@@ -164,10 +172,18 @@ def lean_layer(layer: Any, ws: LeanBuffers, k_cache: np.ndarray, v_cache: np.nda
         k_norm=None if qk is None else qk[1], eps=layer.eps, softcap=layer.softcap)
     _branch(layer, layer.o, ws.attn, ws.attn_np, layer.fuse_attn_residual, views.attn_out, ws, step)
     x, x_np = _normed(layer, views.pre_mlp, ws, step)
-    layer.gate_up.into(x, ws.gate_up, x_np, ws.gate_up_np)
+    ws.gate_up, ws.gate_up_np = _held(layer.gate_up.into(x, ws.gate_up, x_np, ws.gate_up_np), ws.gate_up,
+                                      ws.gate_up_np)
     act = _core.silu_and_mul if layer.activation == "silu" else _core.gelu_tanh_and_mul
     act(ws.gate_up_np, ws.act_np, step.dtype, step.threads)
     _branch(layer, layer.down, ws.act, ws.act_np, layer.fuse_mlp_residual, views.mlp_out, ws, step)
+
+
+def _held(result: torch.Tensor, buf: torch.Tensor, buf_np: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """A linear's result as the step's new buffer (with its numpy view): the buffer itself when the product was
+    written into it, else the fresh tensor the GEMM returned, which takes the buffer's place from here on (the
+    next step writes into it)."""
+    return (buf, buf_np) if result is buf else (result, as_numpy(result))
 
 
 def _normed(layer: Any, weight: np.ndarray | None, ws: LeanBuffers,
@@ -186,11 +202,11 @@ def _branch(layer: Any, out: Any, x: torch.Tensor, x_np: np.ndarray, fused: bool
     if fused:
         if not layer.owns_residual:
             ws.h.zero_()
-        out.accumulate(x, ws.h, x_np, ws.h_np)
+        ws.h, ws.h_np = _held(out.accumulate(x, ws.h, x_np, ws.h_np), ws.h, ws.h_np)
         if layer.tp is not None:
             layer.tp.all_reduce(ws.h)
         return
-    out.into(x, ws.br, x_np, ws.br_np)
+    ws.br, ws.br_np = _held(out.into(x, ws.br, x_np, ws.br_np), ws.br, ws.br_np)
     if layer.tp is not None:
         layer.tp.all_reduce(ws.br)
     # [norm,] [scale,] add: one core pass, rounded after each step as `DecoderLayer._add`'s ops are

@@ -61,11 +61,12 @@ class _Quantized(ABC):
     @abstractmethod
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
 
-    def into(self, x: torch.Tensor, out: torch.Tensor, x_np: object = None, out_np: object = None) -> None:
-        out.copy_(self(x))
+    def into(self, x: torch.Tensor, out: torch.Tensor, x_np: object = None, out_np: object = None) -> torch.Tensor:
+        return self(x)
 
-    def accumulate(self, x: torch.Tensor, out: torch.Tensor, x_np: object = None, out_np: object = None) -> None:
-        out += self(x)
+    def accumulate(self, x: torch.Tensor, out: torch.Tensor, x_np: object = None,
+                   out_np: object = None) -> torch.Tensor:
+        return out + self(x)
 
 
 class TritonQuantLinear(_Quantized):

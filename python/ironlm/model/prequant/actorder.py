@@ -31,12 +31,12 @@ class ActOrderLinear(QuantLinear):
         return super().__call__(x.index_select(1, self.perm), residual)
 
     def into(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
-             out_np: np.ndarray | None = None) -> None:
-        super().into(x.index_select(1, self.perm), out, None, out_np)
+             out_np: np.ndarray | None = None) -> torch.Tensor:
+        return super().into(x.index_select(1, self.perm), out, None, out_np)
 
     def accumulate(self, x: torch.Tensor, out: torch.Tensor, x_np: np.ndarray | None = None,
-                   out_np: np.ndarray | None = None) -> None:
-        super().accumulate(x.index_select(1, self.perm), out, None, out_np)
+                   out_np: np.ndarray | None = None) -> torch.Tensor:
+        return super().accumulate(x.index_select(1, self.perm), out, None, out_np)
 
     def embed(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         raise TypeError("an act-order matrix is a projection, not an embedding table")
