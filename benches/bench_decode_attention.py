@@ -48,6 +48,9 @@ def _timed(name: str, spent: dict[str, float]) -> Any:
         return out
 
     backend.forward = forward
+    # The ordinary forward's attention, backend against backend: the lean step (every CPU decode step by default)
+    # calls the core's fused decode_attention_qkv itself and never `forward`.
+    backend.fused_decode_qkv = False  # type: ignore[misc]
     return backend
 
 

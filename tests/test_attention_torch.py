@@ -118,12 +118,16 @@ def test_backend_matches_dense_reference(
     check_cache(case, bs)
 
 
-def test_cpu_backend_attends_bf16_prefill_in_bf16() -> None:
-    """The CPU backend's prefill chunks go to SDPA in bf16 (torch's CPU flash kernel accumulates in fp32 itself;
-    fp32 copies cost it 2.5-3x at 256-1024 tokens), the torch backend, the kernels' reference, on fp32 copies;
-    both within the bf16 tolerance of the dense reference."""
+def test_cpu_backend_attends_bf16_prefill_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the core's bf16 prefill kernel (a CPU without AVX-512 BF16; test_cpu_prefill.py covers the
+    kernel) the CPU backend's prefill chunks go to SDPA in bf16 (torch's CPU flash kernel accumulates in fp32
+    itself; fp32 copies cost it 2.5-3x at 256-1024 tokens), the torch backend, the kernels' reference, on fp32
+    copies; both within the bf16 tolerance of the dense reference."""
     import torch.nn.functional as F
 
+    from ironlm.attention import cpu_backend
+
+    monkeypatch.setattr(cpu_backend._core, "prefill_attention_serves", lambda d, dv: False)
     case = make_case([0, 0], [40, 17], hq=6, hkv=2, d=64, block_size=8, dtype=torch.bfloat16, seed=5)
     out = run_backend(case, "cpu")
     start = 0
