@@ -231,16 +231,20 @@ pub(crate) enum Path {
     Avx512,
     /// `attention_x86`'s explicit AVX-512 passes where the head dim allows, else `Avx512`.
     Avx512Tiles,
+    /// `Avx512Tiles` with a bf16 cache's logits by `vdpbf16ps` on the raw bf16 K rows and queries
+    /// (no widening; head dims a multiple of 32); other caches and dims as `Avx512Tiles`.
+    Avx512Bf16,
 }
 
 impl Path {
     #[cfg(test)]
-    pub(crate) const ALL: [Path; 5] = [
+    pub(crate) const ALL: [Path; 6] = [
         Path::Generic,
         Path::Avx2,
         Path::Avx2Tiles,
         Path::Avx512,
         Path::Avx512Tiles,
+        Path::Avx512Bf16,
     ];
 
     /// Whether this CPU can run the path.
@@ -253,6 +257,7 @@ impl Path {
                 Path::Avx2 => has!("avx2") && has!("fma"),
                 Path::Avx2Tiles => has!("avx2") && has!("fma") && has!("f16c"),
                 Path::Avx512 | Path::Avx512Tiles => has!("avx512f") && has!("avx512bw"),
+                Path::Avx512Bf16 => has!("avx512f") && has!("avx512bw") && has!("avx512bf16"),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -262,10 +267,15 @@ impl Path {
     }
 
     fn best() -> Path {
-        [Path::Avx512Tiles, Path::Avx2Tiles, Path::Avx2]
-            .into_iter()
-            .find(|p| p.available())
-            .unwrap_or(Path::Generic)
+        [
+            Path::Avx512Bf16,
+            Path::Avx512Tiles,
+            Path::Avx2Tiles,
+            Path::Avx2,
+        ]
+        .into_iter()
+        .find(|p| p.available())
+        .unwrap_or(Path::Generic)
     }
 }
 
@@ -316,7 +326,9 @@ fn run_seqs<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T], path: Pa
     #[cfg(target_arch = "x86_64")]
     match path {
         // SAFETY: `paged_decode_on` checked that the CPU has the path's features; `validate` passed.
-        Path::Avx512Tiles => return unsafe { run_seqs_tiles(args, first, out) },
+        Path::Avx512Tiles => return unsafe { run_seqs_tiles(args, first, out, false) },
+        // SAFETY: as above (the path's features include AVX-512 BF16).
+        Path::Avx512Bf16 => return unsafe { run_seqs_tiles(args, first, out, true) },
         // SAFETY: as above.
         Path::Avx512 => return unsafe { run_seqs_avx512(args, first, out) },
         // SAFETY: as above.
@@ -331,13 +343,14 @@ fn run_seqs<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T], path: Pa
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn run_seqs_tiles<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
+unsafe fn run_seqs_tiles<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T], dp: bool) {
     if !x86::serves(args.shape.head_dim) {
         return run_seqs_generic(args, first, out, attend);
     }
-    // SAFETY: this function's features include AVX-512F; the args passed `validate`.
+    // SAFETY: this function's features include AVX-512F; the args passed `validate`; `dp` only
+    // on the path that checked AVX-512 BF16.
     let body = |a: &DecodeArgs<T>, rows, sc: &mut Scratch, o: &mut [T]| unsafe {
-        x86::attend(a, rows, sc, o)
+        x86::attend(a, rows, sc, o, dp)
     };
     run_seqs_generic(args, first, out, body)
 }

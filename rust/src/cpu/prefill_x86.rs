@@ -9,7 +9,7 @@
 use std::arch::x86_64::*;
 
 use super::{OutPtr, PrefillArgs, Unit};
-use crate::cpu::attention::x86::exp16;
+use crate::cpu::attention::x86::{dot2, exp16};
 use crate::cpu::elem::Bf16;
 
 /// Rows of a score block and of a weighted-sum block.
@@ -183,19 +183,6 @@ pub(crate) unsafe fn unit(
                 c += nc * 16;
             }
         }
-    }
-}
-
-/// `acc + a[2i] b[2i] + a[2i+1] b[2i+1]` per f32 lane.
-#[inline(always)]
-unsafe fn dot2(acc: __m512, a: __m512i, b: __m512i) -> __m512 {
-    // SAFETY: register arithmetic; the caller has AVX-512 BF16. The casts reinterpret bits.
-    unsafe {
-        _mm512_dpbf16_ps(
-            acc,
-            std::mem::transmute::<__m512i, __m512bh>(a),
-            std::mem::transmute::<__m512i, __m512bh>(b),
-        )
     }
 }
 
