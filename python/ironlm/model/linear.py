@@ -35,8 +35,11 @@ DENSE_MIN_ROWS = 128
 # a quiet 2-core Sapphire Rapids (benches/bench_dense_decode.py, bf16, SmolLM2-135M shapes): at M = 1 / 2 the core
 # is 1.13 / 1.12x torch on qkv (N = 960), 1.39 / 1.32x on o and 1.16 / 1.14x on down (N = 576), but 0.88 / 0.79x on
 # gate_up (N = 3072) and 0.69 / 0.81x on the LM head (N = 49152); from M = 3 torch wins every shape (0.39-0.95x).
+# With the kernels' software prefetch down a column block (2026-12-04, 2-core Zen 4, AVX-512 BF16, weights read
+# from memory, M = 1): qkv 49 vs torch 63 us, o 31 vs 45, gate_up 140 vs 162, down 82 vs 103; the head still
+# 3.3 vs 2.6-3.0 ms. So gate_up's 3,072 columns come here too, the head's 49,152 do not.
 CORE_MAX_ROWS = 2
-CORE_MAX_COLS = 1024
+CORE_MAX_COLS = 4096
 
 # bf16 GEMMs above CORE_MAX_ROWS rows go through oneDNN on a copy of the weight prepacked once in its blocked
 # layout (as vLLM-CPU's onednn_mm does) instead of torch.mm, which reorders the whole weight on every call: measured

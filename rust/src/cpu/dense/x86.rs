@@ -368,6 +368,23 @@ unsafe fn nk256<T: Weight, const MR: usize, const NR: usize>(
     }
 }
 
+/// Weight rows a column block's walk down `k` asks for ahead of use. The block's rows are `N`
+/// elements apart, a page holds only a few of them, and the hardware prefetchers lose such a
+/// stream at every page.
+const PREFETCH_ROWS: usize = 16;
+
+/// Prefetch rows `kk` and `kk + 1` (those below `k`) of a column block of `NV` 32-column bf16
+/// vectors starting at `w`, rows `n` elements apart.
+#[inline(always)]
+unsafe fn prefetch_rows<const NV: usize>(w: *const u16, n: usize, kk: usize, k: usize) {
+    for row in kk..(kk + 2).min(k) {
+        for v in 0..NV {
+            // SAFETY: a prefetch never faults; the address is inside the weight (row < k).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(w.add(row * n + 32 * v) as *const i8) };
+        }
+    }
+}
+
 // ---- AVX-512 BF16: vdpbf16ps -----------------------------------------------------------------
 
 /// `acc + w[2i] x[2i] + w[2i+1] x[2i+1]` per f32 lane.
@@ -452,6 +469,7 @@ unsafe fn kndp<const MR: usize, const NV: usize>(
         std::array::from_fn(|v| _mm512_loadu_si512(w.add(kk * n + 32 * v) as *const __m512i))
     };
     for kk in (0..k / 2 * 2).step_by(2) {
+        prefetch_rows::<NV>(w, n, kk + PREFETCH_ROWS, k);
         step(load(kk), load(kk + 1), kk);
     }
     if k % 2 == 1 {
