@@ -295,6 +295,28 @@ def test_latency_against_llama_bench(tmp_path):
 
 
 @needs_llama_cpp
+def test_latency_streamed_against_llama_server(tmp_path, capsys):
+    """`--baseline llama.cpp --streamed`: llama-bench in process, then ironlm serve and llama-server (one slot)
+    over HTTP on the same GGUF, each with its streamed decode and TTFT, and the ratios."""
+    from ironlm.bench.cli import main
+
+    out = tmp_path / "lat.json"
+    assert main(["latency", "--quick", "--baseline", "llama.cpp", "--streamed", "--no-progress",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    engines = [(x["engine"], x["transport"]) for x in r["results"]]
+    assert engines == [("ironlm", "in process"), ("llama.cpp", "in process"), ("ironlm", "HTTP"),
+                       ("llama-server", "HTTP")]
+    ours, theirs = r["results"][2:]
+    assert theirs["decode_tok_s"] > 0 and theirs["ttft_s"] > 0
+    assert r["ironlm_over_llama_server"]["streamed_decode_tok_s"] == pytest.approx(
+        ours["decode_tok_s"] / theirs["decode_tok_s"])
+    cmd = r["servers"]["llama-server"]["command"]
+    assert cmd[cmd.index("--parallel") + 1] == "1" and cmd[cmd.index("--threads") + 1] == str(r["threads"])
+    assert "ironlm / llama-server over HTTP" in capsys.readouterr().out
+
+
+@needs_llama_cpp
 def test_moe_bench_http_mode_alternates_servers_on_the_same_requests(tmp_path, capsys):
     import importlib.util
     import sys

@@ -13,7 +13,8 @@ Both engines get an untimed run of each test first (llama-bench does its own war
 `streamed`: the same two tests over HTTP through `ironlm serve` (bench/stream.py: TTFT of the prompt, and the
 decode steps as the client receives them), after the in-process rounds, with the ratio streamed / in-process.
 `baseline="vllm"` (implies `streamed`): the same through `vllm serve` (vLLM-CPU, bench/vllm_cpu.py) last, each
-server alone on the machine.
+server alone on the machine. `baseline="llama.cpp"` with `streamed`: also through `llama-server` (one slot) on the
+same GGUF, last.
 """
 
 from __future__ import annotations
@@ -113,6 +114,12 @@ def _http_servers(config: LatencyConfig, threads: int) -> list[tuple[str, Any]]:
         from ironlm.bench.vllm_cpu import VllmServer
 
         servers.append(("vLLM-CPU", VllmServer(config.model, threads=threads)))
+    if config.baseline == "llama.cpp" and config.streamed:  # one slot, room for the prompt and the decode
+        from ironlm.bench.llama_cpp import LlamaServer, gguf_path
+
+        ctx = config.prompt_len + config.gen_len + 16
+        servers.append(("llama-server", LlamaServer(gguf_path(config.model), threads=threads, parallel=1,
+                                                    ctx_per_slot=ctx)))
     return servers
 
 
@@ -202,11 +209,11 @@ def run(config: LatencyConfig) -> dict[str, Any]:
         report["commands"] = {"bench": invocation(), **{k: v["command"] for k, v in described.items()}}
         ours_http = next(r for r in http_results if r["engine"] == "ironlm")
         report["streamed_over_in_process"] = ours_http["decode_tok_s"] / results[0]["decode_tok_s"]
-        theirs_http = [r for r in http_results if r["engine"] != "ironlm"]
-        if theirs_http:
-            t = theirs_http[0]
-            report["ironlm_over_vllm"] = {"streamed_decode_tok_s": ours_http["decode_tok_s"] / t["decode_tok_s"],
-                                          "ttft_speedup": t["ttft_s"] / ours_http["ttft_s"]}
+        peers = {"vLLM-CPU": "ironlm_over_vllm", "llama-server": "ironlm_over_llama_server"}
+        for t in http_results:
+            if t["engine"] in peers:
+                report[peers[t["engine"]]] = {"streamed_decode_tok_s": ours_http["decode_tok_s"] / t["decode_tok_s"],
+                               "ttft_speedup": t["ttft_s"] / ours_http["ttft_s"]}
     return report
 
 
@@ -226,10 +233,11 @@ def summary_text(report: dict[str, Any]) -> str:
     if "streamed_over_in_process" in report:
         lines.append(f"ironlm streamed over HTTP / in process: {100 * report['streamed_over_in_process']:.1f}% "
                      "of the decode tokens/s")
-    if "ironlm_over_vllm" in report:
-        r = report["ironlm_over_vllm"]
-        lines.append(f"ironlm / vLLM-CPU over HTTP: streamed decode {r['streamed_decode_tok_s']:.2f}x, "
-                     f"TTFT {r['ttft_speedup']:.2f}x lower")
+    for key, peer in (("ironlm_over_vllm", "vLLM-CPU"), ("ironlm_over_llama_server", "llama-server")):
+        if key in report:
+            r = report[key]
+            lines.append(f"ironlm / {peer} over HTTP: streamed decode {r['streamed_decode_tok_s']:.2f}x, "
+                         f"TTFT {r['ttft_speedup']:.2f}x lower")
     if "commands" in report:
         lines.append(f"CPU: {report['machine']['cpu_model']}")
         for name, cmd in report["commands"].items():
