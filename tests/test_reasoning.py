@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,7 +185,7 @@ def regex(pattern: str) -> dict[str, Any]:
     return {"extra_body": {"structured_outputs": {"regex": pattern}}}
 
 
-def test_qwen3_think_block_split_non_streamed_and_streamed(servers: Servers) -> None:
+def test_qwen3_think_block_split_non_streamed_and_streamed(servers: Servers, monkeypatch: pytest.MonkeyPatch) -> None:
     raw = chat(servers.raw, messages=USER, structured_outputs={"regex": THINK_THEN_ANSWER})
     raw_msg = raw["choices"][0]["message"]
     assert "reasoning_content" not in raw_msg and raw_msg["content"].startswith("<think>\n")  # parser off
@@ -197,7 +198,18 @@ def test_qwen3_think_block_split_non_streamed_and_streamed(servers: Servers) -> 
     r = c.chat.completions.create(model="tiny", messages=USER, temperature=0, **regex(THINK_THEN_ANSWER))
     assert r.choices[0].message.reasoning_content == thought  # type: ignore[attr-defined]
     assert r.choices[0].message.content == answer
+    # A stream hands a slow consumer only the newest output (RequestStream coalesces), and this tiny model steps
+    # in about a millisecond: on a loaded machine the whole thought could reach the client as one delta. 20 ms
+    # steps give the client time to take each token as it comes.
+    step = servers.engine.engine.step
+
+    def slow_step() -> Any:
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(servers.engine.engine, "step", slow_step)
     s = streamed(c, messages=USER, **regex(THINK_THEN_ANSWER))
+    monkeypatch.undo()
     assert (s["reasoning_content"], s["reasoning"], s["content"], s["finish"]) == (thought, thought, answer, "stop")
     assert s["chunks"] >= 2  # the reasoning went out as it was generated, not in one piece at the end
     # every generated token's logprob goes out exactly once, whichever part its text landed in
