@@ -143,9 +143,10 @@ class CpuAttention(TorchAttention):
         if meta.decode_only:
             plan = self.decode_plan(meta, block_size, num_rows)
             return plan if plan is not None and plan.slots is not None else None
-        first = meta.seq_lens_cpu.astype(np.int64) - np.diff(meta.query_start_loc_cpu.astype(np.int64))
-        if not len(first) or first.min() < 1:
-            return None
+        counts = np.diff(meta.query_start_loc_cpu.astype(np.int64))
+        first = meta.seq_lens_cpu.astype(np.int64) - counts
+        if not len(first) or first.min() < 1 or counts.max() > ROW_CHUNK_MAX:
+            return None  # a chunk that starts a sequence, or one long enough for the chunk path (a prefill tail)
         if not invariant.enabled() and _shared_blocks(meta.block_tables.numpy(), np.arange(len(first)), first + 1,
                                                       block_size):
             return None  # as decode_plan: n > 1 forks read their shared prompt once on the torch path

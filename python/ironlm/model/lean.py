@@ -38,11 +38,10 @@ if TYPE_CHECKING:
 # still spent ~5 ms a step in Python and torch glue (its op chain, a separate RoPE and attention plan per layer):
 # measured on a 2-core Zen 4 (benches/profile_w.py, 64 requests, bf16), W's decode phase 15.7 -> 14.6 s with
 # every decode step here (and the GEMMs writing no copies, see `DenseLinear.into`).
+# Steps of short chunks (speculative verification rows: a sequence's last token and its proposals) take it too,
+# each row attended as a decode row (the attention backend's `lean_plan` refuses longer chunks): W at 64 concurrent
+# with n-gram speculation ran 0.87x plain while only plain decode steps took it.
 LEAN_MAX_TOKENS = 256
-# Steps with chunks (speculative verification rows: a sequence's last token and its proposals) take it up to this
-# many tokens: each chunk row is attended as a decode row of its own, which past a few rows (a prefill tail, a
-# batch of verifications) the ordinary forward's chunk attention does for less.
-LEAN_CHUNK_MAX_TOKENS = 8
 
 
 class LeanBuffers:
@@ -102,8 +101,7 @@ def lean_forward(
     sends to cascade attention)."""
     t = input_ids.shape[0]
     backend = model.attn_backend
-    if (t > LEAN_MAX_TOKENS or (t > LEAN_CHUNK_MAX_TOKENS and not meta.decode_only)
-            or not model.config.lean_supported or model.dtype not in CORE_DTYPES
+    if (t > LEAN_MAX_TOKENS or not model.config.lean_supported or model.dtype not in CORE_DTYPES
             or not getattr(backend, "fused_decode_qkv", False) or not kv_caches):
         return None
     plan = backend.lean_plan(meta, kv_caches[0][0].shape[1], t)
