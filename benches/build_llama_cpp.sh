@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server`, `llama-bench` and `llama-perplexity` once, for the llama.cpp baseline of
+# Builds llama.cpp's `llama-server`, `llama-bench`, `llama-perplexity`, `llama-quantize` (Q4_0 files for the MoE and
+# Gemma benches) and the speculative examples once, for the llama.cpp baseline of
 # `ironlm bench {throughput,serve,latency,perplexity} --baseline llama.cpp`.
 #
 # The source is the llama.cpp that the `llama-cpp-python` source distribution on PyPI vendors,
@@ -61,9 +62,11 @@ print_paths() {
     echo "llama-server: $BIN/llama-server"
     echo "llama-bench:  $BIN/llama-bench"
     echo "llama-perplexity: $BIN/llama-perplexity"
+    echo "llama-quantize: $BIN/llama-quantize"
 }
 
-if [[ -f "$STAMP" && -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-perplexity" ]]; then
+if [[ -f "$STAMP" && -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-perplexity" \
+      && -x "$BIN/llama-quantize" ]]; then
     echo "llama.cpp (llama-cpp-python $VERSION) already built in $DEST"
     print_paths
     exit 0
@@ -123,7 +126,7 @@ echo "AMX usable: $AMX"
     -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_SERVER=ON
 "$CMAKE" --build "$DEST/build" --config Release -j "$JOBS" --target llama-server llama-bench llama-perplexity \
-    llama-lookup llama-speculative llama-lookahead
+    llama-lookup llama-speculative llama-lookahead llama-quantize
 
 touch "$STAMP"
 print_paths
