@@ -218,11 +218,13 @@ impl QMatrix {
     }
 }
 
-/// The tile function of `isa` for Q6K blocks: the AVX2 body on every x86 SIMD path (its
-/// `vpmaddwd` scaling has no VNNI or 512-bit counterpart here).
+/// The tile function of `isa` for Q6K blocks: the 512-bit VNNI body on AVX-512 VNNI, the AVX2
+/// body on the other x86 SIMD paths (AVX-VNNI has no 256-bit body of its own here).
 fn q6k_tile_fn(isa: Isa) -> TileFn {
     match isa {
         Isa::Scalar => super::q6k::tile_scalar,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => super::q6k_x86::tile_avx512,
         #[cfg(target_arch = "x86_64")]
         _ => super::q6k_x86::tile_avx2,
         #[cfg(not(target_arch = "x86_64"))]

@@ -139,7 +139,7 @@ fn q6k_matmul_matches_the_dequantized_weights_within_the_activation_bound() {
                     None => first = Some(bits(&out)),
                 }
             }
-            // Every SIMD path runs the one AVX2 body: the same bits.
+            // The AVX2 and AVX-512 bodies sum the same exact integers: the same bits.
             if isa != Isa::Scalar {
                 match &simd {
                     Some(s) => assert!(s == first.as_ref().unwrap(), "{isa:?} case {case}"),

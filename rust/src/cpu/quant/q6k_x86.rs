@@ -1,6 +1,8 @@
-//! The AVX2 tile of [`QKind::Q6K`](super::QKind::Q6K) blocks (layout and arithmetic in `q6k.rs`):
-//! up to two activation rows at a time, each 256-bit vector holding 8 rows of the group (the low
-//! or high 32 bytes of a 64-byte chunk), as in the other kinds' 256-bit tiles.
+//! The x86 tiles of [`QKind::Q6K`](super::QKind::Q6K) blocks (layout and arithmetic in `q6k.rs`).
+//! AVX2: up to two activation rows at a time, each 256-bit vector holding 8 rows of the group (the
+//! low or high 32 bytes of a 64-byte chunk), as in the other kinds' 256-bit tiles. AVX-512 VNNI:
+//! a vector holds the whole group, up to four activation rows at a time (at M = 1 the AVX2 body
+//! read 16 GB/s on a 2-core Zen 4 against 33-36 for Q4_0 / Q8_0 blocks: it was compute-bound).
 
 use std::arch::x86_64::*;
 
@@ -118,5 +120,108 @@ unsafe fn body<const MR: usize>(
     for r in 0..MR {
         _mm256_storeu_ps(out[r].as_mut_ptr(), acc[r][0]);
         _mm256_storeu_ps(out[r].as_mut_ptr().add(8), acc[r][1]);
+    }
+}
+
+/// The AVX-512 VNNI tile: one 512-bit vector holds all 16 rows of the group (a whole 64-byte
+/// chunk), `vpdpbusd` sums each half block's `q · xq` unscaled (`|Σ| <= 16 · 63 · 128`), and the
+/// sub-scales multiply the two i32 sums once a block (`vpmulld`), the `-32` subtracted before:
+/// `isum = sc_lo (Σ_lo q xq - 32 Σ_lo xq) + sc_hi (..)`, the same exact integer as the AVX2
+/// body's, so the same f32 results bit for bit. Up to four activation rows at a time.
+pub(crate) fn tile_avx512(
+    _fmt: Format,
+    blocks: &[u8],
+    nb: usize,
+    a: &QActs,
+    row0: usize,
+    rows: usize,
+    out: &mut Tile,
+) {
+    assert!(blocks.len() >= nb / 8 * SUPER_BYTES && nb.is_multiple_of(8));
+    assert!((row0 + rows) * a.k <= a.q.len() && (row0 + rows) * nb <= a.halves.len());
+    assert!(rows <= out.len() && Isa::Avx512Vnni.available());
+    let p = blocks.as_ptr();
+    for r in (0..rows).step_by(4) {
+        let o = &mut out[r..];
+        // SAFETY: the CPU has AVX-512 F/BW/VNNI (asserted), `blocks` holds `nb / 8` packed
+        // super-blocks and rows row0 .. row0 + rows of `a` exist (asserted).
+        unsafe {
+            match rows - r {
+                1 => body512::<1>(p, nb, a, row0 + r, o),
+                2 => body512::<2>(p, nb, a, row0 + r, o),
+                3 => body512::<3>(p, nb, a, row0 + r, o),
+                _ => body512::<4>(p, nb, a, row0 + r, o),
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+unsafe fn body512<const MR: usize>(
+    blocks: *const u8,
+    nb: usize,
+    a: &QActs,
+    row0: usize,
+    out: &mut [[f32; ROWS]],
+) {
+    let x: [*const i8; MR] = std::array::from_fn(|r| a.q.as_ptr().add((row0 + r) * a.k));
+    let base: [usize; MR] = std::array::from_fn(|r| (row0 + r) * nb);
+    let (nibble, high) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+    let x4 =
+        |r: usize, c: usize| _mm512_set1_epi32(std::ptr::read_unaligned(x[r].add(c) as *const i32));
+    let mut acc = [_mm512_setzero_ps(); MR];
+    for s in 0..nb / 8 {
+        let sb = blocks.add(s * SUPER_BYTES);
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(sb.add(D_AT) as *const __m256i));
+        for b8 in 0..8 {
+            let blk = sb.add(b8 * BLOCK_BYTES);
+            let b = s * 8 + b8;
+            let c0 = b * BLOCK;
+            let mut lo = [_mm512_setzero_si512(); MR];
+            let mut hi = [_mm512_setzero_si512(); MR];
+            for u in 0..2 {
+                let hb = _mm512_loadu_si512(blk.add(256 + 64 * u) as *const __m512i);
+                for jj in 0..2 {
+                    let j = 2 * u + jj;
+                    let v = _mm512_loadu_si512(blk.add(64 * j) as *const __m512i);
+                    let (hl, hh) = if jj == 0 {
+                        (_mm512_slli_epi16::<4>(hb), _mm512_slli_epi16::<2>(hb))
+                    } else {
+                        (hb, _mm512_srli_epi16::<2>(hb))
+                    };
+                    let ql =
+                        _mm512_or_si512(_mm512_and_si512(v, nibble), _mm512_and_si512(hl, high));
+                    let qh = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble),
+                        _mm512_and_si512(hh, high),
+                    );
+                    for r in 0..MR {
+                        lo[r] = _mm512_dpbusd_epi32(lo[r], ql, x4(r, c0 + 4 * j));
+                        hi[r] = _mm512_dpbusd_epi32(hi[r], qh, x4(r, c0 + 16 + 4 * j));
+                    }
+                }
+            }
+            let sc_lo =
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(QUANT_BYTES) as *const __m128i));
+            let sc_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                blk.add(QUANT_BYTES + ROWS) as *const __m128i
+            ));
+            for r in 0..MR {
+                let ia = base[r] + b;
+                let h = *a.halves.get_unchecked(ia);
+                let (h_lo, h_hi) = ((h << 16) >> 16, h >> 16);
+                let t_lo = _mm512_sub_epi32(lo[r], _mm512_set1_epi32(32 * h_lo));
+                let t_hi = _mm512_sub_epi32(hi[r], _mm512_set1_epi32(32 * h_hi));
+                let isum = _mm512_add_epi32(
+                    _mm512_mullo_epi32(t_lo, sc_lo),
+                    _mm512_mullo_epi32(t_hi, sc_hi),
+                );
+                let ds = _mm512_mul_ps(d, _mm512_set1_ps(*a.scale.get_unchecked(ia)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ds, acc[r]);
+            }
+        }
+    }
+    for r in 0..MR {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
     }
 }

@@ -85,7 +85,7 @@ pub(crate) fn tile_avx512_vnni(
             (QKind::Q4, false) => rows512::<true, false>(p, sym, nb, a, row0, rows, out),
             (QKind::Q4, true) => rows512::<true, true>(p, sym, nb, a, row0, rows, out),
             (QKind::Mx4, _) => unreachable!("run on the AVX2 tile above"),
-            (QKind::Q6K, _) => super::q6k_x86::tile_avx2(fmt, blocks, nb, a, row0, rows, out),
+            (QKind::Q6K, _) => super::q6k_x86::tile_avx512(fmt, blocks, nb, a, row0, rows, out),
         }
     }
 }
