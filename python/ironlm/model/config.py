@@ -166,10 +166,10 @@ class ModelConfig:
     def lean_supported(self) -> bool:
         """Whether the lean CPU decode step (lean.py) implements this block: every norm placement, qk-norm (per
         head or over the whole projection), SiLU or GELU-tanh MLPs, attention scale and soft-cap, windows, a RoPE
-        base per layer kind, NoPE layers, embedding and residual scales; not partial rotary. A new field that
-        lean.py does not implement must make this False (a MoE layer's MLP, latent attention, attention sinks, a
-        clamped SwiGLU)."""
-        return (self.rotary_dim is None and self.activation in ("silu", "gelu_tanh") and self.moe is None
+        base per layer kind, NoPE layers, embedding and residual scales, sparse MoE layers (their block's own
+        call); not partial rotary. A new field that lean.py does not implement must make this False (latent
+        attention, attention sinks, a clamped SwiGLU)."""
+        return (self.rotary_dim is None and self.activation in ("silu", "gelu_tanh")
                 and not self.mla and not self.attn_sinks and self.swiglu_clamp is None)
 
     def rotary_config(self, layer: int) -> ModelConfig:

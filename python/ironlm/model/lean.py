@@ -156,7 +156,7 @@ def lean_layer(layer: Any, ws: LeanBuffers, k_cache: np.ndarray, v_cache: np.nda
     views = layer._lean_views
     if views is None:
         views = layer._lean_views = _views(layer)
-    assert layer.qkv is not None and layer.o is not None and layer.gate_up is not None and layer.down is not None
+    assert layer.qkv is not None and layer.o is not None
     x, x_np = _normed(layer, views.input, ws, step)
     ws.qkv, ws.qkv_np = _held(layer.qkv.into(x, ws.qkv, x_np, ws.qkv_np), ws.qkv, ws.qkv_np)
     qk = views.qk
@@ -170,11 +170,27 @@ def lean_layer(layer: Any, ws: LeanBuffers, k_cache: np.ndarray, v_cache: np.nda
         k_norm=None if qk is None else qk[1], eps=layer.eps, softcap=layer.softcap)
     _branch(layer, layer.o, ws.attn, ws.attn_np, layer.fuse_attn_residual, views.attn_out, ws, step)
     x, x_np = _normed(layer, views.pre_mlp, ws, step)
+    if layer.moe is not None:
+        _moe_branch(layer, x, views.mlp_out, ws, step)
+        return
+    assert layer.gate_up is not None and layer.down is not None
     ws.gate_up, ws.gate_up_np = _held(layer.gate_up.into(x, ws.gate_up, x_np, ws.gate_up_np), ws.gate_up,
                                       ws.gate_up_np)
     act = _core.silu_and_mul if layer.activation == "silu" else _core.gelu_tanh_and_mul
     act(ws.gate_up_np, ws.act_np, step.dtype, step.threads)
     _branch(layer, layer.down, ws.act, ws.act_np, layer.fuse_mlp_residual, views.mlp_out, ws, step)
+
+
+def _moe_branch(layer: Any, x: torch.Tensor, norm: np.ndarray | None, ws: LeanBuffers, step: LeanStep) -> None:
+    """A sparse layer's MLP: the MoE block's routing and experts (the core's MoE kernel on CPU), then [normed,]
+    [scaled and] added to `ws.h` by the core, as `DecoderLayer._add` does."""
+    out = layer.moe(x)
+    if layer.tp is not None:
+        layer.tp.all_reduce(out)
+    if out.dtype != ws.br.dtype or not out.is_contiguous():
+        out = out.to(ws.br.dtype).contiguous()
+    _core.residual_add(as_numpy(out), ws.h_np, norm=norm is not None, weight=norm, eps=layer.eps,
+                       scale=layer.residual_scale, dtype=step.dtype, threads=step.threads)
 
 
 def _held(result: torch.Tensor, buf: torch.Tensor, buf_np: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
