@@ -1,7 +1,7 @@
 """A random-weight MoE of OLMoE-1B-7B's layer geometry, as GGUF Q8_0 / Q4_0 made by llama.cpp's own tools, run by
 ironlm and by llama-bench on the same file with the same threads: single-stream prefill and decode.
 
-    python benches/bench_moe.py [--layers 8] [--types q8_0,q4_0] [--threads 2] [--prompt 128] [--gen 64]
+    python benches/bench_moe.py [--layers 8] [--types q8_0,q4_0] [--threads 2] [--prompt 128] [--gen 64] [--rounds 2]
     python benches/bench_moe.py --http [--num-requests 16] [--concurrency 64] [--rounds 2] [--types q4_0]
 
 Geometry (allenai/OLMoE-1B-7B-0924's config.json): hidden 2048, 16 heads (head_dim 128, no GQA), 64 experts of
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ironlm.bench.report import cpu_jiffies
+from ironlm.bench.report import cpu_jiffies, cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -96,41 +97,50 @@ def expert_bytes_read(llm: Any) -> int:
     return sum(layer.moe.streamed for layer in llm.engine.runner.model.layers if layer.moe is not None)
 
 
-def run_ironlm(path: Path, args: argparse.Namespace) -> dict[str, float]:
-    from ironlm import LLM, SamplingParams
+class IronlmRun:
+    """ironlm on one GGUF file, loaded once; `measure()` times a prefill and a decode (one round)."""
 
-    torch.set_num_threads(args.threads)
-    # No prefix caching: every timed run sends the same prompt, which the cache would serve all but the last
-    # token of, and "prefill" would time one token (the figures before this fix did).
-    llm = LLM(str(path), device="cpu", seed=0, max_model_len=args.prompt + args.gen + 16, enable_prefix_caching=False)
-    prompt = {"prompt_token_ids": [(7 * i) % (args.vocab - 10) + 5 for i in range(args.prompt)]}
+    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+        from ironlm import LLM
 
-    def timed(n: int) -> float:
+        torch.set_num_threads(args.threads)
+        self.args = args
+        # No prefix caching: every timed run sends the same prompt, which the cache would serve all but the last
+        # token of, and "prefill" would time one token (the figures before this fix did).
+        self.llm = LLM(str(path), device="cpu", seed=0, max_model_len=args.prompt + args.gen + 16,
+                       enable_prefix_caching=False)
+        self.prompt = {"prompt_token_ids": [(7 * i) % (args.vocab - 10) + 5 for i in range(args.prompt)]}
+        self.timed(4)  # warm-up: first-call allocations, thread pool start
+
+    def timed(self, n: int) -> float:
+        from ironlm import SamplingParams
+
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
-        (out,) = llm.generate([prompt], sp, use_tqdm=False)
+        (out,) = self.llm.generate([self.prompt], sp, use_tqdm=False)
         elapsed = time.perf_counter() - start
         if out.num_cached_tokens:
             raise RuntimeError(f"{out.num_cached_tokens} prompt tokens came from a cache: prefill is not timed")
         return elapsed
 
-    def read(n: int) -> tuple[float, int]:
-        before = expert_bytes_read(llm)
-        return timed(n), expert_bytes_read(llm) - before
+    def read(self, n: int) -> tuple[float, int]:
+        before = expert_bytes_read(self.llm)
+        return self.timed(n), expert_bytes_read(self.llm) - before
 
-    timed(4)  # warm-up: first-call allocations, thread pool start
-    busy = cpu_jiffies()
-    prefills = [read(1) for _ in range(args.reps)]
-    fulls = [read(args.gen) for _ in range(args.reps)]
-    prefill, full = min(t for t, _ in prefills), min(t for t, _ in fulls)
-    # the decode steps' expert reads: a full run's less a prefill-only run's (the same prompt routes the same way)
-    step_experts = (fulls[-1][1] - prefills[-1][1]) / (args.gen - 1)
-    out = {"prefill_tok_s": args.prompt / prefill, "decode_tok_s": (args.gen - 1) / max(full - prefill, 1e-9),
-           "busy": _busy_since(busy), "active_bytes": float(active_bytes(llm)),
-           "streamed_bytes": dense_bytes(llm) + step_experts}
-    out["read_gb_s"] = out["active_bytes"] * out["decode_tok_s"] / 1e9
-    out["streamed_over_active"] = out["streamed_bytes"] / out["active_bytes"]
-    return out
+    def measure(self) -> dict[str, float]:
+        args, llm = self.args, self.llm
+        busy = cpu_jiffies()
+        prefills = [self.read(1) for _ in range(args.reps)]
+        fulls = [self.read(args.gen) for _ in range(args.reps)]
+        prefill, full = min(t for t, _ in prefills), min(t for t, _ in fulls)
+        # the decode steps' expert reads: a full run's less a prefill-only run's (the same prompt routes the same)
+        step_experts = (fulls[-1][1] - prefills[-1][1]) / (args.gen - 1)
+        out = {"prefill_tok_s": args.prompt / prefill, "decode_tok_s": (args.gen - 1) / max(full - prefill, 1e-9),
+               "busy": _busy_since(busy), "active_bytes": float(active_bytes(llm)),
+               "streamed_bytes": dense_bytes(llm) + step_experts}
+        out["read_gb_s"] = out["active_bytes"] * out["decode_tok_s"] / 1e9
+        out["streamed_over_active"] = out["streamed_bytes"] / out["active_bytes"]
+        return out
 
 
 def run_llama(path: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -191,23 +201,43 @@ def main(argv: list[str] | None = None) -> int:
     return _single(files, args)
 
 
+def _median_row(rounds: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
 def _single(files: dict[str, Path], args: argparse.Namespace) -> int:
-    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    """Per file: ironlm loaded once, then --rounds rounds of (ironlm, llama-bench), alternating, so that a drift
+    in the machine's memory bandwidth (a shared VM's neighbours move it by up to 2x here) lands on both; medians
+    and each round's ratio printed."""
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu_model()}
+    print("CPU:", cpu_model())
     for t, path in files.items():
-        row = {"ironlm": run_ironlm(path, args)}
+        engine = IronlmRun(path, args)
+        rounds: list[dict[str, Any]] = []
+        for _ in range(max(1, args.rounds)):
+            one: dict[str, Any] = {"ironlm": engine.measure()}
+            if not args.skip_llama:
+                one["llama.cpp"] = run_llama(path, args)
+            rounds.append(one)
+        del engine
+        row: dict[str, Any] = {"rounds": rounds, "ironlm": _median_row([r["ironlm"] for r in rounds])}
         if not args.skip_llama:
-            row["llama.cpp"] = run_llama(path, args)
+            row["llama.cpp"] = _median_row([r["llama.cpp"] for r in rounds])
+            row["decode_ratio_per_round"] = [r["ironlm"]["decode_tok_s"] / r["llama.cpp"]["decode_tok_s"]
+                                             for r in rounds]
         results[t] = row
-        print(t.upper(), json.dumps(row, indent=1))
+        print(t.upper(), json.dumps({k: v for k, v in row.items() if k != "rounds"}, indent=1))
         a = row["ironlm"]
         print(f"  {t.upper()}: a decode step streamed {a['streamed_bytes'] / 1e6:.1f} MB against "
               f"{a['active_bytes'] / 1e6:.1f} MB of active parameters ({a['streamed_over_active']:.3f})")
         if "llama.cpp" in row:
             a, b = row["ironlm"], row["llama.cpp"]
+            per = ", ".join(f"{x:.2f}" for x in row["decode_ratio_per_round"])
             print(f"  {t.upper()}: decode {a['decode_tok_s']:.2f} vs {b['decode_tok_s']:.2f} tok/s "
-                  f"({a['decode_tok_s'] / b['decode_tok_s']:.2f}x), prefill {a['prefill_tok_s']:.1f} vs "
-                  f"{b['prefill_tok_s']:.1f} ({a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x); ironlm reads "
-                  f"{a['active_bytes'] / 1e6:.0f} MB a token = {a['read_gb_s']:.1f} GB/s")
+                  f"({a['decode_tok_s'] / b['decode_tok_s']:.2f}x; rounds {per}), prefill {a['prefill_tok_s']:.1f} "
+                  f"vs {b['prefill_tok_s']:.1f} ({a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x); medians of "
+                  f"{len(rounds)} rounds; ironlm reads {a['active_bytes'] / 1e6:.0f} MB a token = "
+                  f"{a['read_gb_s']:.1f} GB/s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -316,8 +316,7 @@ def test_latency_streamed_against_llama_server(tmp_path, capsys):
     assert "ironlm / llama-server over HTTP" in capsys.readouterr().out
 
 
-@needs_llama_cpp
-def test_moe_bench_http_mode_alternates_servers_on_the_same_requests(tmp_path, capsys):
+def _bench_moe_module():
     import importlib.util
     import sys
     from pathlib import Path
@@ -330,6 +329,32 @@ def test_moe_bench_http_mode_alternates_servers_on_the_same_requests(tmp_path, c
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(benches))
+    return mod
+
+
+@needs_llama_cpp
+def test_moe_bench_single_stream_alternates_rounds(tmp_path, capsys):
+    """The single-stream mode loads ironlm once and alternates it with llama-bench over --rounds: a row per round
+    for both engines, medians, and each round's decode ratio from that round's own pair."""
+    mod = _bench_moe_module()
+    out = tmp_path / "moe.json"
+    gguf = lc.gguf_path(None)  # any GGUF both load: the mode does not depend on the model being MoE
+    assert mod.main(["--gguf", str(gguf), "--rounds", "2", "--reps", "1", "--prompt", "8", "--gen", "4",
+                     "--json", str(out)]) == 0
+    (row,) = [v for k, v in json.loads(out.read_text()).items() if k not in ("args", "cpu")]
+    assert len(row["rounds"]) == 2
+    for r in row["rounds"]:
+        assert r["ironlm"]["decode_tok_s"] > 0 and r["llama.cpp"]["decode_tok_s"] > 0
+    assert row["decode_ratio_per_round"] == pytest.approx(
+        [r["ironlm"]["decode_tok_s"] / r["llama.cpp"]["decode_tok_s"] for r in row["rounds"]])
+    assert row["ironlm"]["decode_tok_s"] == pytest.approx(
+        sum(r["ironlm"]["decode_tok_s"] for r in row["rounds"]) / 2)  # the median of two
+    assert "CPU: " in capsys.readouterr().out
+
+
+@needs_llama_cpp
+def test_moe_bench_http_mode_alternates_servers_on_the_same_requests(tmp_path, capsys):
+    mod = _bench_moe_module()
     out = tmp_path / "moe_http.json"
     gguf = lc.gguf_path(None)  # any GGUF both servers load: the mode does not depend on the model being MoE
     assert mod.main(["--http", "--gguf", str(gguf), "--num-requests", "3", "--input-len", "8", "16",
