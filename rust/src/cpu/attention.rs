@@ -28,6 +28,9 @@ pub struct DecodeShape {
     pub num_blocks: usize,
     pub block_size: usize,
     pub max_blocks: usize,
+    /// Elements between consecutive positions' cache rows: `num_kv_heads * head_dim` for a whole
+    /// cache (what `validate` accepts); wider in the per-head views `paged_decode_on` makes.
+    pub kv_stride: usize,
 }
 
 pub struct DecodeArgs<'a, T: Elem = f32> {
@@ -111,7 +114,14 @@ impl<T: Elem> DecodeArgs<'_, T> {
             let r = format!("row stride {} overlaps its rows", self.q_stride);
             return Err(CoreError::invalid("q", r));
         }
-        let cache_len = s.num_blocks * s.block_size * s.num_kv_heads * s.head_dim;
+        if s.kv_stride != s.num_kv_heads * s.head_dim {
+            let r = format!(
+                "cache row stride {} is not {} KV heads x {}",
+                s.kv_stride, s.num_kv_heads, s.head_dim
+            );
+            return Err(CoreError::invalid("k_cache", r));
+        }
+        let cache_len = s.num_blocks * s.block_size * s.kv_stride;
         let lens = [
             ("q", self.q.len(), q_need),
             ("out", out_len, q_len),
@@ -292,6 +302,13 @@ pub(crate) fn paged_decode_on<T: Elem>(
     }
     args.validate(out.len())?;
     let s = args.shape;
+    if s.num_seqs == 1 && threads > 1 && s.num_kv_heads > 1 {
+        let (first, len) = args.span(0);
+        if (len - first) * s.kv_stride >= SPLIT_MIN_ELEMS {
+            split_heads(args, out, threads, path);
+            return Ok(());
+        }
+    }
     let width = s.num_q_heads * s.head_dim; // one sequence's output
     let parts = threads.clamp(1, s.num_seqs.max(1));
     let attended = |i: usize| {
@@ -318,6 +335,51 @@ pub(crate) fn paged_decode_on<T: Elem>(
         run_seqs(args, first, out, path);
     });
     Ok(())
+}
+
+/// Cache elements (positions x KV heads x head dim, K alone) from which a single sequence's heads
+/// are split over the threads: below it the fork costs about what the second thread saves.
+const SPLIT_MIN_ELEMS: usize = 16 * 1024;
+
+/// One sequence (one query row) on up to `threads` threads, each attending a contiguous run of
+/// its KV heads (with their query heads) through a view of the arguments: the same kernels, each
+/// head's arithmetic unchanged, so the bits do not depend on the split. A single stream's decode
+/// otherwise ran its attention on one thread while the other waited.
+fn split_heads<T: Elem>(args: &DecodeArgs<T>, out: &mut [T], threads: usize, path: Path) {
+    let s = args.shape;
+    let parts = threads.min(s.num_kv_heads);
+    let (group, d) = (s.num_q_heads / s.num_kv_heads, s.head_dim);
+    let mut runs = Vec::with_capacity(parts);
+    let mut rest = out;
+    for p in 0..parts {
+        let (k0, k1) = (s.num_kv_heads * p / parts, s.num_kv_heads * (p + 1) / parts);
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut((k1 - k0) * group * d);
+        rest = tail;
+        let view = DecodeArgs {
+            shape: DecodeShape {
+                num_q_heads: (k1 - k0) * group,
+                num_kv_heads: k1 - k0,
+                ..s
+            },
+            q: &args.q[k0 * group * d..],
+            q_stride: args.q_stride,
+            k_cache: &args.k_cache[k0 * d..],
+            v_cache: &args.v_cache[k0 * d..],
+            block_tables: args.block_tables,
+            seq_lens: args.seq_lens,
+            scale: args.scale,
+            window: args.window,
+            softcap: args.softcap,
+            sinks: args.sinks.map(|sk| &sk[k0 * group..k1 * group]),
+        };
+        runs.push(Mutex::new((view, mine)));
+    }
+    // Each run is locked by exactly one thread: the mutex only proves the slices disjoint.
+    crate::cpu::parallel::run_parts(parts, &|p| {
+        let mut run = runs[p].lock().unwrap_or_else(|e| e.into_inner());
+        let (ref view, ref mut out) = *run;
+        run_seqs(view, 0, out, path);
+    });
 }
 
 /// Sequences `first..first + out.len() / (Hq * D)` on `path` (one this CPU has): the generic
@@ -480,7 +542,7 @@ fn attend<T: Elem>(
     let s = args.shape;
     let (d, hq) = (s.head_dim, s.num_q_heads);
     let group = hq / s.num_kv_heads;
-    let width = s.num_kv_heads * d;
+    let (width, stride) = (s.num_kv_heads * d, s.kv_stride);
     let table = &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks];
     let (scores, q, acc, spans) = (
         &mut scratch.scores,
@@ -490,7 +552,7 @@ fn attend<T: Elem>(
     );
     let (total, lo, hi) = args.gather(rows.clone(), q, spans);
     let row = |pos: usize| {
-        (table[pos / s.block_size] as usize * s.block_size + pos % s.block_size) * width
+        (table[pos / s.block_size] as usize * s.block_size + pos % s.block_size) * stride
     };
     scores.clear();
     scores.resize(total, 0.0);

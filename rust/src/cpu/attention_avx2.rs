@@ -81,7 +81,7 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
     let geo = Geo {
         table: &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks],
         block_size: s.block_size,
-        width: s.num_kv_heads * d,
+        width: s.kv_stride,
     };
     let Scratch {
         scores,
@@ -277,7 +277,7 @@ unsafe fn logits<T: Elem, const DV: usize>(
         for pos in t0.max(lo)..(t0 + 8).min(hi) {
             if pos + bs < hi {
                 let next = geo.row(pos + bs);
-                super::prefetch(&args.k_cache[next..next + geo.width]);
+                super::prefetch(&args.k_cache[next..next + s.num_kv_heads * d]);
             }
             let slot = pos - t0;
             // SAFETY: `validate` bounds every row offset; q holds `spans.len() * hq * d` floats

@@ -35,6 +35,7 @@ impl Case {
             num_blocks,
             block_size: bs,
             max_blocks,
+            kv_stride: hkv * d,
         };
         let cache = num_blocks * bs * hkv * d;
         Case {
@@ -416,6 +417,67 @@ fn sinks_join_the_denominator_only() {
     assert!(paged_decode(&case.args(), &mut out, 1).is_err());
     case.sinks = Some(vec![0.0, f32::NAN, 0.0, 0.0]);
     assert!(paged_decode(&case.args(), &mut out, 1).is_err());
+}
+
+/// One sequence on several threads splits its KV heads between them (long enough contexts):
+/// every path gives the bits of one thread, with windows, soft-caps and sinks, and stays close to
+/// the reference; a stride that is not the cache's row is refused.
+#[test]
+fn one_sequence_split_over_heads_keeps_its_bits() {
+    let mut rng = Rng(59);
+    let shapes = [
+        (9, 3, 64, 16),
+        (8, 8, 32, 16),
+        (12, 2, 128, 16),
+        (6, 6, 16, 8),
+        (4, 4, 48, 16),
+    ];
+    for (&(hq, hkv, d, bs), path) in shapes.iter().flat_map(|s| paths().map(move |p| (s, p))) {
+        for trial in 0..4 {
+            let mut case = Case::random(&mut rng, hq, hkv, d, bs, 1);
+            // contexts past the split threshold (and one under it, trial 0)
+            let blocks = if trial == 0 {
+                2
+            } else {
+                4096 / (bs * hkv) + 1 + rng.index(8)
+            };
+            let num_blocks = blocks + 3;
+            case.shape.max_blocks = blocks;
+            case.shape.num_blocks = num_blocks;
+            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.index(i + 1));
+            }
+            case.tables = ids[..blocks].to_vec();
+            case.lens = vec![(blocks * bs - rng.index(bs)) as i32];
+            case.k = rng.floats(num_blocks * bs * hkv * d);
+            case.v = rng.floats(num_blocks * bs * hkv * d);
+            case.window = [None, Some(blocks * bs / 2 + 1)][trial % 2];
+            case.softcap = (trial == 2).then_some(4.0);
+            case.sinks = (trial == 3).then(|| rng.floats(hq));
+            let run = |threads: usize| {
+                let mut out = vec![f32::NAN; hq * d];
+                paged_decode_on(&case.args(), &mut out, threads, path).unwrap();
+                out
+            };
+            let one = run(1);
+            for threads in [2, 3, 8] {
+                let got = run(threads);
+                assert!(
+                    got.iter()
+                        .zip(&one)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{path:?} Hq={hq} Hkv={hkv} D={d} trial {trial} threads {threads}"
+                );
+            }
+            let err = max_diff(&one, &case.reference());
+            assert!(err < 1e-5, "{path:?} trial {trial}: max error {err}");
+        }
+    }
+    let mut case = Case::random(&mut rng, 4, 2, 16, 4, 1);
+    case.shape.kv_stride += 16;
+    let mut out = vec![0.0; case.q.len()];
+    assert!(paged_decode(&case.args(), &mut out, 2).is_err());
 }
 
 /// A speculative verification's rows: one sequence's table repeated for rows at consecutive

@@ -79,11 +79,12 @@ pub(super) struct Pair {
 pub(super) struct Geo<'a> {
     pub(super) table: &'a [i32],
     pub(super) block_size: usize,
+    /// Elements between positions' cache rows (`DecodeShape::kv_stride`).
     pub(super) width: usize,
 }
 
 impl Geo<'_> {
-    /// The element offset of position `pos`'s cache row (every KV head).
+    /// The element offset of position `pos`'s cache row (every KV head of the view).
     #[inline(always)]
     pub(super) fn row(&self, pos: usize) -> usize {
         let b = self.block_size;
@@ -104,7 +105,7 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
     let geo = Geo {
         table: &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks],
         block_size: s.block_size,
-        width: s.num_kv_heads * d,
+        width: s.kv_stride,
     };
     let Scratch {
         scores,
@@ -290,7 +291,7 @@ unsafe fn logits<T: Elem, const DV: usize, const DP: bool>(
         for pos in t0.max(lo)..(t0 + 16).min(hi) {
             if pos + bs < hi {
                 let next = geo.row(pos + bs);
-                super::prefetch(&args.k_cache[next..next + geo.width]);
+                super::prefetch(&args.k_cache[next..next + s.num_kv_heads * d]);
             }
             let slot = pos - t0;
             // SAFETY: `validate` bounds every row offset; q holds `spans.len() * hq * d` floats and

@@ -172,6 +172,7 @@ mod tests {
             num_blocks: 9,
             block_size: bs,
             max_blocks: 3,
+            kv_stride: hkv * d,
         };
         let norm = QkNorm {
             q_weight: &q_w,
@@ -299,6 +300,7 @@ mod tests {
             num_blocks: 2,
             block_size: bs,
             max_blocks: 2,
+            kv_stride: hkv * d,
         };
         let run = |rope: bool, norm: bool, softcap: Option<f32>| {
             let step = QkvStep {

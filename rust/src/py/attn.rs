@@ -134,6 +134,7 @@ pub(crate) fn paged_decode_attention(
             num_blocks: cs[0],
             block_size: cs[1],
             max_blocks: bt[1],
+            kv_stride: cs[2] * qs[2],
         };
         let q_stride = qr.stride;
         let qdata = qr.data;
@@ -247,6 +248,7 @@ pub(crate) fn decode_attention_qkv(
             num_blocks: cs[0],
             block_size: cs[1],
             max_blocks: bt[1],
+            kv_stride: cs[2] * cs[3],
         };
         let step = QkvStep {
             qkv: qkv_data,
