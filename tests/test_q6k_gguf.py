@@ -20,8 +20,12 @@ from test_model_gguf import _logprobs_ironlm
 from tiny_models import make_tiny_model
 
 # worst |log-softmax diff| of the kept blocks (Q4_0 linears and the Q6_K head, int8 activations) against the same
-# file dequantized; measured 0.03
-LOGPROB_BOUND = 0.15
+# file dequantized. First run where llama-quantize was built (2026-12-04, 2-core Zen 4, AVX-512 VNNI): 0.159, spread
+# over every position (0.07-0.16, no near-tie): the int8 rounding of each 32-block of activations (<= amax / 254)
+# through the Q4_0 linears of a random model whose logits have std ~1.3. The earlier 0.15 was set before any run.
+# A wrong block, scale or row order moves logprobs by whole units; the head alone is held to its exact rounding
+# bound below.
+LOGPROB_BOUND = 0.25
 
 
 @pytest.fixture(scope="module")
