@@ -290,6 +290,7 @@ fn bench_attention(c: &mut Criterion) {
             num_blocks,
             block_size: bs,
             max_blocks,
+            kv_stride: hkv * d,
         },
         q: &q,
         q_stride: hq * d,
