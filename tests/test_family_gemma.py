@@ -19,6 +19,7 @@ from ironlm import LLM, SamplingParams, _core
 from ironlm.model import load_model
 from ironlm.model.config import ModelConfig
 from ironlm.model.gguf import load_gguf_tokenizer
+from lean_batch import assert_same_step, decode_batch
 from test_model_hf import TOL, _run_and_compare
 from tiny_models import BOS_ID, EOS_ID, PAD_ID, make_tiny_model, tiny_hf_config
 
@@ -96,16 +97,12 @@ def test_lean_decode_step_equals_the_ordinary_forward(family, dtype, monkeypatch
     K/V rows it writes equal the ordinary forward's bit for bit, in fp32 and bf16 (the same core kernels and the
     same matmul shapes; every residual add comes after a post-norm, so none is fused into a GEMM on one path
     only)."""
-    from ironlm.attention import AttentionMetadata, CpuAttention
-    from ironlm.model import lean
+    from ironlm.attention import CpuAttention
 
     arch, path, _ = family
     model = load_model(path, dtype=dtype, device="cpu", attn_backend=CpuAttention()).model
-    cfg, bs = model.config, 4
+    cfg = model.config
     assert cfg.lean_supported
-    shape = (16, bs, cfg.num_kv_heads, cfg.head_dim)
-    ctx = np.array([5, 11, 14])  # two past the window of the local layers
-    table = np.arange(12, dtype=np.int32).reshape(3, 4)
     calls: list[dict] = []
     real = _core.decode_attention_qkv
 
@@ -114,27 +111,14 @@ def test_lean_decode_step_equals_the_ordinary_forward(family, dtype, monkeypatch
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_core, "decode_attention_qkv", spy)
-
-    def run(lean_on: bool) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        monkeypatch.setattr(lean, "LEAN_MAX_TOKENS", 8 if lean_on else 0)
-        gen = torch.Generator().manual_seed(0)
-        caches = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-                  for _ in range(cfg.num_layers)]
-        meta = AttentionMetadata.from_lengths(context_lens=ctx, query_lens=np.ones(3, np.int64), block_tables=table,
-                                              block_size=bs)
-        ids, pos = torch.tensor([3, 17, 42]), torch.from_numpy(ctx)
-        return model(ids, pos, caches, meta, torch.arange(3)), caches
-
     model._lean.clear()
-    got, got_kv = run(lean_on=True)
+    got = decode_batch(model, dtype, True, monkeypatch)
     assert 3 in model._lean and len(calls) == cfg.num_layers, "the lean step was not taken"
     assert all(c["q_norm"] is not None for c in calls) == (arch == "gemma3_text")
     assert {c["softcap"] for c in calls} == ({1.5} if arch == "gemma2" else {None})
-    want, want_kv = run(lean_on=False)
+    want = decode_batch(model, dtype, False, monkeypatch)
     assert len(calls) == cfg.num_layers, "the ordinary forward took the lean step"
-    assert torch.equal(got, want)
-    for (k, v), (k2, v2) in zip(got_kv, want_kv):
-        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert_same_step(got, want)
 
 
 def test_soft_capping_and_local_rope_change_the_result(family):

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
 from family_parity import MAX_NEW, check_engine_greedy, hf_greedy, shared_prefix_prompts
 from ironlm.model import load_model
+from lean_batch import assert_same_step, decode_batch
 from tiny_models import tiny_vocab
 from tiny_moe import MOE_VARIANTS, make_moe_model
 
@@ -69,12 +69,12 @@ def test_routing_shows_in_the_tokens(moe, tmp_path):
 def test_lean_step_equals_the_ordinary_forward(moe, dtype, monkeypatch):
     """A decode batch through the lean step (dense layers' matmuls, the MoE block's own call for sparse ones, the
     core's residual add) gives the ordinary forward's logits and cache rows bit for bit."""
-    from ironlm.attention import AttentionMetadata, CpuAttention
+    from ironlm.attention import CpuAttention
     from ironlm.model import lean
 
     _, path, _, _ = moe
     model = load_model(path, dtype=dtype, device="cpu", attn_backend=CpuAttention()).model
-    cfg, bs = model.config, 4
+    cfg = model.config
     taken: list[int] = []
     real = lean._moe_branch
 
@@ -83,23 +83,8 @@ def test_lean_step_equals_the_ordinary_forward(moe, dtype, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(lean, "_moe_branch", spy)
-    shape = (16, bs, cfg.num_kv_heads, cfg.head_dim)
-    ctx = np.array([5, 11, 14])
-    table = np.arange(12, dtype=np.int32).reshape(3, 4)
-
-    def run(lean_on: bool):
-        monkeypatch.setattr(lean, "LEAN_MAX_TOKENS", 8 if lean_on else 0)
-        gen = torch.Generator().manual_seed(0)
-        caches = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-                  for _ in range(cfg.num_layers)]
-        meta = AttentionMetadata.from_lengths(context_lens=ctx, query_lens=np.ones(3, np.int64), block_tables=table,
-                                              block_size=bs)
-        return model(torch.tensor([3, 17, 42]), torch.from_numpy(ctx), caches, meta, torch.arange(3)), caches
-
-    got, got_kv = run(lean_on=True)
+    got = decode_batch(model, dtype, True, monkeypatch)
     assert 3 in model._lean and len(taken) == sum(cfg.moe.sparse_layers), "the lean step's MoE branch was not taken"
-    want, want_kv = run(lean_on=False)
+    want = decode_batch(model, dtype, False, monkeypatch)
     assert len(taken) == sum(cfg.moe.sparse_layers), "the ordinary forward took the lean step"
-    assert torch.equal(got, want)
-    for (k, v), (k2, v2) in zip(got_kv, want_kv):
-        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert_same_step(got, want)

@@ -13,6 +13,7 @@ from ironlm import _core
 from ironlm.core_views import CORE_DTYPES, as_numpy
 from ironlm.model import load_model
 from ironlm.model.layers import rms_norm
+from lean_batch import assert_same_step, decode_batch
 from tiny_families import FAMILY_VARIANTS, make_family_model
 
 
@@ -51,12 +52,11 @@ def family(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_step_equals_the_ordinary_forward(family, dtype, monkeypatch) -> None:
-    from ironlm.attention import AttentionMetadata, CpuAttention
-    from ironlm.model import lean
+    from ironlm.attention import CpuAttention
 
     name, path = family
     model = load_model(path, dtype=dtype, device="cpu", attn_backend=CpuAttention()).model
-    cfg, bs = model.config, 4
+    cfg = model.config
     assert cfg.lean_supported
     layer = model.layers[0]
     if name == "olmo2":  # post-norms on both branches and no pre-norms: both adds go through residual_add
@@ -72,24 +72,9 @@ def test_lean_step_equals_the_ordinary_forward(family, dtype, monkeypatch) -> No
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_core, "residual_add", spy)
-    shape = (16, bs, cfg.num_kv_heads, cfg.head_dim)
-    ctx = np.array([5, 11, 14])
-    table = np.arange(12, dtype=np.int32).reshape(3, 4)
-
-    def run(lean_on: bool) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        monkeypatch.setattr(lean, "LEAN_MAX_TOKENS", 8 if lean_on else 0)
-        gen = torch.Generator().manual_seed(0)
-        caches = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-                  for _ in range(cfg.num_layers)]
-        meta = AttentionMetadata.from_lengths(context_lens=ctx, query_lens=np.ones(3, np.int64), block_tables=table,
-                                              block_size=bs)
-        return model(torch.tensor([3, 17, 42]), torch.from_numpy(ctx), caches, meta, torch.arange(3)), caches
-
     model._lean.clear()
-    got, got_kv = run(lean_on=True)
+    got = decode_batch(model, dtype, True, monkeypatch)
     assert 3 in model._lean and len(calls) == 2 * cfg.num_layers, "the lean step's residual adds were not taken"
-    want, want_kv = run(lean_on=False)
+    want = decode_batch(model, dtype, False, monkeypatch)
     assert len(calls) == 2 * cfg.num_layers, "the ordinary forward took the lean step"
-    assert torch.equal(got, want)
-    for (k, v), (k2, v2) in zip(got_kv, want_kv):
-        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert_same_step(got, want)

@@ -182,15 +182,13 @@ def lean_layer(layer: Any, ws: LeanBuffers, k_cache: np.ndarray, v_cache: np.nda
 
 
 def _moe_branch(layer: Any, x: torch.Tensor, norm: np.ndarray | None, ws: LeanBuffers, step: LeanStep) -> None:
-    """A sparse layer's MLP: the MoE block's routing and experts (the core's MoE kernel on CPU), then [normed,]
-    [scaled and] added to `ws.h` by the core, as `DecoderLayer._add` does."""
+    """A sparse layer's MLP: the MoE block's routing and experts (the core's MoE kernel on CPU), then `_add`."""
     out = layer.moe(x)
     if layer.tp is not None:
         layer.tp.all_reduce(out)
     if out.dtype != ws.br.dtype or not out.is_contiguous():
         out = out.to(ws.br.dtype).contiguous()
-    _core.residual_add(as_numpy(out), ws.h_np, norm=norm is not None, weight=norm, eps=layer.eps,
-                       scale=layer.residual_scale, dtype=step.dtype, threads=step.threads)
+    _add(layer, as_numpy(out), norm, ws, step)
 
 
 def _held(result: torch.Tensor, buf: torch.Tensor, buf_np: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
@@ -223,6 +221,11 @@ def _branch(layer: Any, out: Any, x: torch.Tensor, x_np: np.ndarray, fused: bool
     ws.br, ws.br_np = _held(out.into(x, ws.br, x_np, ws.br_np), ws.br, ws.br_np)
     if layer.tp is not None:
         layer.tp.all_reduce(ws.br)
-    # [norm,] [scale,] add: one core pass, rounded after each step as `DecoderLayer._add`'s ops are
-    _core.residual_add(ws.br_np, ws.h_np, norm=norm is not None, weight=norm, eps=layer.eps,
+    _add(layer, ws.br_np, norm, ws, step)
+
+
+def _add(layer: Any, branch_np: np.ndarray, norm: np.ndarray | None, ws: LeanBuffers, step: LeanStep) -> None:
+    """The rest of `DecoderLayer._add` in place on `ws.h` (the branch already summed over TP ranks): [norm,]
+    [scale,] add in one core pass, rounded after each step as `_add`'s ops are."""
+    _core.residual_add(branch_np, ws.h_np, norm=norm is not None, weight=norm, eps=layer.eps,
                        scale=layer.residual_scale, dtype=step.dtype, threads=step.threads)
