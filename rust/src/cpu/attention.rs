@@ -33,6 +33,7 @@ pub struct DecodeShape {
     pub kv_stride: usize,
 }
 
+#[derive(Clone, Copy)]
 pub struct DecodeArgs<'a, T: Elem = f32> {
     pub shape: DecodeShape,
     pub q: &'a [T],
@@ -325,16 +326,23 @@ pub(crate) fn paged_decode_on<T: Elem>(
             end += 1;
         }
         let (mine, tail) = std::mem::take(&mut rest).split_at_mut((end - start) * width);
-        runs.push(Mutex::new((start, mine)));
+        runs.push((*args, start, mine));
         (start, rest) = (end, tail);
     }
+    run_split(runs, path);
+    Ok(())
+}
+
+/// Each `(args, first, out)` run on a thread of its own: `run_seqs` over sequences `first..` of
+/// `args` into `out`, the runs' outputs disjoint.
+fn run_split<T: Elem>(runs: Vec<(DecodeArgs<'_, T>, usize, &mut [T])>, path: Path) {
     // Each run is locked by exactly one thread: the mutex only proves the slices disjoint.
-    crate::cpu::parallel::run_parts(parts, &|p| {
+    let runs: Vec<_> = runs.into_iter().map(Mutex::new).collect();
+    crate::cpu::parallel::run_parts(runs.len(), &|p| {
         let mut run = runs[p].lock().unwrap_or_else(|e| e.into_inner());
-        let (first, ref mut out) = *run;
+        let (ref args, first, ref mut out) = *run;
         run_seqs(args, first, out, path);
     });
-    Ok(())
 }
 
 /// Cache elements (positions x KV heads x head dim, K alone) from which a single sequence's heads
@@ -372,14 +380,9 @@ fn split_heads<T: Elem>(args: &DecodeArgs<T>, out: &mut [T], threads: usize, pat
             softcap: args.softcap,
             sinks: args.sinks.map(|sk| &sk[k0 * group..k1 * group]),
         };
-        runs.push(Mutex::new((view, mine)));
+        runs.push((view, 0, mine));
     }
-    // Each run is locked by exactly one thread: the mutex only proves the slices disjoint.
-    crate::cpu::parallel::run_parts(parts, &|p| {
-        let mut run = runs[p].lock().unwrap_or_else(|e| e.into_inner());
-        let (ref view, ref mut out) = *run;
-        run_seqs(view, 0, out, path);
-    });
+    run_split(runs, path);
 }
 
 /// Sequences `first..first + out.len() / (Hq * D)` on `path` (one this CPU has): the generic

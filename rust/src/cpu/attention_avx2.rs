@@ -81,7 +81,7 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
     let geo = Geo {
         table: &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks],
         block_size: s.block_size,
-        width: s.kv_stride,
+        stride: s.kv_stride,
     };
     let Scratch {
         scores,

@@ -80,7 +80,7 @@ pub(super) struct Geo<'a> {
     pub(super) table: &'a [i32],
     pub(super) block_size: usize,
     /// Elements between positions' cache rows (`DecodeShape::kv_stride`).
-    pub(super) width: usize,
+    pub(super) stride: usize,
 }
 
 impl Geo<'_> {
@@ -88,7 +88,7 @@ impl Geo<'_> {
     #[inline(always)]
     pub(super) fn row(&self, pos: usize) -> usize {
         let b = self.block_size;
-        (self.table[pos / b] as usize * b + pos % b) * self.width
+        (self.table[pos / b] as usize * b + pos % b) * self.stride
     }
 }
 
@@ -105,7 +105,7 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
     let geo = Geo {
         table: &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks],
         block_size: s.block_size,
-        width: s.kv_stride,
+        stride: s.kv_stride,
     };
     let Scratch {
         scores,

@@ -16,6 +16,14 @@ unsafe fn x4(x: *const i8, c: usize) -> __m256i {
     _mm256_set1_epi32(std::ptr::read_unaligned(x.add(c) as *const i32))
 }
 
+/// What both tiles' bodies rely on (their `SAFETY`): `blocks` holds `nb / 8` packed super-blocks,
+/// activation rows up to `end` exist with their half sums, `out` has `rows` rows, the CPU runs `isa`.
+fn check(blocks: &[u8], nb: usize, a: &QActs, end: usize, rows: usize, out: &Tile, isa: Isa) {
+    assert!(blocks.len() >= nb / 8 * SUPER_BYTES && nb.is_multiple_of(8));
+    assert!(end * a.k <= a.q.len() && end * nb <= a.halves.len());
+    assert!(rows <= out.len() && isa.available());
+}
+
 pub(crate) fn tile_avx2(
     _fmt: Format,
     blocks: &[u8],
@@ -25,9 +33,7 @@ pub(crate) fn tile_avx2(
     rows: usize,
     out: &mut Tile,
 ) {
-    assert!(blocks.len() >= nb / 8 * SUPER_BYTES && nb.is_multiple_of(8));
-    assert!((row0 + rows) * a.k <= a.q.len() && (row0 + rows) * nb <= a.halves.len());
-    assert!(rows <= out.len() && Isa::Avx2.available());
+    check(blocks, nb, a, row0 + rows, rows, out, Isa::Avx2);
     let p = blocks.as_ptr();
     // Pairs of rows: each row's arithmetic is the same in a pair or alone.
     for r in (0..rows).step_by(2) {
@@ -137,9 +143,7 @@ pub(crate) fn tile_avx512(
     rows: usize,
     out: &mut Tile,
 ) {
-    assert!(blocks.len() >= nb / 8 * SUPER_BYTES && nb.is_multiple_of(8));
-    assert!((row0 + rows) * a.k <= a.q.len() && (row0 + rows) * nb <= a.halves.len());
-    assert!(rows <= out.len() && Isa::Avx512Vnni.available());
+    check(blocks, nb, a, row0 + rows, rows, out, Isa::Avx512Vnni);
     let p = blocks.as_ptr();
     for r in (0..rows).step_by(4) {
         let o = &mut out[r..];
