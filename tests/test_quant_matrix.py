@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from ironlm._core import QuantMatrix, quant_isas
+from ironlm._core import QuantMatrix, quant_isas, quant_prefetch
 
 # (type, weights per block, bytes per block, offsets of the f16 scales in a block)
 FORMATS = [
@@ -94,6 +94,19 @@ def test_matmul_on_torch_views(isa: str, bits: int, group: int) -> None:
     q.matmul(x.numpy(), out=out2.numpy(), accumulate=True, bias=bias.numpy(), isa=isa)
     want = exact + resid.double().numpy() + bias.double().numpy()
     assert (np.abs(out2.double().numpy() - want) <= tol + 1e-5 * np.abs(want)).all()
+
+
+def test_prefetch_knob_sets_the_distance_and_keeps_the_bits() -> None:
+    q = QuantMatrix.from_float(np.random.default_rng(3).standard_normal((64, 256), dtype=np.float32), 4, 32)
+    x = np.random.default_rng(4).standard_normal((6, 256), dtype=np.float32)
+    saved = quant_prefetch()
+    try:
+        assert quant_prefetch(0) == 0
+        off = q.matmul(x, threads=2)
+        assert quant_prefetch(8192) == 8192 == quant_prefetch()
+        assert np.array_equal(q.matmul(x, threads=2), off)
+    finally:
+        quant_prefetch(saved)
 
 
 def test_gather_is_the_embedding_lookup() -> None:

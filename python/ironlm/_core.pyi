@@ -230,6 +230,11 @@ def quant_isas() -> tuple[str, list[str]]:
     """The SIMD path ``QuantMatrix.matmul`` picks on this CPU, and all paths it can run (``"scalar"``, ``"avx2"``,
     ``"avx_vnni"``, ``"avx512_vnni"``)."""
 
+def quant_prefetch(bytes: int | None = None) -> int:
+    """How far ahead (bytes) the quantized x86 tiles prefetch their weights into L2; 0 turns it off. Sets it to
+    ``bytes`` first when given (process-wide; benches flip it to compare both ways under one memory load). Returns
+    the distance in force."""
+
 def dense_matmul(x: _Floats, weight: _Floats, out: _Floats, accumulate: bool = False,
                  bias: npt.NDArray[np.float32] | None = None, dtype: str = "float32", threads: int = 1,
                  isa: str | None = None) -> None:

@@ -290,6 +290,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::qk_norm_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(ops::cpu_features, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quant_isas, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quant_prefetch, m)?)?;
     m.add_function(wrap_pyfunction!(dense::dense_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(dense::dense_isas, m)?)?;
     m.add_class::<quant::PyQuantMatrix>()?;

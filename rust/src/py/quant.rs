@@ -339,6 +339,17 @@ pub(super) fn isa_arg(isa: Option<&str>) -> PyResult<Option<Isa>> {
     })
 }
 
+/// The quantized tiles' weight prefetch distance in bytes (0: off), set to `bytes` first when
+/// given. Returns the distance in force.
+#[pyfunction]
+#[pyo3(signature = (bytes=None))]
+pub(crate) fn quant_prefetch(bytes: Option<usize>) -> usize {
+    if let Some(b) = bytes {
+        crate::cpu::quant::set_prefetch_distance(b);
+    }
+    crate::cpu::quant::prefetch_distance()
+}
+
 /// The SIMD path `QuantMatrix.matmul` picks on this CPU, and every path this CPU can run.
 #[pyfunction]
 pub(crate) fn quant_isas() -> (&'static str, Vec<&'static str>) {

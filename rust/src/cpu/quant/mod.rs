@@ -82,6 +82,19 @@ pub const BLOCK: usize = 32;
 /// One tile's result: up to 8 activation rows × the 16 rows of a group (the kernel's SIMD paths fill it).
 pub(crate) type Tile = [[f32; ROWS]; 8];
 
+/// How far ahead of the block in use the x86 tiles prefetch their weights, in bytes (0: not
+/// at all). A process-wide tuning knob: benches flip it in process to compare both ways under
+/// the same memory load.
+static PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(4096);
+
+pub fn prefetch_distance() -> usize {
+    PREFETCH.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+pub fn set_prefetch_distance(bytes: usize) {
+    PREFETCH.store(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// One cache line, so the packed data is 64-byte aligned.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]

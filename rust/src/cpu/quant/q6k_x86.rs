@@ -71,6 +71,8 @@ unsafe fn body<const MR: usize>(
         ];
         for b8 in 0..8 {
             let blk = sb.add(b8 * BLOCK_BYTES);
+            // The super-block's 32 bytes of scales after its blocks come with the next one's.
+            super::x86::prefetch_ahead::<MR>(blk, BLOCK_BYTES);
             let b = s * 8 + b8;
             let c0 = b * BLOCK;
             for h in 0..2 {
@@ -179,6 +181,8 @@ unsafe fn body512<const MR: usize>(
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(sb.add(D_AT) as *const __m256i));
         for b8 in 0..8 {
             let blk = sb.add(b8 * BLOCK_BYTES);
+            // The super-block's 32 bytes of scales after its blocks come with the next one's.
+            super::x86::prefetch_ahead::<MR>(blk, BLOCK_BYTES);
             let b = s * 8 + b8;
             let c0 = b * BLOCK;
             let mut lo = [_mm512_setzero_si512(); MR];
