@@ -40,11 +40,10 @@ def run_one(binary: str, gguf: Path, prompt: str, max_tokens: int, k: int, threa
             "accepted": int(acc[-1]) if acc else 0}
 
 
-def run(binary: str, gguf: Path, prompts: list[str], max_tokens: int, k: int, threads: int,
-        draft_gguf: Path | None = None) -> dict[str, Any]:
-    """Every prompt, one at a time: decode tok/s over all of them and the acceptance."""
-    runs = [run_one(binary, gguf, p, max_tokens, k, threads, draft_gguf) for p in prompts]
+def summarize(runs: list[dict[str, float]], binary: str) -> dict[str, Any]:
+    """`run_one` results: decode tok/s over all of them and the acceptance."""
     tokens, secs = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
     drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
     return {"binary": binary, "decode_tok_s": tokens / secs if secs else 0.0, "decode_tokens": tokens,
             "drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0}
+

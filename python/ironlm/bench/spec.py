@@ -1,6 +1,8 @@
 """Speculative decoding, single stream: the input-grounded prompts (bench/spec_prompts.json) one at a time,
 greedy, plain decode vs speculation in one process, decode tok/s (output tokens after the first over the
-time after the first token) and the acceptance figures.
+time after the first token) and the acceptance figures. Both engines stay loaded and take turns prompt by prompt
+over --rounds passes (with --baseline, llama.cpp's two runs join the rotation), so a drift in the machine's
+memory bandwidth lands on every engine alike; each round's own ratio is reported beside the totals.
 
     python -m ironlm.bench.spec [--max-tokens 256] [--k 5] [--batch-invariant] [--json PATH]
     python -m ironlm.bench.spec --draft-pair truncated|random [--tiny] [--k 4]   # draft model (spec_pair.py)
@@ -37,19 +39,36 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=8))  # warm-up
-    decode_tokens, decode_s, outs = 0, 0.0, []
-    for p in prompts:
-        o = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-        m, n = o.metrics, len(o.outputs[0].token_ids)
-        assert m.first_token_time is not None and m.finished_time is not None
-        decode_tokens += n - 1
-        decode_s += m.finished_time - m.first_token_time
-        outs.append(o.outputs[0].token_ids)
-    return {"decode_tok_s": decode_tokens / decode_s, "decode_tokens": decode_tokens, "outputs": outs,
-            "metrics": {k: v for k, v in llm.get_metrics().items() if k.startswith("spec_decode_")}}
+def run_one(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], int, float]:
+    """One prompt, greedy: its output ids, the decoded tokens after the first and the seconds they took."""
+    o = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=max_tokens),
+                     use_tqdm=False)[0]
+    m = o.metrics
+    assert m.first_token_time is not None and m.finished_time is not None
+    return list(o.outputs[0].token_ids), len(o.outputs[0].token_ids) - 1, m.finished_time - m.first_token_time
+
+
+def summarize(runs: list[tuple[int, float]]) -> dict[str, Any]:
+    """Decode tok/s over (tokens, seconds) runs."""
+    tokens, secs = sum(r[0] for r in runs), sum(r[1] for r in runs)
+    return {"decode_tok_s": tokens / secs if secs else 0.0, "decode_tokens": tokens}
+
+
+def interleave(engines: dict[str, Any], n_prompts: int, rounds: int) -> dict[str, list[list[Any]]]:
+    """`engines[name](i)` for every prompt i, round after round, the engines' order rotated from prompt to prompt:
+    this machine's memory bandwidth drifts by up to 2x within minutes, and running one engine over every prompt
+    and then the other put that drift into their ratio (the same code measured 1.49x-2.12x that way). Returns
+    each engine's results by round, in prompt order."""
+    names = list(engines)
+    got: dict[str, list[list[Any]]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names:
+            got[n].append([None] * n_prompts)
+        for i in range(n_prompts):
+            k = (r * n_prompts + i) % len(names)
+            for n in names[k:] + names[:k]:
+                got[n][r][i] = engines[n](i)
+    return got
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
                          "its own mode, llama-lookup (n-gram) or llama-speculative (--draft, GGUF files); build: "
                          "make llama-cpp")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (--baseline)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="passes over the prompts; within each, the engines alternate prompt by prompt")
     a = ap.parse_args(argv)
     draft = a.draft
     if a.draft_pair is not None:
@@ -87,33 +108,57 @@ def main(argv: list[str] | None = None) -> None:
     rendered = [str(plain.engine.tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                                               add_generation_prompt=True, tokenize=False))
                 for t in texts]
-    base = run(plain, prompts, a.max_tokens)
-    del plain
     cfg: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": a.lookup_max,
                            "prompt_lookup_min": 1}
     if draft is not None:
         cfg = {"model": draft, "num_speculative_tokens": a.k}
-    spec = run(LLM(speculative_config=cfg, **kw), prompts, a.max_tokens)
-    llama = llama_plain = None
+    spec = LLM(speculative_config=cfg, **kw)
+    for llm in (plain, spec):  # warm-up
+        run_one(llm, prompts[0], 8)
+    spec_before = {k: v for k, v in spec.get_metrics().items() if k.startswith("spec_decode_")}
+    engines: dict[str, Any] = {"plain": lambda i: run_one(plain, prompts[i], a.max_tokens),
+                               "spec": lambda i: run_one(spec, prompts[i], a.max_tokens)}
     if a.baseline == "llama.cpp":
         from ironlm.bench import llama_spec
         from ironlm.bench.llama_cpp import gguf_path
 
         binary = "llama-lookup" if draft is None else "llama-speculative"
         gguf = gguf_path(a.model)
-        llama_plain = llama_spec.run("llama-lookup", gguf, rendered, a.max_tokens, 0, a.threads)
-        llama = llama_spec.run(binary, gguf, rendered, a.max_tokens, a.k, a.threads,
-                               None if draft is None else Path(draft))
+        draft_gguf = None if draft is None else Path(draft)
+        engines["llama_cpp_plain"] = lambda i: llama_spec.run_one("llama-lookup", gguf, rendered[i], a.max_tokens,
+                                                                 0, a.threads)
+        engines["llama_cpp"] = lambda i: llama_spec.run_one(binary, gguf, rendered[i], a.max_tokens, a.k,
+                                                           a.threads, draft_gguf)
+    got = interleave(engines, len(prompts), a.rounds)
     b1 = cpu_jiffies()
-    same = sum(x == y for x, y in zip(base["outputs"], spec["outputs"]))
+    def rate(runs: list[Any]) -> float:
+        return summarize([(r[1], r[2]) for r in runs])["decode_tok_s"]
+
+    ours = {n: summarize([(r[1], r[2]) for rnd in got[n] for r in rnd]) for n in ("plain", "spec")}
+    per_round = [rate(s_) / rate(p_) for p_, s_ in zip(got["plain"], got["spec"])]
+    same = sum(x[0] == y[0] for x, y in zip(got["plain"][0], got["spec"][0]))
+    metrics = {k: v for k, v in spec.get_metrics().items() if k.startswith("spec_decode_")}
+    for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+        metrics[k] = metrics[k] - spec_before.get(k, 0)  # the warm-up's proposals left out
+    llama = llama_plain = None
+    llama_rounds: list[float] = []
+    if a.baseline == "llama.cpp":
+        llama, llama_plain = (llama_spec.summarize([r for rnd in got[n] for r in rnd], n_binary)
+                              for n, n_binary in (("llama_cpp", binary), ("llama_cpp_plain", "llama-lookup")))
+        llama_rounds = [rate(s_) / llama_spec.summarize(p_, "")["decode_tok_s"]
+                        for p_, s_ in zip(got["llama_cpp_plain"], got["spec"])]
     report = {
-        "cpu": _cpu_model(), "model": a.model, "draft_pair": a.draft_pair, "prompt_tokens": [len(p) for p in prompts], "max_tokens": a.max_tokens,
-        "speculative_config": cfg, "plain_decode_tok_s": base["decode_tok_s"],
-        "spec_decode_tok_s": spec["decode_tok_s"], "speedup": spec["decode_tok_s"] / base["decode_tok_s"],
-        "identical_outputs": f"{same}/{len(prompts)}", **spec["metrics"], "llama_cpp": llama,
+        "cpu": _cpu_model(), "model": a.model, "draft_pair": a.draft_pair, "prompt_tokens": [len(p) for p in prompts],
+        "max_tokens": a.max_tokens, "rounds": a.rounds,
+        "speculative_config": cfg, "plain_decode_tok_s": ours["plain"]["decode_tok_s"],
+        "spec_decode_tok_s": ours["spec"]["decode_tok_s"],
+        "speedup": ours["spec"]["decode_tok_s"] / ours["plain"]["decode_tok_s"],
+        "speedup_per_round": per_round,
+        "identical_outputs": f"{same}/{len(prompts)}", **metrics, "llama_cpp": llama,
         "llama_cpp_plain": llama_plain,
         "speedup_vs_llama_cpp_plain": None if not llama_plain or not llama_plain["decode_tok_s"]
-        else spec["decode_tok_s"] / llama_plain["decode_tok_s"],
+        else ours["spec"]["decode_tok_s"] / llama_plain["decode_tok_s"],
+        "speedup_vs_llama_cpp_plain_per_round": llama_rounds,
         # Busy share of all CPUs over the whole run (ours included): what else ran shows above ~1/ncpu.
         "machine_busy_frac": (b1[0] - b0[0]) / max(1, b1[1] - b0[1]),
     }
