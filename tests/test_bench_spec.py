@@ -32,3 +32,5 @@ def test_the_bench_reports_both_engines_per_round(tmp_path: Path) -> None:
     assert r["plain_decode_tok_s"] > 0 and r["spec_decode_tok_s"] > 0
     assert r["identical_outputs"] == "2/2"
     assert r["spec_decode_num_drafts"] > 0  # the copy prompts propose from their first decode steps
+    # 2 rounds x 2 prompts x 11 tokens after the first; each accepted token saved a step.
+    assert r["free_verification_ceiling"] == 44 / (44 - r["spec_decode_num_accepted_tokens"])
