@@ -349,6 +349,12 @@ def test_moe_bench_single_stream_alternates_rounds(tmp_path, capsys):
         [r["ironlm"]["decode_tok_s"] / r["llama.cpp"]["decode_tok_s"] for r in row["rounds"]])
     assert row["ironlm"]["decode_tok_s"] == pytest.approx(
         sum(r["ironlm"]["decode_tok_s"] for r in row["rounds"]) / 2)  # the median of two
+    # The machine's read bandwidth beside each round, and what it allows over llama.cpp's own rate.
+    for r, ceiling in zip(row["rounds"], row["decode_ratio_ceiling_per_round"], strict=True):
+        assert r["machine_read_gb_s"] > 1
+        assert r["llama.cpp"]["read_gb_s"] == pytest.approx(
+            r["ironlm"]["active_bytes"] * r["llama.cpp"]["decode_tok_s"] / 1e9)
+        assert ceiling == pytest.approx(r["machine_read_gb_s"] / r["llama.cpp"]["read_gb_s"])
     assert "CPU: " in capsys.readouterr().out
 
 

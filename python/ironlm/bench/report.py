@@ -36,6 +36,23 @@ def cpu_jiffies() -> tuple[int, int]:
 _SIMD_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "vnni", "bf16")
 
 
+def read_bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 3) -> float:
+    """The machine's read bandwidth now, GB/s: the best of `repeats` torch sums over an `nbytes` fp32 tensor on
+    torch's threads (a decode step reads its weights the same way, once, in order). Taken beside each timed run:
+    on a shared VM it drifts by up to 2x within minutes."""
+    import time
+
+    import torch
+
+    data = torch.full((nbytes // 4,), 0.5)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def cpu_flags() -> list[str]:
     """The CPU's vector-instruction flags (AVX2, AVX-512 and its VNNI/BF16 parts, AMX...), sorted."""
     try:
