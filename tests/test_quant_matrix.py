@@ -96,17 +96,19 @@ def test_matmul_on_torch_views(isa: str, bits: int, group: int) -> None:
     assert (np.abs(out2.double().numpy() - want) <= tol + 1e-5 * np.abs(want)).all()
 
 
-def test_prefetch_knob_sets_the_distance_and_keeps_the_bits() -> None:
+def test_prefetch_knobs_set_the_distances_and_keep_the_bits() -> None:
     q = QuantMatrix.from_float(np.random.default_rng(3).standard_normal((64, 256), dtype=np.float32), 4, 32)
-    x = np.random.default_rng(4).standard_normal((6, 256), dtype=np.float32)
     saved = quant_prefetch()
     try:
-        assert quant_prefetch(0) == 0
-        off = q.matmul(x, threads=2)
-        assert quant_prefetch(8192) == 8192 == quant_prefetch()
-        assert np.array_equal(q.matmul(x, threads=2), off)
+        for m in (1, 6):  # a near and a far tile
+            x = np.random.default_rng(4).standard_normal((m, 256), dtype=np.float32)
+            assert quant_prefetch(0, 0) == (0, 0)
+            off = q.matmul(x, threads=2)
+            assert quant_prefetch(near=256) == (256, 0)
+            assert quant_prefetch(far=8192) == (256, 8192) == quant_prefetch()
+            assert np.array_equal(q.matmul(x, threads=2), off)
     finally:
-        quant_prefetch(saved)
+        quant_prefetch(*saved)
 
 
 def test_gather_is_the_embedding_lookup() -> None:

@@ -230,10 +230,10 @@ def quant_isas() -> tuple[str, list[str]]:
     """The SIMD path ``QuantMatrix.matmul`` picks on this CPU, and all paths it can run (``"scalar"``, ``"avx2"``,
     ``"avx_vnni"``, ``"avx512_vnni"``)."""
 
-def quant_prefetch(bytes: int | None = None) -> int:
-    """How far ahead (bytes) the quantized x86 tiles prefetch their weights into L2; 0 turns it off. Sets it to
-    ``bytes`` first when given (process-wide; benches flip it to compare both ways under one memory load). Returns
-    the distance in force."""
+def quant_prefetch(near: int | None = None, far: int | None = None) -> tuple[int, int]:
+    """How far ahead (bytes) the quantized x86 tiles prefetch their weights into L2: ``near`` for tiles of 1-2
+    activation rows, ``far`` for 3 or more; 0 turns one off. Sets each one given first (process-wide; benches flip
+    them to compare both ways under one memory load). Returns the ``(near, far)`` in force."""
 
 def dense_matmul(x: _Floats, weight: _Floats, out: _Floats, accumulate: bool = False,
                  bias: npt.NDArray[np.float32] | None = None, dtype: str = "float32", threads: int = 1,

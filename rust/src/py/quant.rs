@@ -339,15 +339,15 @@ pub(super) fn isa_arg(isa: Option<&str>) -> PyResult<Option<Isa>> {
     })
 }
 
-/// The quantized tiles' weight prefetch distance in bytes (0: off), set to `bytes` first when
-/// given. Returns the distance in force.
+/// The quantized tiles' weight prefetch distances in bytes `(near, far)`: for tiles of 1-2
+/// activation rows and of 3 or more (0: off). Each one given is set first. Returns those in
+/// force.
 #[pyfunction]
-#[pyo3(signature = (bytes=None))]
-pub(crate) fn quant_prefetch(bytes: Option<usize>) -> usize {
-    if let Some(b) = bytes {
-        crate::cpu::quant::set_prefetch_distance(b);
-    }
-    crate::cpu::quant::prefetch_distance()
+#[pyo3(signature = (near=None, far=None))]
+pub(crate) fn quant_prefetch(near: Option<usize>, far: Option<usize>) -> (usize, usize) {
+    let (n, f) = crate::cpu::quant::prefetch_distances();
+    crate::cpu::quant::set_prefetch_distances(near.unwrap_or(n), far.unwrap_or(f));
+    crate::cpu::quant::prefetch_distances()
 }
 
 /// The SIMD path `QuantMatrix.matmul` picks on this CPU, and every path this CPU can run.

@@ -46,6 +46,8 @@
 //! 380-480 int8 GOP/s; from M ≈ 32-64 a dense bf16 `torch.mm` on AMX is faster (500-1400
 //! GFLOP/s), hence [`QMatrix::dequantize_into`] with bf16 output for large batches.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 mod act;
 mod dequant;
 pub mod ggml;
@@ -83,16 +85,22 @@ pub const BLOCK: usize = 32;
 pub(crate) type Tile = [[f32; ROWS]; 8];
 
 /// How far ahead of the block in use the x86 tiles prefetch their weights, in bytes (0: not
-/// at all). A process-wide tuning knob: benches flip it in process to compare both ways under
-/// the same memory load.
-static PREFETCH: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(4096);
+/// at all): tiles of 1-2 activation rows, and of 3 or more. Process-wide tuning knobs: benches
+/// flip them in process to compare both ways under the same memory load.
+static PREFETCH_NEAR: AtomicUsize = AtomicUsize::new(768);
+static PREFETCH_FAR: AtomicUsize = AtomicUsize::new(4096);
 
-pub fn prefetch_distance() -> usize {
-    PREFETCH.load(std::sync::atomic::Ordering::Relaxed)
+/// The prefetch distances `(near, far)`: for tiles of 1-2 rows, and of 3 or more.
+pub fn prefetch_distances() -> (usize, usize) {
+    (
+        PREFETCH_NEAR.load(Ordering::Relaxed),
+        PREFETCH_FAR.load(Ordering::Relaxed),
+    )
 }
 
-pub fn set_prefetch_distance(bytes: usize) {
-    PREFETCH.store(bytes, std::sync::atomic::Ordering::Relaxed);
+pub fn set_prefetch_distances(near: usize, far: usize) {
+    PREFETCH_NEAR.store(near, Ordering::Relaxed);
+    PREFETCH_FAR.store(far, Ordering::Relaxed);
 }
 
 /// One cache line, so the packed data is 64-byte aligned.

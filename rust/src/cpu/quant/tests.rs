@@ -757,8 +757,8 @@ fn non_finite_activations_give_nan_rows_on_every_path() {
 
 #[test]
 fn the_weight_prefetch_does_not_change_a_bit() {
-    // Only the memory traffic may differ: every kind, every path, tiles above and below the
-    // prefetching size (3 rows), with the prefetch off and at two distances.
+    // Only the memory traffic may differ: every kind, every path, near and far tiles (below
+    // and from 3 rows), with the prefetch off and at two distances.
     let mut rng = Rng(29);
     let k = 256;
     let raw_q6 = super::q6k_tests::random_raw(&mut rng, 48 * k);
@@ -767,14 +767,14 @@ fn the_weight_prefetch_does_not_change_a_bit() {
         random_matrix(&mut rng, QKind::Q4, 48, k),
         QMatrix::from_ggml(&raw_q6, ggml::Q6_K, 48, k).unwrap(),
     ];
-    let saved = super::prefetch_distance();
+    let saved = super::prefetch_distances();
     for w in &mats {
         for isa in isas() {
             for m in [1, 3, 6, 11] {
                 let x = rng.floats(m * k);
                 let mut runs = Vec::new();
                 for dist in [0, 64, 4096] {
-                    super::set_prefetch_distance(dist);
+                    super::set_prefetch_distances(dist, dist);
                     let mut out = vec![0.0f32; m * 48];
                     let opts = MatmulOpts {
                         threads: 2,
@@ -788,5 +788,5 @@ fn the_weight_prefetch_does_not_change_a_bit() {
             }
         }
     }
-    super::set_prefetch_distance(saved);
+    super::set_prefetch_distances(saved.0, saved.1);
 }

@@ -112,17 +112,19 @@ unsafe fn rows512<const Q4: bool, const HALF: bool>(
     }
 }
 
-/// Ask the L2 for the `len` bytes [`super::prefetch_distance`] past `blk` (prefetches never
-/// fault, so past the matrix's end is harmless). A group is one sequential stream, but
-/// from M ≈ 4 rows the tile computes long enough per block that the hardware prefetcher
-/// no longer keeps the stream ahead: weights from memory (2-core Zen 4, 64 Q4_0 matrices
-/// of 576 x 3072), M = 6 61 -> 47 us a matrix, Q8_0 131 -> 88, Q6_K 181 -> 120. Tiles of fewer
-/// than 3 rows stream fast enough without it and only lose issue slots (one MoE decode, experts
-/// at M = 1, in-process alternation: 0.95x with it).
+/// Ask the L2 for the `len` bytes a distance past `blk` ([`super::prefetch_distances`]: near
+/// for tiles of 1-2 rows, far for more; prefetches never fault, so past the matrix's end is
+/// harmless). A group is one sequential stream, yet the hardware prefetcher does not keep it
+/// far enough ahead. 2-core Zen 4, in-process alternation: one MoE decode (experts at M = 1),
+/// Q4_0 +8% at 512-768 bytes ahead, +3% at 1 KiB, -3% at 4 KiB; Q8_0 +10% at 768; the default
+/// model +2% at 512-768. From M ≈ 4 rows the tile computes long enough per block that it needs
+/// a longer lead: 64 Q4_0 matrices of 576 x 3072 from memory, M = 6 61 -> 47 us a matrix at
+/// 4 KiB, Q8_0 131 -> 88, Q6_K 181 -> 120; the default model's 6-row verification step 0.94x.
 #[inline(always)]
 pub(super) unsafe fn prefetch_ahead<const MR: usize>(blk: *const u8, len: usize) {
-    let ahead = super::prefetch_distance();
-    if MR < 3 || ahead == 0 {
+    let (near, far) = super::prefetch_distances();
+    let ahead = if MR < 3 { near } else { far };
+    if ahead == 0 {
         return;
     }
     let pf = blk.wrapping_add(ahead);
