@@ -46,8 +46,6 @@
 //! 380-480 int8 GOP/s; from M ≈ 32-64 a dense bf16 `torch.mm` on AMX is faster (500-1400
 //! GFLOP/s), hence [`QMatrix::dequantize_into`] with bf16 output for large batches.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 mod act;
 mod dequant;
 pub mod ggml;
@@ -55,6 +53,7 @@ mod kernel;
 mod moe;
 mod mx4;
 mod parts;
+mod prefetch;
 mod q6k;
 #[cfg(target_arch = "x86_64")]
 mod q6k_x86;
@@ -73,6 +72,7 @@ mod tests;
 pub use dequant::DequantOut;
 pub use kernel::{Isa, MatmulOpts};
 pub use moe::{Experts, MoeAct, Routing};
+pub use prefetch::{prefetch_distances, set_prefetch_distances};
 
 use crate::error::{CoreError, CoreResult};
 
@@ -83,25 +83,6 @@ pub const BLOCK: usize = 32;
 
 /// One tile's result: up to 8 activation rows × the 16 rows of a group (the kernel's SIMD paths fill it).
 pub(crate) type Tile = [[f32; ROWS]; 8];
-
-/// How far ahead of the block in use the x86 tiles prefetch their weights, in bytes (0: not
-/// at all): tiles of 1-2 activation rows, and of 3 or more. Process-wide tuning knobs: benches
-/// flip them in process to compare both ways under the same memory load.
-static PREFETCH_NEAR: AtomicUsize = AtomicUsize::new(768);
-static PREFETCH_FAR: AtomicUsize = AtomicUsize::new(4096);
-
-/// The prefetch distances `(near, far)`: for tiles of 1-2 rows, and of 3 or more.
-pub fn prefetch_distances() -> (usize, usize) {
-    (
-        PREFETCH_NEAR.load(Ordering::Relaxed),
-        PREFETCH_FAR.load(Ordering::Relaxed),
-    )
-}
-
-pub fn set_prefetch_distances(near: usize, far: usize) {
-    PREFETCH_NEAR.store(near, Ordering::Relaxed);
-    PREFETCH_FAR.store(far, Ordering::Relaxed);
-}
 
 /// One cache line, so the packed data is 64-byte aligned.
 #[derive(Clone, Copy)]

@@ -63,7 +63,7 @@ unsafe fn body<const MR: usize>(
     let (nibble, high) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
     // [row][half]: rows 0..8 of the group, then 8..16.
     let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-    let ahead = super::x86::lead::<MR>();
+    let ahead = super::prefetch::lead::<MR>();
     for s in 0..nb / 8 {
         let sb = blocks.add(s * SUPER_BYTES);
         let d = [
@@ -73,7 +73,7 @@ unsafe fn body<const MR: usize>(
         for b8 in 0..8 {
             let blk = sb.add(b8 * BLOCK_BYTES);
             // The super-block's 32 bytes of scales after its blocks come with the next one's.
-            super::x86::prefetch_ahead(blk, ahead, BLOCK_BYTES);
+            super::prefetch::ahead(blk, ahead, BLOCK_BYTES);
             let b = s * 8 + b8;
             let c0 = b * BLOCK;
             for h in 0..2 {
@@ -177,14 +177,14 @@ unsafe fn body512<const MR: usize>(
     let x4 =
         |r: usize, c: usize| _mm512_set1_epi32(std::ptr::read_unaligned(x[r].add(c) as *const i32));
     let mut acc = [_mm512_setzero_ps(); MR];
-    let ahead = super::x86::lead::<MR>();
+    let ahead = super::prefetch::lead::<MR>();
     for s in 0..nb / 8 {
         let sb = blocks.add(s * SUPER_BYTES);
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(sb.add(D_AT) as *const __m256i));
         for b8 in 0..8 {
             let blk = sb.add(b8 * BLOCK_BYTES);
             // The super-block's 32 bytes of scales after its blocks come with the next one's.
-            super::x86::prefetch_ahead(blk, ahead, BLOCK_BYTES);
+            super::prefetch::ahead(blk, ahead, BLOCK_BYTES);
             let b = s * 8 + b8;
             let c0 = b * BLOCK;
             let mut lo = [_mm512_setzero_si512(); MR];

@@ -112,39 +112,6 @@ unsafe fn rows512<const Q4: bool, const HALF: bool>(
     }
 }
 
-/// How far ahead a tile of `MR` rows asks the L2 for its weights ([`super::prefetch_distances`]:
-/// near for tiles of 1-2 rows, far for more; prefetches never fault, so past the matrix's end
-/// is harmless). A group is one sequential stream, yet the hardware prefetcher does not keep it
-/// far enough ahead. 2-core Zen 4, in-process alternation: one MoE decode (experts at M = 1),
-/// Q4_0 +8% at 512-768 bytes ahead, +3% at 1 KiB, -3% at 4 KiB; Q8_0 +10% at 768; the default
-/// model +2% at 512-768. From M ≈ 4 rows the tile computes long enough per block that it needs
-/// a longer lead: 64 Q4_0 matrices of 576 x 3072 from memory, M = 6 61 -> 47 us a matrix at
-/// 4 KiB, Q8_0 131 -> 88, Q6_K 181 -> 120; the default model's 6-row verification step 0.94x.
-#[inline(always)]
-pub(super) fn lead<const MR: usize>() -> usize {
-    let (near, far) = super::prefetch_distances();
-    if MR < 3 {
-        near
-    } else {
-        far
-    }
-}
-
-/// The `len` bytes `ahead` past `blk` into L2 (`ahead` from [`lead`], read once a tile: the
-/// block loop stays free of the knobs' loads).
-#[inline(always)]
-pub(super) unsafe fn prefetch_ahead(blk: *const u8, ahead: usize, len: usize) {
-    if ahead == 0 {
-        return;
-    }
-    let pf = blk.wrapping_add(ahead);
-    let mut off = 0;
-    while off < len {
-        _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(off) as *const i8);
-        off += 64;
-    }
-}
-
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn avx512<const Q4: bool, const HALF: bool, const MR: usize>(
     blocks: *const u8,
@@ -167,10 +134,10 @@ unsafe fn avx512<const Q4: bool, const HALF: bool, const MR: usize>(
     let nibble = _mm512_set1_epi8(0x0F);
     let neg_offset = _mm512_set1_ps(kind.neg_offset());
     let mut acc = [_mm512_setzero_ps(); MR];
-    let ahead = lead::<MR>();
+    let ahead = super::prefetch::lead::<MR>();
     for b in 0..nb {
         let blk = blocks.add(b * bb);
-        prefetch_ahead(blk, ahead, bb);
+        super::prefetch::ahead(blk, ahead, bb);
         let c0 = b * BLOCK;
         let mut even = [_mm512_setzero_si512(); MR];
         let mut odd = [_mm512_setzero_si512(); MR];
@@ -353,10 +320,10 @@ macro_rules! tile256 {
             let nibble = _mm256_set1_epi8(0x0F);
             // [row][half]: rows 0..8 of the group in the low 32 bytes of a chunk, 8..16 high.
             let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-            let ahead = lead::<MR>();
+            let ahead = super::prefetch::lead::<MR>();
             for b in 0..nb {
                 let blk = blocks.add(b * bb);
-                prefetch_ahead(blk, ahead, bb);
+                super::prefetch::ahead(blk, ahead, bb);
                 let c0 = b * BLOCK;
                 let mut isum = [[_mm256_setzero_si256(); 2]; MR];
                 for h in 0..2 {
@@ -492,10 +459,10 @@ unsafe fn avx2_q4<const HALF: bool, const MR: usize>(
     let (nibble, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
     // [row][half]: rows 0..8 of the group in the low 32 bytes of a chunk, 8..16 high.
     let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-    let ahead = lead::<MR>();
+    let ahead = super::prefetch::lead::<MR>();
     for b in 0..nb {
         let blk = blocks.add(b * bb);
-        prefetch_ahead(blk, ahead, bb);
+        super::prefetch::ahead(blk, ahead, bb);
         let c0 = b * BLOCK;
         for h in 0..2 {
             let mut pairs = [_mm256_setzero_si256(); MR];
