@@ -31,6 +31,7 @@ import torch
 
 from bench_decode_step import cpu_info, generate_tok_s, time_steps, weight_bytes
 from ironlm import _core
+from ironlm.bench.report import read_bandwidth_gbs
 from ironlm.core_views import as_numpy
 from ironlm.model import linear, load_model
 
@@ -61,9 +62,7 @@ def best(calls: list[Callable[[], object]], reps: int) -> float:
 
 def read_bandwidth(nbytes: int, threads: int, reps: int = 5) -> tuple[float, float]:
     """(torch sum, core dense_matmul stream) GB/s over `nbytes`."""
-    data = torch.full((nbytes // 4,), 0.5)
-    torch_gbs = nbytes / best([data.sum], reps) / 1e9
-    del data
+    torch_gbs = read_bandwidth_gbs(nbytes, reps)
     k = 8192
     w = torch.full((k, nbytes // 2 // k), 0.5, dtype=torch.bfloat16)
     v = torch.full((1, k), 0.5, dtype=torch.bfloat16)

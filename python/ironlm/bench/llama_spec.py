@@ -46,4 +46,3 @@ def summarize(runs: list[dict[str, float]], binary: str) -> dict[str, Any]:
     drafted, accepted = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
     return {"binary": binary, "decode_tok_s": tokens / secs if secs else 0.0, "decode_tokens": tokens,
             "drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0}
-

@@ -54,6 +54,11 @@ def summarize(runs: list[tuple[int, float]]) -> dict[str, Any]:
     return {"decode_tok_s": tokens / secs if secs else 0.0, "decode_tokens": tokens}
 
 
+def rate(runs: list[tuple[list[int], int, float]]) -> float:
+    """Decode tok/s over `run_one` results."""
+    return summarize([(r[1], r[2]) for r in runs])["decode_tok_s"]
+
+
 def interleave(engines: dict[str, Any], n_prompts: int, rounds: int) -> dict[str, list[list[Any]]]:
     """`engines[name](i)` for every prompt i, round after round, the engines' order rotated from prompt to prompt:
     this machine's memory bandwidth drifts by up to 2x within minutes, and running one engine over every prompt
@@ -131,9 +136,6 @@ def main(argv: list[str] | None = None) -> None:
                                                            a.threads, draft_gguf)
     got = interleave(engines, len(prompts), a.rounds)
     b1 = cpu_jiffies()
-    def rate(runs: list[Any]) -> float:
-        return summarize([(r[1], r[2]) for r in runs])["decode_tok_s"]
-
     ours = {n: summarize([(r[1], r[2]) for rnd in got[n] for r in rnd]) for n in ("plain", "spec")}
     per_round = [rate(s_) / rate(p_) for p_, s_ in zip(got["plain"], got["spec"])]
     same = sum(x[0] == y[0] for x, y in zip(got["plain"][0], got["spec"][0]))
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.baseline == "llama.cpp":
         llama, llama_plain = (llama_spec.summarize([r for rnd in got[n] for r in rnd], n_binary)
                               for n, n_binary in (("llama_cpp", binary), ("llama_cpp_plain", "llama-lookup")))
-        llama_rounds = [rate(s_) / llama_spec.summarize(p_, "")["decode_tok_s"]
+        llama_rounds = [rate(s_) / llama_spec.summarize(p_, "llama-lookup")["decode_tok_s"]
                         for p_, s_ in zip(got["llama_cpp_plain"], got["spec"])]
     report = {
         "cpu": _cpu_model(), "model": a.model, "draft_pair": a.draft_pair, "prompt_tokens": [len(p) for p in prompts],

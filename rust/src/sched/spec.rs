@@ -207,7 +207,7 @@ mod tests {
 
     #[test]
     fn longer_suffix_wins_and_latest_match() {
-        // suffix (5, 6) matches at 3 -> 7; the 1-gram 6 alone would match later (-> 9).
+        // suffix (5, 6) matches at 3 -> 7, though the 1-gram 6 also occurs later (-> 9).
         let t = [0, 0, 0, 5, 6, 7, 6, 9, 5, 6];
         assert_eq!(propose(&t, 1, 2, 1), vec![7]);
         // The 1-gram 6 alone: the occurrence after 5 (as the suffix is) beats the later one.
