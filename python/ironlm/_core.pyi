@@ -124,13 +124,15 @@ def paged_decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: npt.NDArray[np.float32] | None = None,
+    cache_dtype: str | None = None,
 ) -> None:
     """Decode attention on the CPU, reading the paged cache in place (the ``cpu`` attention backend).
 
     ``out[i, h] = softmax(q[i, h] . K_i^T * scale) V_i`` over the first ``seq_lens[i]`` positions of sequence
     ``i``, whose pages are ``block_tables[i]``. q/out ``[n, Hq, D]`` (q's rows may be strided, as views into a
     fused q|k|v row); caches ``[num_blocks, block_size, Hkv, D]``; query head ``h`` reads KV head
-    ``h // (Hq // Hkv)``. ``dtype`` is float32, bfloat16 or float16 for every float array; the math is f32.
+    ``h // (Hq // Hkv)``. ``dtype`` is float32, bfloat16 or float16 for every float array but the caches, whose
+    type is ``cache_dtype`` (None: ``dtype``; bfloat16 or float16 under float32); the math is f32.
     With ``k``/``v`` (``[n, Hkv, D]``, rows may be strided) and ``slot_mapping`` (-1 = skip) those rows are first
     written into the caches. With ``window`` (sliding-window attention) sequence ``i`` attends only its last
     ``window`` positions. With ``softcap`` each logit ``x`` becomes ``softcap * tanh(x / softcap)`` before the
@@ -181,12 +183,13 @@ def decode_attention_qkv(
     k_norm: _Floats | None = None,
     eps: float = 1e-6,
     softcap: float | None = None,
+    cache_dtype: str | None = None,
 ) -> None:
     """One layer's decode attention from its fused projection output ``qkv`` ``[n, (Hq + 2 Hkv) * D]``: with
     ``q_norm`` and ``k_norm`` the qk-norm of ``qk_norm_inplace``, then RoPE on q and k (neox style, cos|sin rows of
     ``rope_table`` ``[P, D]`` at ``positions``; None = no positional encoding), k and v written at
-    ``slot_mapping`` (-1 = skip), then ``out`` ``[n, Hq * D]`` = paged attention as in ``paged_decode_attention``
-    (``window``, ``softcap`` likewise). Nothing is written when an argument is bad (``InvalidArgumentError`` naming
+    ``slot_mapping`` (-1 = skip; rounded to ``cache_dtype`` as in ``paged_decode_attention``), then ``out``
+    ``[n, Hq * D]`` = paged attention as in ``paged_decode_attention`` (``window``, ``softcap`` likewise). Nothing is written when an argument is bad (``InvalidArgumentError`` naming
     it)."""
 
 def rms_norm(x: _Floats, weight: _Floats | None, eps: float, out: _Floats, dtype: str = "float32",

@@ -25,6 +25,7 @@ PREEMPTION_MODES = ("aggressive", "conservative")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DISTRIBUTED_BACKENDS = ("mp", "torchrun")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors")
 QUANT_GROUP_SIZES = (32, 64, 128)
 # ironlm.structured.tool_parsers.PARSERS' names (tests check they agree); here so the CLI needs no import.
@@ -132,6 +133,12 @@ class EngineConfig:
     quantization_group_size: int | None = _opt(
         None, "weights per scale for int8/int4 (default: per output channel for int8, 32 for int4)",
         choices=QUANT_GROUP_SIZES)
+    kv_cache_dtype: str = _opt(
+        "auto", "KV cache element type: auto = the activations' dtype, except float16 where they are float32 only "
+        "because quantized weights run on the CPU kernels (a GGUF's blocks, int8/int4, under dtype auto), as "
+        "llama.cpp's default f16 cache; float16 or bfloat16 under float32 activations on CPU halve the bytes every "
+        "decode step reads and double the tokens the pool holds; rows are rounded once, on the write",
+        choices=KV_CACHE_DTYPES)
     device: str = _opt("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     block_size: int = _opt(16, "tokens per KV block (power of two)")
     kv_cache_memory: int | str | None = _opt(
@@ -250,6 +257,8 @@ class EngineConfig:
                            f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if self.dtype not in DTYPES + _DTYPE_ALIASES:
             raise _invalid("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES + _DTYPE_ALIASES:
+            raise _invalid("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise _invalid("attention_backend",
                            f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")

@@ -37,6 +37,7 @@ from ironlm.attention.torch_backend import (
     _shared_blocks,
     has_padding_slots,
     plan_prefill,
+    round_to_cache,
     write_kv_cache,
 )
 from ironlm.core_views import CORE_DTYPES, as_numpy
@@ -77,12 +78,14 @@ class CpuAttention(TorchAttention):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        dtype = CORE_DTYPES.get(k_cache.dtype)
-        if q.device.type != "cpu" or dtype is None or q.dtype != k_cache.dtype:
+        dtype, cache_dtype = CORE_DTYPES.get(q.dtype), CORE_DTYPES.get(k_cache.dtype)
+        if q.device.type != "cpu" or dtype is None or cache_dtype is None or (
+                q.dtype != k_cache.dtype and q.dtype != torch.float32):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        k, v = round_to_cache(k, v, k_cache)
         sk = None if sinks is None else _sink_view(sinks)
         if invariant.enabled():
-            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sk, dtype)
+            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sk, dtype, cache_dtype)
         plan = self.decode_plan(meta, k_cache.shape[1], q.shape[0], window, cascade=sinks is None)
         if plan is None:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, softcap=softcap)
@@ -94,7 +97,7 @@ class CpuAttention(TorchAttention):
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads,
                 dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap,
-                sinks=sk)
+                sinks=sk, cache_dtype=cache_dtype)
             return out
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
         out = torch.zeros(q.shape, dtype=q.dtype) if plan.num_tokens < q.shape[0] else torch.empty(q.shape, dtype=q.dtype)
@@ -103,7 +106,7 @@ class CpuAttention(TorchAttention):
             od = out if plan.rows is None else torch.empty(qd.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(qd), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(od), threads, dtype=dtype,
-                window=window, softcap=softcap, sinks=sk)
+                cache_dtype=cache_dtype, window=window, softcap=softcap, sinks=sk)
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:
@@ -112,7 +115,7 @@ class CpuAttention(TorchAttention):
 
     def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
-                 softcap: float | None, sinks: np.ndarray | None, dtype: str) -> torch.Tensor:
+                 softcap: float | None, sinks: np.ndarray | None, dtype: str, cache_dtype: str) -> torch.Tensor:
         """Every row of q through the paged kernel, each against its own causal context (see the module doc)."""
         if "cpu:rows" not in meta.plan_cache:
             meta.plan_cache["cpu:rows"] = _row_plan(meta, k_cache.shape[1], q.shape[0])
@@ -123,7 +126,8 @@ class CpuAttention(TorchAttention):
             out = torch.empty(q.shape, dtype=q.dtype)
             _core.paged_decode_attention(
                 as_numpy(q), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out), threads, dtype=dtype,
-                k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap, sinks=sinks)
+                cache_dtype=cache_dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window,
+                softcap=softcap, sinks=sinks)
             return out
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, has_padding_slots(meta))
         out = torch.zeros(q.shape, dtype=q.dtype)
@@ -131,7 +135,7 @@ class CpuAttention(TorchAttention):
         if n:
             _core.paged_decode_attention(
                 as_numpy(q[:n]), kc, vc, plan.block_tables, plan.seq_lens, scale, as_numpy(out[:n]), threads,
-                dtype=dtype, window=window, softcap=softcap, sinks=sinks)
+                dtype=dtype, cache_dtype=cache_dtype, window=window, softcap=softcap, sinks=sinks)
         return out
 
     def lean_plan(self, meta: AttentionMetadata, block_size: int, num_rows: int) -> _CpuPlan | _RowPlan | None:

@@ -124,6 +124,15 @@ def write_kv_cache(
         vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
 
 
+def round_to_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v as the cache will hold them: rounded to a narrower cache's type (EngineConfig.kv_cache_dtype), so
+    a chunk attending its own new rows sees the values every later step reads back (a prefix-cache hit, a
+    recompute, a chunked prefill then all attend the same keys); unchanged when the types agree."""
+    if k_cache.dtype == k.dtype:
+        return k, v
+    return k.to(k_cache.dtype).to(k.dtype), v.to(k_cache.dtype).to(v.dtype)
+
+
 class TorchAttention:
     """AttentionBackend built from gathers, batched matmuls and ``scaled_dot_product_attention`` (explicit
     matmul + softmax where the logits are soft-capped or the softmax has sinks, which SDPA cannot express)."""
@@ -146,6 +155,7 @@ class TorchAttention:
     ) -> torch.Tensor:
         # One plan per window size: sliding and full layers of one step mask differently. Soft-capped logits
         # and sinks take the explicit softmax, which is not split into log-sum-exp partitions: no cascade.
+        k, v = round_to_cache(k, v, k_cache)
         eager = softcap is not None or sinks is not None
         key = "torch" if window is None else f"torch:{window}"
         key += ":eager" if eager else ""

@@ -99,7 +99,7 @@ def block_bytes(engine) -> int:
     """Bytes one KV block takes in this engine's pool (every layer, keys and values)."""
     from ironlm.engine.kv_cache import bytes_per_block
 
-    return bytes_per_block(engine.runner.shard_config, engine.config.block_size, engine.dtype)
+    return bytes_per_block(engine.runner.shard_config, engine.config.block_size, engine.runner.kv_dtype)
 
 
 class FreshTierDir:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ironlm.bench.report import format_table, machine_info
+from ironlm.engine.kv_cache import allocate_kv_caches, quantized_auto, resolve_kv_dtype
 from ironlm.exceptions import PerplexityArgumentError
 
 if TYPE_CHECKING:
@@ -94,14 +95,15 @@ def added_bos(tokenizer: Any) -> int | None:
 
 
 def token_logprobs(loaded: LoadedModel, tokens: Sequence[int], *, chunk_size: int = 512,
-                   block_size: int = 16) -> np.ndarray:
+                   block_size: int = 16, kv_dtype: torch.dtype | None = None) -> np.ndarray:
     """logprob of tokens[i] given tokens[:i], for i = 1..n-1 (float64 [n-1]), through the paged KV cache.
 
     The sequence owns blocks 0.. of its own cache; chunk k writes its KV rows and attends to the cached rows of
-    chunks 0..k-1, logits for every position of the chunk.
+    chunks 0..k-1, logits for every position of the chunk. The cache's type is `kv_dtype`, by default the one the
+    engine gives this model under kv_cache_dtype auto (a 16-bit cache over quantized weights: see
+    engine.kv_cache.resolve_kv_dtype), so a mode's perplexity is what it serves.
     """
     from ironlm.attention import AttentionMetadata
-    from ironlm.engine.kv_cache import allocate_kv_caches
 
     n = len(tokens)
     if n < 2:
@@ -110,7 +112,10 @@ def token_logprobs(loaded: LoadedModel, tokens: Sequence[int], *, chunk_size: in
         raise PerplexityArgumentError(f"chunk_size must be >= 1, got {chunk_size}", "chunk_size")
     model = loaded.model
     nblocks = -(-n // block_size)
-    caches = allocate_kv_caches(loaded.config, nblocks, block_size, model.dtype, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    if kv_dtype is None:
+        kv_dtype = resolve_kv_dtype("auto", model.dtype, cpu, quantized_auto("auto", model))
+    caches = allocate_kv_caches(loaded.config, nblocks, block_size, kv_dtype, cpu)
     block_table = np.arange(nblocks, dtype=np.int32)[None, :]
     ids = torch.tensor(list(tokens), dtype=torch.long)
     out = np.empty(n - 1, dtype=np.float64)
@@ -194,7 +199,9 @@ def run(config: PerplexityConfig, log: Callable[[str], None] | None = None) -> d
         full = token_logprobs(loaded, tokens, chunk_size=config.chunk_size)
         win = window_logprobs(functools.partial(token_logprobs, loaded, chunk_size=config.chunk_size), tokens,
                               config.window, added_bos(loaded.tokenizer))
+        kv = resolve_kv_dtype("auto", loaded.model.dtype, torch.device("cpu"), quantized_auto("auto", loaded.model))
         results.append({"mode": mode, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+                        "kv_cache_dtype": str(kv).removeprefix("torch."),
                         "quantization": MODES[mode][0], "group_size": MODES[mode][2],
                         "ppl": perplexity(full), "ppl_windows": perplexity(win), "scored_tokens": len(full),
                         "scored_tokens_windows": len(win), "weight_bytes": int(loaded.model.weight_bytes()),

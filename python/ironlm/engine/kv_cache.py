@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,6 +15,37 @@ from ironlm.model.config import ModelConfig
 # Per layer: (keys, values) [blocks, block_size, Hkv, D]. Latent attention (ModelConfig.mla) caches one row per
 # token that is both key and value: its pair is the SAME tensor twice (`k is v`), so it costs one plane of bytes.
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+_KV_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
+              "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
+                     quantized: bool = False) -> torch.dtype:
+    """The cache's element type (EngineConfig.kv_cache_dtype): auto = the activations' `dtype`, but float16 where
+    they are float32 only because the weights are kept quantized for the core's CPU kernels (`quantized`: a GGUF's
+    blocks, int8/int4 under dtype auto), as llama.cpp's default f16 cache; a 16-bit type under float32 activations
+    on CPU, where the core's kernels and the torch path read it (rows rounded once, on the write); anything else
+    must equal `dtype`."""
+    if kv_cache_dtype == "auto":
+        return torch.float16 if quantized and device.type == "cpu" and dtype == torch.float32 else dtype
+    kv = _KV_DTYPES.get(kv_cache_dtype)
+    if kv is None:
+        raise InvalidArgumentError(f"kv_cache_dtype: must be auto, float32, float16 or bfloat16, got "
+                                   f"{kv_cache_dtype!r}", "kv_cache_dtype")
+    if kv != dtype and not (device.type == "cpu" and dtype == torch.float32 and kv != torch.float32):
+        raise InvalidArgumentError(
+            f"kv_cache_dtype: a {kv_cache_dtype} cache under {str(dtype).removeprefix('torch.')} activations on "
+            f"{device.type} is not supported (a 16-bit cache needs float32 activations on CPU)", "kv_cache_dtype")
+    return kv
+
+
+def quantized_auto(dtype: str, model: Any) -> bool:
+    """Whether the model runs float32 activations only because dtype is auto and its linears are kept quantized for
+    the core's CPU kernels (`load_model`'s rule), so that resolve_kv_dtype's auto picks a 16-bit cache."""
+    quant = getattr(model, "quant", None)
+    return dtype == "auto" and quant is not None and quant.enabled and quant.backend == "core"
 
 
 def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

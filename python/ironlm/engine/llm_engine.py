@@ -114,8 +114,8 @@ class LLMEngine:
             # Release the tier (its file lock) and the ranks now; a restored index is written back.
             self.shutdown()
             raise
-        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d, max_model_len %d", self.model_name,
-                    self.device, self.dtype, self.num_blocks, config.block_size, self.max_model_len)
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d (%s), max_model_len %d", self.model_name,
+                    self.device, self.dtype, self.num_blocks, config.block_size, runner.kv_dtype, self.max_model_len)
         if runner.tier is not None:
             logger.info("KV tier: %s, %d blocks%s", runner.tier.kind, runner.tier.num_slots,
                         ", swap on" if config.swap_space > 0 else "")

@@ -26,7 +26,14 @@ import torch
 from ironlm.attention import AttentionMetadata, get_backend
 from ironlm.config import EngineConfig
 from ironlm.distributed.plan_codec import StepArrays
-from ironlm.engine.kv_cache import KVCaches, allocate_kv_caches, copy_blocks, num_kv_blocks
+from ironlm.engine.kv_cache import (
+    KVCaches,
+    allocate_kv_caches,
+    copy_blocks,
+    num_kv_blocks,
+    quantized_auto,
+    resolve_kv_dtype,
+)
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.model import load_model, resolve_device
 
@@ -85,6 +92,12 @@ class ModelRunner:
             raise
         loaded.model.batch_invariant = config.batch_invariant  # read by its forward (ironlm.invariant)
         self.dtype = loaded.model.dtype  # auto resolves with the weights' storage (see load_model)
+        try:
+            self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device, quantized_auto(
+                config.dtype, loaded.model))
+        except BaseException:
+            self.shutdown()
+            raise
         self.model: CausalLM = loaded.model
         self.model_config: ModelConfig = loaded.config
         self.shard_config: ModelConfig = loaded.model.config  # = model_config unless tensor parallel
@@ -99,15 +112,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.token_budget = config.resolve_max_num_batched_tokens(self.device.type)
         self.kv_caches: KVCaches | None = None  # profiling on a GPU runs before the pool exists
-        self.num_blocks = num_kv_blocks(config, self.shard_config, self.dtype, self.device,
+        self.num_blocks = num_kv_blocks(config, self.shard_config, self.kv_dtype, self.device,
                                         lambda: self.profile(self.token_budget), extra_block_bytes)
         if self.tp is not None:  # one scheduler for all ranks: every rank's pool has the same number of blocks
             self.num_blocks = self.tp.min_int(self.num_blocks)
-        self.kv_caches = allocate_kv_caches(self.shard_config, self.num_blocks, config.block_size, self.dtype,
+        self.kv_caches = allocate_kv_caches(self.shard_config, self.num_blocks, config.block_size, self.kv_dtype,
                                             self.device)
         self.max_model_len = self._max_model_len(self.num_blocks * config.block_size)
         # what one token costs in this rank's pool, and what it would with per-head K/V (differs for latent attention)
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         self.kv_bytes_per_token = self.shard_config.kv_bytes_per_token(elem)
         self.kv_bytes_per_token_mha = self.shard_config.mha_kv_bytes_per_token(elem)
         self.startup_timings["kv_cache"] = time.perf_counter() - t0
@@ -161,7 +174,7 @@ class ModelRunner:
 
         config, shard = self.config, self.shard_config
         geometry = TierGeometry(num_layers=shard.num_layers, block_size=config.block_size,
-                                num_kv_heads=shard.num_kv_heads, head_dim=shard.head_dim, dtype=self.dtype,
+                                num_kv_heads=shard.num_kv_heads, head_dim=shard.head_dim, dtype=self.kv_dtype,
                                 planes=shard.kv_planes)
         slots = config.resolve_kv_tier_bytes() // geometry.bytes_per_block
         if self.tp is not None:
@@ -292,7 +305,7 @@ class ModelRunner:
         n = max(1, num_tokens if caches is None else min(num_tokens, self.num_blocks * bs))
         nblocks = -(-n // bs)
         if caches is None:
-            caches = allocate_kv_caches(self.model_config, nblocks, bs, self.dtype, self.device)
+            caches = allocate_kv_caches(self.model_config, nblocks, bs, self.kv_dtype, self.device)
         meta = AttentionMetadata.from_numpy(
             slot_mapping=np.arange(n, dtype=np.int64), query_start_loc=np.array([0, n], dtype=np.int64),
             seq_lens=np.array([n], dtype=np.int64), context_lens=np.zeros(1, dtype=np.int64),

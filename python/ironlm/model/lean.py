@@ -69,6 +69,7 @@ class LeanStep:
     """What every layer's attention call shares in one step (host arrays from the step's plan)."""
 
     dtype: str
+    cache_dtype: str  # the KV caches' (EngineConfig.kv_cache_dtype): dtype's, or 16-bit under float32
     threads: int
     block_tables: np.ndarray
     seq_lens: np.ndarray
@@ -104,6 +105,9 @@ def lean_forward(
     if (t > LEAN_MAX_TOKENS or not model.config.lean_supported or model.dtype not in CORE_DTYPES
             or not getattr(backend, "fused_decode_qkv", False) or not kv_caches):
         return None
+    cache_dtype = CORE_DTYPES.get(kv_caches[0][0].dtype)
+    if cache_dtype is None or (kv_caches[0][0].dtype != model.dtype and model.dtype != torch.float32):
+        return None
     plan = backend.lean_plan(meta, kv_caches[0][0].shape[1], t)
     if plan is None:
         return None
@@ -119,7 +123,7 @@ def lean_forward(
         ws = model._lean[t] = LeanBuffers(model.config, t, model.dtype)
     if model._kv_np is None or model._kv_np[0] is not kv_caches or len(model._kv_np[1]) != len(kv_caches):
         model._kv_np = (kv_caches, [(as_numpy(k), as_numpy(v)) for k, v in kv_caches])
-    step = LeanStep(CORE_DTYPES[model.dtype], torch.get_num_threads(), plan.block_tables, plan.seq_lens,
+    step = LeanStep(CORE_DTYPES[model.dtype], cache_dtype, torch.get_num_threads(), plan.block_tables, plan.seq_lens,
                     plan.slots, ropes[0].positions, [r.table for r in ropes])
     _embed(model, input_ids, ws)
     for layer, (k_np, v_np) in zip(model.layers, model._kv_np[1]):
@@ -167,7 +171,7 @@ def lean_layer(layer: Any, ws: LeanBuffers, k_cache: np.ndarray, v_cache: np.nda
         ws.qkv_np, k_cache, v_cache, step.block_tables, step.seq_lens, step.slots, step.positions,
         None if layer.rotary is None else step.tables[layer.rotary], layer.scale, ws.attn_np, layer.num_heads,
         step.dtype, step.threads, layer.window, q_norm=None if qk is None else qk[0],
-        k_norm=None if qk is None else qk[1], eps=layer.eps, softcap=layer.softcap)
+        k_norm=None if qk is None else qk[1], eps=layer.eps, softcap=layer.softcap, cache_dtype=step.cache_dtype)
     _branch(layer, layer.o, ws.attn, ws.attn_np, layer.fuse_attn_residual, views.attn_out, ws, step)
     x, x_np = _normed(layer, views.pre_mlp, ws, step)
     if layer.moe is not None:

@@ -10,8 +10,9 @@
 //! Layouts (row-major): `q` `[n, Hq, D]` whose rows may be `q_stride` elements apart (a view
 //! into a fused q|k|v projection), `out` `[n, Hq, D]`; caches `[num_blocks, block_size, Hkv, D]`;
 //! `block_tables` `[n, max_blocks]`. Query head `h` reads KV head `h / (Hq / Hkv)`. Every tensor
-//! is f32, bf16 or f16 (one type for all); logits, softmax and the weighted sum are f32; the
-//! optional per-head sinks are f32 whatever the cache type.
+//! is f32, bf16 or f16: q and out of one type `T`, the caches of one type `C` (`T` itself, or a
+//! 16-bit cache under f32 activations, which halves the bytes every decode step reads); logits,
+//! softmax and the weighted sum are f32; the optional per-head sinks are f32 whatever the types.
 
 use std::sync::Mutex;
 
@@ -34,13 +35,13 @@ pub struct DecodeShape {
 }
 
 #[derive(Clone, Copy)]
-pub struct DecodeArgs<'a, T: Elem = f32> {
+pub struct DecodeArgs<'a, T: Elem = f32, C: Elem = T> {
     pub shape: DecodeShape,
     pub q: &'a [T],
     /// Elements between consecutive sequences' rows of `q` (`Hq * D` when packed).
     pub q_stride: usize,
-    pub k_cache: &'a [T],
-    pub v_cache: &'a [T],
+    pub k_cache: &'a [C],
+    pub v_cache: &'a [C],
     pub block_tables: &'a [i32],
     pub seq_lens: &'a [i32],
     pub scale: f32,
@@ -56,7 +57,7 @@ pub struct DecodeArgs<'a, T: Elem = f32> {
     pub sinks: Option<&'a [f32]>,
 }
 
-impl<T: Elem> DecodeArgs<'_, T> {
+impl<T: Elem, C: Elem> DecodeArgs<'_, T, C> {
     /// The positions sequence `seq` attends: `first..len`.
     fn span(&self, seq: usize) -> (usize, usize) {
         let len = self.seq_lens[seq] as usize;
@@ -173,11 +174,12 @@ pub struct NewRows<'a, T: Elem> {
     pub slots: &'a [i64],
 }
 
-/// Write `rows` into the caches (`[num_slots, width]` each). Done in the attention call itself:
-/// at batch 1 a separate scatter per cache costs more in dispatch than the copy.
-pub fn write_rows<T: Elem>(
-    k_cache: &mut [T],
-    v_cache: &mut [T],
+/// Write `rows` into the caches (`[num_slots, width]` each), rounded to the caches' type where it
+/// is narrower. Done in the attention call itself: at batch 1 a separate scatter per cache costs
+/// more in dispatch than the copy.
+pub fn write_rows<T: Elem, C: Elem>(
+    k_cache: &mut [C],
+    v_cache: &mut [C],
     rows: &NewRows<T>,
     width: usize,
 ) -> CoreResult<()> {
@@ -210,16 +212,30 @@ pub fn write_rows<T: Elem>(
         }
         let dst = slot as usize * width;
         let (ks, vs) = (i * rows.k_stride, i * rows.v_stride);
-        k_cache[dst..dst + width].copy_from_slice(&rows.k[ks..ks + width]);
-        v_cache[dst..dst + width].copy_from_slice(&rows.v[vs..vs + width]);
+        put(&mut k_cache[dst..dst + width], &rows.k[ks..ks + width]);
+        put(&mut v_cache[dst..dst + width], &rows.v[vs..vs + width]);
     }
     Ok(())
 }
 
+/// `dst = src`, each element rounded from `T` to `C` (a plain copy when they are one type).
+#[inline(always)]
+fn put<T: Elem, C: Elem>(dst: &mut [C], src: &[T]) {
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<C>() {
+        // SAFETY: T and C are the same type (the TypeId check), so this reinterprets nothing.
+        let src = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<C>(), src.len()) };
+        dst.copy_from_slice(src);
+    } else {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = C::store(s.load()));
+    }
+}
+
 /// Attend every sequence, splitting the sequences into `threads` runs of about equal total
 /// context length (each thread then reads about the same number of cache rows).
-pub fn paged_decode<T: Elem>(
-    args: &DecodeArgs<T>,
+pub fn paged_decode<T: Elem, C: Elem>(
+    args: &DecodeArgs<T, C>,
     out: &mut [T],
     threads: usize,
 ) -> CoreResult<()> {
@@ -291,8 +307,8 @@ impl Path {
 }
 
 /// `paged_decode` on a given path (one this CPU has: an unavailable one is an error).
-pub(crate) fn paged_decode_on<T: Elem>(
-    args: &DecodeArgs<T>,
+pub(crate) fn paged_decode_on<T: Elem, C: Elem>(
+    args: &DecodeArgs<T, C>,
     out: &mut [T],
     threads: usize,
     path: Path,
@@ -335,7 +351,7 @@ pub(crate) fn paged_decode_on<T: Elem>(
 
 /// Each `(args, first, out)` run on a thread of its own: `run_seqs` over sequences `first..` of
 /// `args` into `out`, the runs' outputs disjoint.
-fn run_split<T: Elem>(runs: Vec<(DecodeArgs<'_, T>, usize, &mut [T])>, path: Path) {
+fn run_split<T: Elem, C: Elem>(runs: Vec<(DecodeArgs<'_, T, C>, usize, &mut [T])>, path: Path) {
     // Each run is locked by exactly one thread: the mutex only proves the slices disjoint.
     let runs: Vec<_> = runs.into_iter().map(Mutex::new).collect();
     crate::cpu::parallel::run_parts(runs.len(), &|p| {
@@ -353,7 +369,12 @@ const SPLIT_MIN_ELEMS: usize = 16 * 1024;
 /// its KV heads (with their query heads) through a view of the arguments: the same kernels, each
 /// head's arithmetic unchanged, so the bits do not depend on the split. A single stream's decode
 /// otherwise ran its attention on one thread while the other waited.
-fn split_heads<T: Elem>(args: &DecodeArgs<T>, out: &mut [T], threads: usize, path: Path) {
+fn split_heads<T: Elem, C: Elem>(
+    args: &DecodeArgs<T, C>,
+    out: &mut [T],
+    threads: usize,
+    path: Path,
+) {
     let s = args.shape;
     let parts = threads.min(s.num_kv_heads);
     let (group, d) = (s.num_q_heads / s.num_kv_heads, s.head_dim);
@@ -387,7 +408,7 @@ fn split_heads<T: Elem>(args: &DecodeArgs<T>, out: &mut [T], threads: usize, pat
 
 /// Sequences `first..first + out.len() / (Hq * D)` on `path` (one this CPU has): the generic
 /// body is inlined into each wrapper and vectorised for its target features.
-fn run_seqs<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T], path: Path) {
+fn run_seqs<T: Elem, C: Elem>(args: &DecodeArgs<T, C>, first: usize, out: &mut [T], path: Path) {
     #[cfg(target_arch = "x86_64")]
     match path {
         // SAFETY: `paged_decode_on` checked that the CPU has the path's features; `validate` passed.
@@ -408,13 +429,18 @@ fn run_seqs<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T], path: Pa
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn run_seqs_tiles<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T], dp: bool) {
+unsafe fn run_seqs_tiles<T: Elem, C: Elem>(
+    args: &DecodeArgs<T, C>,
+    first: usize,
+    out: &mut [T],
+    dp: bool,
+) {
     if !x86::serves(args.shape.head_dim) {
         return run_seqs_generic(args, first, out, attend);
     }
     // SAFETY: this function's features include AVX-512F; the args passed `validate`; `dp` only
     // on the path that checked AVX-512 BF16.
-    let body = |a: &DecodeArgs<T>, rows, sc: &mut Scratch, o: &mut [T]| unsafe {
+    let body = |a: &DecodeArgs<T, C>, rows, sc: &mut Scratch, o: &mut [T]| unsafe {
         x86::attend(a, rows, sc, o, dp)
     };
     run_seqs_generic(args, first, out, body)
@@ -422,18 +448,22 @@ unsafe fn run_seqs_tiles<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn run_seqs_avx512<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
+unsafe fn run_seqs_avx512<T: Elem, C: Elem>(args: &DecodeArgs<T, C>, first: usize, out: &mut [T]) {
     run_seqs_generic(args, first, out, attend)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run_seqs_avx2_tiles<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
+unsafe fn run_seqs_avx2_tiles<T: Elem, C: Elem>(
+    args: &DecodeArgs<T, C>,
+    first: usize,
+    out: &mut [T],
+) {
     if !avx2::serves(args.shape.head_dim) {
         return run_seqs_generic(args, first, out, attend);
     }
     // SAFETY: this function's features are the body's; the args passed `validate`.
-    let body = |a: &DecodeArgs<T>, rows, sc: &mut Scratch, o: &mut [T]| unsafe {
+    let body = |a: &DecodeArgs<T, C>, rows, sc: &mut Scratch, o: &mut [T]| unsafe {
         avx2::attend(a, rows, sc, o)
     };
     run_seqs_generic(args, first, out, body)
@@ -441,17 +471,17 @@ unsafe fn run_seqs_avx2_tiles<T: Elem>(args: &DecodeArgs<T>, first: usize, out: 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_seqs_avx2<T: Elem>(args: &DecodeArgs<T>, first: usize, out: &mut [T]) {
+unsafe fn run_seqs_avx2<T: Elem, C: Elem>(args: &DecodeArgs<T, C>, first: usize, out: &mut [T]) {
     run_seqs_generic(args, first, out, attend)
 }
 
 /// Each run of rows that share a block table through `body` (an `attend`).
 #[inline(always)]
-fn run_seqs_generic<T: Elem>(
-    args: &DecodeArgs<T>,
+fn run_seqs_generic<T: Elem, C: Elem>(
+    args: &DecodeArgs<T, C>,
     first: usize,
     out: &mut [T],
-    mut body: impl FnMut(&DecodeArgs<T>, std::ops::Range<usize>, &mut Scratch, &mut [T]),
+    mut body: impl FnMut(&DecodeArgs<T, C>, std::ops::Range<usize>, &mut Scratch, &mut [T]),
 ) {
     let width = args.shape.num_q_heads * args.shape.head_dim;
     let n = out.len() / width;
@@ -478,7 +508,7 @@ fn run_seqs_generic<T: Elem>(
     }
 }
 
-impl<T: Elem> DecodeArgs<'_, T> {
+impl<T: Elem, C: Elem> DecodeArgs<'_, T, C> {
     /// Rows with one block table are one sequence's consecutive query rows (a speculative
     /// verification, a short chunk): they share their cache rows.
     fn same_table(&self, a: usize, b: usize) -> bool {
@@ -536,8 +566,8 @@ struct Lanes([f32; 16]);
 /// weighted into `out`. Each row's arithmetic (its dots, its softmax, its sums in position
 /// order) is the same whatever the group, so a row's output does not depend on its neighbours.
 #[inline(always)]
-fn attend<T: Elem>(
-    args: &DecodeArgs<T>,
+fn attend<T: Elem, C: Elem>(
+    args: &DecodeArgs<T, C>,
     rows: std::ops::Range<usize>,
     scratch: &mut Scratch,
     out: &mut [T],

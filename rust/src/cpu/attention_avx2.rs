@@ -35,8 +35,8 @@ pub(super) fn serves(d: usize) -> bool {
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C, and `args` must have passed `validate`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn attend<T: Elem>(
-    args: &DecodeArgs<T>,
+pub(super) unsafe fn attend<T: Elem, C: Elem>(
+    args: &DecodeArgs<T, C>,
     rows: Range<usize>,
     scratch: &mut Scratch,
     out: &mut [T],
@@ -44,23 +44,23 @@ pub(super) unsafe fn attend<T: Elem>(
     // SAFETY (all arms): the caller's contract, passed on.
     unsafe {
         match args.shape.head_dim / 8 {
-            1 => attend_dv::<T, 1>(args, rows, scratch, out),
-            2 => attend_dv::<T, 2>(args, rows, scratch, out),
-            3 => attend_dv::<T, 3>(args, rows, scratch, out),
-            4 => attend_dv::<T, 4>(args, rows, scratch, out),
-            5 => attend_dv::<T, 5>(args, rows, scratch, out),
-            6 => attend_dv::<T, 6>(args, rows, scratch, out),
-            7 => attend_dv::<T, 7>(args, rows, scratch, out),
-            8 => attend_dv::<T, 8>(args, rows, scratch, out),
-            9 => attend_dv::<T, 9>(args, rows, scratch, out),
-            10 => attend_dv::<T, 10>(args, rows, scratch, out),
-            11 => attend_dv::<T, 11>(args, rows, scratch, out),
-            12 => attend_dv::<T, 12>(args, rows, scratch, out),
-            13 => attend_dv::<T, 13>(args, rows, scratch, out),
-            14 => attend_dv::<T, 14>(args, rows, scratch, out),
-            15 => attend_dv::<T, 15>(args, rows, scratch, out),
-            16 => attend_dv::<T, 16>(args, rows, scratch, out),
-            32 => attend_dv::<T, 32>(args, rows, scratch, out),
+            1 => attend_dv::<T, C, 1>(args, rows, scratch, out),
+            2 => attend_dv::<T, C, 2>(args, rows, scratch, out),
+            3 => attend_dv::<T, C, 3>(args, rows, scratch, out),
+            4 => attend_dv::<T, C, 4>(args, rows, scratch, out),
+            5 => attend_dv::<T, C, 5>(args, rows, scratch, out),
+            6 => attend_dv::<T, C, 6>(args, rows, scratch, out),
+            7 => attend_dv::<T, C, 7>(args, rows, scratch, out),
+            8 => attend_dv::<T, C, 8>(args, rows, scratch, out),
+            9 => attend_dv::<T, C, 9>(args, rows, scratch, out),
+            10 => attend_dv::<T, C, 10>(args, rows, scratch, out),
+            11 => attend_dv::<T, C, 11>(args, rows, scratch, out),
+            12 => attend_dv::<T, C, 12>(args, rows, scratch, out),
+            13 => attend_dv::<T, C, 13>(args, rows, scratch, out),
+            14 => attend_dv::<T, C, 14>(args, rows, scratch, out),
+            15 => attend_dv::<T, C, 15>(args, rows, scratch, out),
+            16 => attend_dv::<T, C, 16>(args, rows, scratch, out),
+            32 => attend_dv::<T, C, 32>(args, rows, scratch, out),
             _ => unreachable!("head dim {} is not served here", args.shape.head_dim),
         }
     }
@@ -70,8 +70,8 @@ pub(super) unsafe fn attend<T: Elem>(
 const TILE: usize = 64;
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_dv<T: Elem, const DV: usize>(
-    args: &DecodeArgs<T>,
+unsafe fn attend_dv<T: Elem, C: Elem, const DV: usize>(
+    args: &DecodeArgs<T, C>,
     rows: Range<usize>,
     scratch: &mut Scratch,
     out: &mut [T],
@@ -98,7 +98,7 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
     // SAFETY: the CPU has AVX2 + FMA + F16C (this function's contract); `validate` checked
     // every block id and length, so each row offset and slice below stays inside its buffer.
     unsafe {
-        logits::<T, DV>(args, geo, spans, q, tile, scores, lo..hi);
+        logits::<T, C, DV>(args, geo, spans, q, tile, scores, lo..hi);
     }
     if let Some(cap) = args.softcap {
         scores.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
@@ -144,10 +144,10 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
                 // SAFETY: AVX2 + FMA, as above; `nc` picks the instance whose width it names.
                 unsafe {
                     match nc {
-                        4 => weigh::<T, 4, 2>(args.v_cache, geo, chunk, col, scores, out, c0),
-                        3 => weigh::<T, 3, 4>(args.v_cache, geo, chunk, col, scores, out, c0),
-                        2 => weigh::<T, 2, 6>(args.v_cache, geo, chunk, col, scores, out, c0),
-                        _ => weigh::<T, 1, 12>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        4 => weigh::<T, C, 4, 2>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        3 => weigh::<T, C, 3, 4>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        2 => weigh::<T, C, 2, 6>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        _ => weigh::<T, C, 1, 12>(args.v_cache, geo, chunk, col, scores, out, c0),
                     }
                 }
             };
@@ -256,8 +256,8 @@ unsafe fn partial<const KC: usize>(
 
 /// Every logit of the rows in `spans` at positions `range`, times `args.scale`, into `scores`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn logits<T: Elem, const DV: usize>(
-    args: &DecodeArgs<T>,
+unsafe fn logits<T: Elem, C: Elem, const DV: usize>(
+    args: &DecodeArgs<T, C>,
     geo: Geo,
     spans: &[(usize, usize, usize)],
     q: &[f32],
@@ -414,8 +414,8 @@ unsafe fn softmax(sc: &mut [f32], sink: Option<f32>) {
 /// registers, positions in order.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
-    v_cache: &[T],
+unsafe fn weigh<T: Elem, C: Elem, const NC: usize, const NP: usize>(
+    v_cache: &[C],
     geo: Geo,
     pairs: &[Pair],
     col: usize,
@@ -443,13 +443,13 @@ unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
     // holds for positions inside the pairs' spans, which these ranges are.
     unsafe {
         for pos in lo..all_lo.min(hi) {
-            step::<T, NC, NP, true>(&at, pairs, &mut acc, pos);
+            step::<C, NC, NP, true>(&at, pairs, &mut acc, pos);
         }
         for pos in all_lo..all_hi {
-            step::<T, NC, NP, false>(&at, pairs, &mut acc, pos);
+            step::<C, NC, NP, false>(&at, pairs, &mut acc, pos);
         }
         for pos in all_hi.max(lo)..hi {
-            step::<T, NC, NP, true>(&at, pairs, &mut acc, pos);
+            step::<C, NC, NP, true>(&at, pairs, &mut acc, pos);
         }
     }
     for (pr, acc) in pairs.iter().zip(&acc) {

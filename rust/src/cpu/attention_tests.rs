@@ -67,6 +67,24 @@ impl Case {
         }
     }
 
+    /// `args` over other caches (of another element type, say).
+    fn over<'a, C: Elem>(&'a self, k: &'a [C], v: &'a [C]) -> DecodeArgs<'a, f32, C> {
+        let a = self.args();
+        DecodeArgs {
+            shape: a.shape,
+            q: a.q,
+            q_stride: a.q_stride,
+            k_cache: k,
+            v_cache: v,
+            block_tables: a.block_tables,
+            seq_lens: a.seq_lens,
+            scale: a.scale,
+            window: a.window,
+            softcap: a.softcap,
+            sinks: a.sinks,
+        }
+    }
+
     /// The largest error of `path` on `threads` threads against `reference`.
     fn error(&self, threads: usize, path: Path) -> f32 {
         let mut out = vec![f32::NAN; self.q.len()];
@@ -305,6 +323,75 @@ fn half_caches_and_strided_queries_match_the_f32_kernel() {
             );
         }
     }
+}
+
+/// A 16-bit cache under f32 queries gives the bits of the f32 kernel over a cache holding the
+/// same (rounded) values: the cache type changes what is stored, never the arithmetic.
+#[test]
+fn a_16_bit_cache_under_f32_queries_equals_the_f32_kernel_on_its_values() {
+    use crate::cpu::elem::{Bf16, F16};
+    fn run<C: Elem>(case: &Case, path: Path, threads: usize) -> (Vec<f32>, Vec<f32>) {
+        let (k, v): (Vec<C>, Vec<C>) = (
+            case.k.iter().map(|&x| C::store(x)).collect(),
+            case.v.iter().map(|&x| C::store(x)).collect(),
+        );
+        let args = case.over(&k, &v);
+        let mut got = vec![f32::NAN; case.q.len()];
+        paged_decode_on(&args, &mut got, threads, path).unwrap();
+        let (kw, vw): (Vec<f32>, Vec<f32>) = (
+            k.iter().map(|x| x.load()).collect(),
+            v.iter().map(|x| x.load()).collect(),
+        );
+        let wide = case.over(&kw, &vw);
+        let mut want = vec![f32::NAN; case.q.len()];
+        paged_decode_on(&wide, &mut want, threads, path).unwrap();
+        (got, want)
+    }
+    let mut rng = Rng(33);
+    for &(hq, hkv, d, bs) in &[
+        (9, 3, 64, 16),
+        (4, 4, 16, 4),
+        (8, 2, 128, 16),
+        (4, 2, 40, 8),
+    ] {
+        let mut case = Case::random(&mut rng, hq, hkv, d, bs, 4);
+        // Rows 1 and 2 share row 1's table: one sequence's verification rows, read together.
+        let m = case.shape.max_blocks;
+        let (head, tail) = case.tables.split_at_mut(2 * m);
+        tail[..m].copy_from_slice(&head[m..]);
+        case.lens[2] = case.lens[1].min(2);
+        case.window = (d == 64).then_some(5);
+        case.sinks = (d == 16).then(|| rng.floats(hq));
+        for path in paths() {
+            for threads in [1, 2] {
+                let (got, want) = run::<Bf16>(&case, path, threads);
+                assert_eq!(got, want, "bf16 cache, {path:?} D={d} threads={threads}");
+                let (got, want) = run::<F16>(&case, path, threads);
+                assert_eq!(got, want, "f16 cache, {path:?} D={d} threads={threads}");
+                assert!(max_diff(&got, &case.reference()) < 5e-3, "{path:?} D={d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn write_rows_rounds_into_a_narrower_cache() {
+    use crate::cpu::elem::Bf16;
+    let k = [1.0f32 + 1.0 / 256.0, -3.0e38, 0.1, f32::NAN];
+    let v = [2.0f32, 1.0e-3, -0.1, 4.0];
+    let (mut kc, mut vc) = (vec![Bf16(0); 8], vec![Bf16(0); 8]);
+    let rows = NewRows {
+        k: &k,
+        v: &v,
+        k_stride: 4,
+        v_stride: 4,
+        slots: &[1],
+    };
+    write_rows(&mut kc, &mut vc, &rows, 4).unwrap();
+    let want: Vec<Bf16> = k.iter().map(|&x| Bf16::store(x)).collect();
+    assert_eq!(&kc[4..], &want[..]);
+    assert_eq!(vc[4].load(), 2.0);
+    assert!(kc[..4].iter().chain(&vc[..4]).all(|x| x.0 == 0));
 }
 
 #[test]

@@ -40,8 +40,8 @@ pub(super) fn serves(d: usize) -> bool {
 /// The CPU must support AVX-512F (and AVX-512 BF16 with `dp`), and `args` must have passed
 /// `validate`.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn attend<T: Elem>(
-    args: &DecodeArgs<T>,
+pub(super) unsafe fn attend<T: Elem, C: Elem>(
+    args: &DecodeArgs<T, C>,
     rows: Range<usize>,
     scratch: &mut Scratch,
     out: &mut [T],
@@ -50,15 +50,15 @@ pub(super) unsafe fn attend<T: Elem>(
     // SAFETY (all arms): the caller's contract, passed on.
     unsafe {
         match args.shape.head_dim / 16 {
-            1 => attend_dv::<T, 1>(args, rows, scratch, out, false),
-            2 => attend_dv::<T, 2>(args, rows, scratch, out, dp),
-            3 => attend_dv::<T, 3>(args, rows, scratch, out, false),
-            4 => attend_dv::<T, 4>(args, rows, scratch, out, dp),
-            5 => attend_dv::<T, 5>(args, rows, scratch, out, false),
-            6 => attend_dv::<T, 6>(args, rows, scratch, out, dp),
-            7 => attend_dv::<T, 7>(args, rows, scratch, out, false),
-            8 => attend_dv::<T, 8>(args, rows, scratch, out, dp),
-            16 => attend_dv::<T, 16>(args, rows, scratch, out, dp),
+            1 => attend_dv::<T, C, 1>(args, rows, scratch, out, false),
+            2 => attend_dv::<T, C, 2>(args, rows, scratch, out, dp),
+            3 => attend_dv::<T, C, 3>(args, rows, scratch, out, false),
+            4 => attend_dv::<T, C, 4>(args, rows, scratch, out, dp),
+            5 => attend_dv::<T, C, 5>(args, rows, scratch, out, false),
+            6 => attend_dv::<T, C, 6>(args, rows, scratch, out, dp),
+            7 => attend_dv::<T, C, 7>(args, rows, scratch, out, false),
+            8 => attend_dv::<T, C, 8>(args, rows, scratch, out, dp),
+            16 => attend_dv::<T, C, 16>(args, rows, scratch, out, dp),
             _ => unreachable!("head dim {} is not served here", args.shape.head_dim),
         }
     }
@@ -93,8 +93,8 @@ impl Geo<'_> {
 }
 
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_dv<T: Elem, const DV: usize>(
-    args: &DecodeArgs<T>,
+unsafe fn attend_dv<T: Elem, C: Elem, const DV: usize>(
+    args: &DecodeArgs<T, C>,
     rows: Range<usize>,
     scratch: &mut Scratch,
     out: &mut [T],
@@ -114,7 +114,9 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
         tile,
         ..
     } = scratch;
-    let dp = dp && TypeId::of::<T>() == TypeId::of::<Bf16>();
+    let dp = dp
+        && TypeId::of::<T>() == TypeId::of::<Bf16>()
+        && TypeId::of::<C>() == TypeId::of::<Bf16>();
     let first_row = rows.start;
     let (total, lo, hi) = args.gather(rows.clone(), q, spans);
     scores.clear();
@@ -125,9 +127,9 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
     // id and length, so each row offset and slice below stays inside its buffer.
     unsafe {
         if dp {
-            logits_bf16::<T, DV>(args, geo, spans, first_row, tile, scores, lo..hi);
+            logits_bf16::<T, C, DV>(args, geo, spans, first_row, tile, scores, lo..hi);
         } else {
-            logits::<T, DV, false>(args, geo, spans, q, first_row, tile, scores, lo..hi);
+            logits::<T, C, DV, false>(args, geo, spans, q, first_row, tile, scores, lo..hi);
         }
     }
     if let Some(cap) = args.softcap {
@@ -168,10 +170,10 @@ unsafe fn attend_dv<T: Elem, const DV: usize>(
                 // SAFETY: AVX-512F, as above; `nc` picks the instance whose width it names.
                 unsafe {
                     match nc {
-                        4 => weigh::<T, 4, 6>(args.v_cache, geo, chunk, col, scores, out, c0),
-                        3 => weigh::<T, 3, 8>(args.v_cache, geo, chunk, col, scores, out, c0),
-                        2 => weigh::<T, 2, 12>(args.v_cache, geo, chunk, col, scores, out, c0),
-                        _ => weigh::<T, 1, 24>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        4 => weigh::<T, C, 4, 6>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        3 => weigh::<T, C, 3, 8>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        2 => weigh::<T, C, 2, 12>(args.v_cache, geo, chunk, col, scores, out, c0),
+                        _ => weigh::<T, C, 1, 24>(args.v_cache, geo, chunk, col, scores, out, c0),
                     }
                 }
             };
@@ -249,8 +251,8 @@ unsafe fn reduce16(v: *const Lanes) -> __m512 {
 /// of bf16 pairs (exact products, f32 sums) of the raw query and K row, no widening.
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn logits_bf16<T: Elem, const DV: usize>(
-    args: &DecodeArgs<T>,
+unsafe fn logits_bf16<T: Elem, C: Elem, const DV: usize>(
+    args: &DecodeArgs<T, C>,
     geo: Geo,
     spans: &[(usize, usize, usize)],
     first_row: usize,
@@ -259,7 +261,7 @@ unsafe fn logits_bf16<T: Elem, const DV: usize>(
     range: Range<usize>,
 ) {
     // SAFETY: the caller's contract (T is Bf16, the CPU has AVX-512 BF16), passed on.
-    unsafe { logits::<T, DV, true>(args, geo, spans, &[], first_row, tile, scores, range) }
+    unsafe { logits::<T, C, DV, true>(args, geo, spans, &[], first_row, tile, scores, range) }
 }
 
 /// Every logit of the rows in `spans` (query rows from `first_row` on) at positions `range`,
@@ -270,8 +272,8 @@ unsafe fn logits_bf16<T: Elem, const DV: usize>(
 /// AVX-512F in the caller (and AVX-512 BF16 with `DP`, T being Bf16); `validate` passed.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn logits<T: Elem, const DV: usize, const DP: bool>(
-    args: &DecodeArgs<T>,
+unsafe fn logits<T: Elem, C: Elem, const DV: usize, const DP: bool>(
+    args: &DecodeArgs<T, C>,
     geo: Geo,
     spans: &[(usize, usize, usize)],
     q: &[f32],
@@ -462,8 +464,8 @@ unsafe fn softmax(sc: &mut [f32], sink: Option<f32>) {
 /// registers, positions in order.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
-    v_cache: &[T],
+unsafe fn weigh<T: Elem, C: Elem, const NC: usize, const NP: usize>(
+    v_cache: &[C],
     geo: Geo,
     pairs: &[Pair],
     col: usize,
@@ -491,13 +493,13 @@ unsafe fn weigh<T: Elem, const NC: usize, const NP: usize>(
     // positions inside the pairs' spans, which these ranges are.
     unsafe {
         for pos in lo..all_lo.min(hi) {
-            step::<T, NC, NP, true>(&at, pairs, &mut acc, pos);
+            step::<C, NC, NP, true>(&at, pairs, &mut acc, pos);
         }
         for pos in all_lo..all_hi {
-            step::<T, NC, NP, false>(&at, pairs, &mut acc, pos);
+            step::<C, NC, NP, false>(&at, pairs, &mut acc, pos);
         }
         for pos in all_hi.max(lo)..hi {
-            step::<T, NC, NP, true>(&at, pairs, &mut acc, pos);
+            step::<C, NC, NP, true>(&at, pairs, &mut acc, pos);
         }
     }
     for (pr, acc) in pairs.iter().zip(&acc) {

@@ -34,12 +34,13 @@ pub struct QkNorm<'a, T: Elem> {
 }
 
 /// Attend every row of `step.qkv` (one decode token per sequence) into `out` `[n, Hq * D]`,
-/// after writing its rotated k and its v into the caches.
-pub fn decode_from_qkv<T: Elem>(
+/// after writing its rotated k and its v into the caches (rounded to the caches' type `C`, which
+/// may be narrower than the activations' `T`: a 16-bit cache under f32 activations).
+pub fn decode_from_qkv<T: Elem, C: Elem>(
     step: &QkvStep<T>,
     shape: DecodeShape,
-    k_cache: &mut [T],
-    v_cache: &mut [T],
+    k_cache: &mut [C],
+    v_cache: &mut [C],
     out: &mut [T],
     threads: usize,
 ) -> CoreResult<()> {

@@ -9,13 +9,37 @@ use super::ops::{dtype_arg, ro, rw, with_elem, DType, Ro, Rw};
 use super::value_error;
 use crate::cpu::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
 use crate::cpu::decode::{decode_from_qkv, QkNorm, QkvStep};
-use crate::cpu::elem::Bf16;
+use crate::cpu::elem::{Bf16, F16};
 use crate::cpu::prefill::{prefill, tiles_serve, PrefillArgs, PrefillShape};
+
+/// Run `$body` with `$t` bound to the activations' element type and `$c` to the caches' (one of
+/// the pairs `cache_dtype_arg` accepts).
+macro_rules! with_elems {
+    ($dt:expr, $ct:expr, $t:ident, $c:ident => $body:expr) => {
+        match ($dt, $ct) {
+            (DType::F32, DType::Bf16) => {
+                type $t = f32;
+                type $c = Bf16;
+                $body
+            }
+            (DType::F32, DType::F16) => {
+                type $t = f32;
+                type $c = F16;
+                $body
+            }
+            (dt, _) => with_elem!(dt, $t => {
+                type $c = $t;
+                $body
+            }),
+        }
+    };
+}
 
 /// `out[i, h] = softmax(q[i, h] · K_i^T * scale) V_i` over the first `seq_lens[i]` positions of
 /// sequence `i`'s pages. Shapes: q/out `[n, Hq, D]` (q's rows may be strided, as a view into a
 /// fused q|k|v row), caches `[num_blocks, block_size, Hkv, D]` (C-contiguous), block_tables
-/// `[n, max_blocks]` and seq_lens `[n]` (int32). Every float array has `dtype`. With `k`, `v`
+/// `[n, max_blocks]` and seq_lens `[n]` (int32). Every float array has `dtype` but the caches,
+/// which have `cache_dtype` (None: `dtype`; else bfloat16 or float16 under float32). With `k`, `v`
 /// (`[n, Hkv, D]`, rows may be strided) and `slot_mapping` (`[n]` int64, -1 = skip), those rows
 /// are first written into the caches: the step's whole attention in one call. With `window`
 /// (sliding-window attention) each query sees only its sequence's last `window` positions. With
@@ -24,7 +48,7 @@ use crate::cpu::prefill::{prefill, tiles_serve, PrefillArgs, PrefillShape};
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, scale, out, threads = 1, *,
                     dtype = "float32", k = None, v = None, slot_mapping = None, window = None,
-                    softcap = None, sinks = None))]
+                    softcap = None, sinks = None, cache_dtype = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_decode_attention(
     py: Python<'_>,
@@ -43,14 +67,16 @@ pub(crate) fn paged_decode_attention(
     window: Option<usize>,
     softcap: Option<f32>,
     sinks: Option<PyReadonlyArray1<'_, f32>>,
+    cache_dtype: Option<&str>,
 ) -> PyResult<()> {
     let dt = dtype_arg(dtype)?;
+    let ct = cache_dtype_arg(cache_dtype, dt)?;
     let q = ro(q, "q", dt)?;
     let mut out = rw(out, "out", dt)?;
     // Writable only when this call writes new rows: a read-only call may pass one array twice.
     let mut caches = match k {
-        Some(_) => Caches::Rw(rw(k_cache, "k_cache", dt)?, rw(v_cache, "v_cache", dt)?),
-        None => Caches::Ro(ro(k_cache, "k_cache", dt)?, ro(v_cache, "v_cache", dt)?),
+        Some(_) => Caches::Rw(rw(k_cache, "k_cache", ct)?, rw(v_cache, "v_cache", ct)?),
+        None => Caches::Ro(ro(k_cache, "k_cache", ct)?, ro(v_cache, "v_cache", ct)?),
     };
     let new = match (k, v, &slot_mapping) {
         (Some(k), Some(v), Some(_)) => Some((ro(k, "k", dt)?, ro(v, "v", dt)?)),
@@ -76,17 +102,17 @@ pub(crate) fn paged_decode_attention(
         None => None,
     };
     let bt = block_tables.shape();
-    with_elem!(dt, T => {
+    with_elems!(dt, ct, T, C => {
         let qr = q.rows::<T>("q")?;
         let (kcs, cs, vcs, vs) = match &mut caches {
             Caches::Rw(kc, vc) => {
-                let ((kcs, cs), (vcs, vs)) = (kc.slice::<T>("k_cache")?, vc.slice::<T>("v_cache")?);
+                let ((kcs, cs), (vcs, vs)) = (kc.slice::<C>("k_cache")?, vc.slice::<C>("v_cache")?);
                 (Cache::Rw(kcs), cs, Cache::Rw(vcs), vs)
             }
             Caches::Ro(kc, vc) => {
-                let (kr, vr) = (kc.rows::<T>("k_cache")?, vc.rows::<T>("v_cache")?);
-                kc.slice::<T>("k_cache")?;
-                vc.slice::<T>("v_cache")?;
+                let (kr, vr) = (kc.rows::<C>("k_cache")?, vc.rows::<C>("v_cache")?);
+                kc.slice::<C>("k_cache")?;
+                vc.slice::<C>("v_cache")?;
                 (Cache::Ro(kr.data), kr.shape, Cache::Ro(vr.data), vr.shape)
             }
         };
@@ -169,12 +195,12 @@ pub(crate) fn paged_decode_attention(
 /// C-contiguous): with `q_norm` and `k_norm` the qk-norm of `qk_norm_inplace` (eps `eps`), then
 /// RoPE on q and k (cos|sin rows of `rope_table` at `positions`; None = no positional encoding),
 /// k and v written at `slot_mapping` (-1 = skip), then `out` (`[n, Hq * D]`) = paged attention of
-/// q over each sequence's cache. The caches, block_tables, seq_lens, window and softcap are as for
-/// `paged_decode_attention`.
+/// q over each sequence's cache. The caches (of `cache_dtype`), block_tables, seq_lens, window and
+/// softcap are as for `paged_decode_attention`.
 #[pyfunction]
 #[pyo3(signature = (qkv, k_cache, v_cache, block_tables, seq_lens, slot_mapping, positions, rope_table,
                     scale, out, num_q_heads, dtype = "float32", threads = 1, window = None, *,
-                    q_norm = None, k_norm = None, eps = 1e-6, softcap = None))]
+                    q_norm = None, k_norm = None, eps = 1e-6, softcap = None, cache_dtype = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_attention_qkv(
     py: Python<'_>,
@@ -196,8 +222,10 @@ pub(crate) fn decode_attention_qkv(
     k_norm: Option<&Bound<'_, PyAny>>,
     eps: f32,
     softcap: Option<f32>,
+    cache_dtype: Option<&str>,
 ) -> PyResult<()> {
     let dt = dtype_arg(dtype)?;
+    let ct = cache_dtype_arg(cache_dtype, dt)?;
     let qkv = ro(qkv, "qkv", dt)?;
     let table = rope_table.map(|t| ro(t, "rope_table", dt)).transpose()?;
     let norms = match (q_norm, k_norm) {
@@ -205,7 +233,7 @@ pub(crate) fn decode_attention_qkv(
         (None, None) => None,
         _ => return Err(value_error("k_norm", "q_norm and k_norm go together")),
     };
-    let (mut kc, mut vc) = (rw(k_cache, "k_cache", dt)?, rw(v_cache, "v_cache", dt)?);
+    let (mut kc, mut vc) = (rw(k_cache, "k_cache", ct)?, rw(v_cache, "v_cache", ct)?);
     let mut out = rw(out, "out", dt)?;
     let contiguous = |name: &str| value_error(name, "must be C-contiguous");
     let tables = block_tables
@@ -217,7 +245,7 @@ pub(crate) fn decode_attention_qkv(
         .map_err(|_| contiguous("slot_mapping"))?;
     let pos = positions.as_slice().map_err(|_| contiguous("positions"))?;
     let bt = block_tables.shape();
-    with_elem!(dt, T => {
+    with_elems!(dt, ct, T, C => {
         let qkv_data = qkv.slice::<T>("qkv")?;
         let rows = qkv.rows::<T>("qkv")?.shape.first().copied().unwrap_or(0);
         let table_data = table.as_ref().map(|t| t.slice::<T>("rope_table")).transpose()?;
@@ -229,8 +257,8 @@ pub(crate) fn decode_attention_qkv(
             }),
             None => None,
         };
-        let (kcs, cs) = kc.slice::<T>("k_cache")?;
-        let (vcs, vs) = vc.slice::<T>("v_cache")?;
+        let (kcs, cs) = kc.slice::<C>("k_cache")?;
+        let (vcs, vs) = vc.slice::<C>("v_cache")?;
         let (os, _) = out.slice::<T>("out")?;
         if cs.len() != 4 || vs != cs {
             let r = format!("k_cache {cs:?} and v_cache {vs:?} must be one 4-D shape");
@@ -265,6 +293,23 @@ pub(crate) fn decode_attention_qkv(
         py.detach(|| decode_from_qkv(&step, shape, kcs, vcs, os, threads))?;
     });
     Ok(())
+}
+
+/// The caches' element type: `dtype`'s without `cache_dtype`; a 16-bit one under float32
+/// activations; else the same as `dtype`.
+fn cache_dtype_arg(cache_dtype: Option<&str>, dt: DType) -> PyResult<DType> {
+    let Some(name) = cache_dtype else {
+        return Ok(dt);
+    };
+    let ct = dtype_arg(name).map_err(|_| {
+        let r = format!("must be float32, bfloat16 or float16, got {name:?}");
+        value_error("cache_dtype", r)
+    })?;
+    if ct != dt && dt != DType::F32 {
+        let r = format!("{name} caches are read under float32 activations or their own type only");
+        return Err(value_error("cache_dtype", r));
+    }
+    Ok(ct)
 }
 
 enum Caches<'py> {

@@ -26,7 +26,13 @@ import torch
 from ironlm import _core
 from ironlm.attention import AttentionMetadata, get_backend
 from ironlm.config import EngineConfig
-from ironlm.engine.kv_cache import KVCaches, allocate_kv_caches, bytes_per_block
+from ironlm.engine.kv_cache import (
+    KVCaches,
+    allocate_kv_caches,
+    bytes_per_block,
+    quantized_auto,
+    resolve_kv_dtype,
+)
 from ironlm.exceptions import InvalidArgumentError, UnsupportedModelError
 from ironlm.model import load_model, resolve_device
 from ironlm.sampler import Sampler
@@ -62,8 +68,10 @@ class DraftModel:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.model.dtype
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, device, quantized_auto(config.dtype,
+                                                                                                  loaded.model))
         self.block_size = config.block_size
-        self.block_bytes = bytes_per_block(loaded.config, config.block_size, self.dtype)
+        self.block_bytes = bytes_per_block(loaded.config, config.block_size, self.kv_dtype)
         self.weight_bytes = loaded.model.weight_bytes()
         self.kv: KVCaches = []
         self.vocab_size = 0
@@ -78,7 +86,7 @@ class DraftModel:
             raise UnsupportedModelError(f"speculative_config.model: the draft's tokenizer differs from the target's "
                                         f"({len(mine)} vs {len(theirs)} tokens, {diff} entries differ)")
         self.vocab_size = vocab_size
-        self.kv = allocate_kv_caches(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = allocate_kv_caches(self.model_config, num_blocks, self.block_size, self.kv_dtype, self.device)
 
     def forget(self, slots: list[int] | np.ndarray) -> None:
         """These slots' blocks may hold other KV now (a new sequence, a preemption): recompute from 0."""
