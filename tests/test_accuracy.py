@@ -63,20 +63,21 @@ def _auto_bound() -> float:
 
 
 @pytest.mark.parametrize(("mode", "bound"), [
-    # The file's own Q4_1 blocks kept quantized, over the f16 KV cache kv_cache_dtype auto gives them (as the engine
-    # serves them). A 128-token chunk is a "large batch": on CPUs with native bf16 it runs a dense bf16 GEMM over the
-    # dequantized blocks, measured +0.176% on a Zen 4 with AVX-512 BF16 (+0.400% over an f32 cache; earlier, on a
-    # Xeon, +0.160%, full text +0.13%); elsewhere
+    # The file's own Q4_1 blocks kept quantized, over the 16-bit KV cache kv_cache_dtype auto gives them (as the
+    # engine serves them: bf16 on CPUs with native bf16, whose chunks then attend on the core's bf16 tiles). A
+    # 128-token chunk is a "large batch": on CPUs with native bf16 it runs a dense bf16 GEMM over the dequantized
+    # blocks, measured +0.299% on a Zen 4 with AVX-512 BF16 (+0.176% over an f16 cache and SDPA, +0.400% over an
+    # f32 cache; earlier, on a Xeon, +0.160%, full text +0.13%); elsewhere
     # the int8 kernels with activations rounded per 32-block, measured -0.545% on an AVX2-only AMD EPYC (Zen 3), where
     # the windowed protocol gives 2.8919 against llama.cpp's 2.8970 on the same CPU (-0.18%). See _auto_bound.
     ("auto", None),
     # int8, one scale per output channel, requantized from the Q4_1-dequantized weights: a row's largest weight sets
     # its step, which is coarser than Q4_1's per-32 step on rows with outliers: measured +0.315% (full text +1.07%);
-    # over its f16 cache +0.197% on a Zen 4 (+0.027% over f32 there).
+    # over its bf16 cache +0.121% on a Zen 4 (+0.197% over f16, +0.027% over f32 there).
     ("int8", 0.006),
     # int4 round-to-nearest in groups of 32 from the dequantized Q4_1 weights: a second 4-bit rounding on top of the
     # file's own, with a symmetric grid instead of Q4_1's min+scale: measured +4.18% (full text +4.26%); over its
-    # f16 cache +4.03% on a Zen 4.
+    # bf16 cache +4.17% on a Zen 4.
     ("int4", 0.06),
     # the same dense weights in bfloat16 (8-bit mantissa), fp32 accumulation: measured +0.078% (full text +0.11%).
     ("bf16", 0.0025),

@@ -11,6 +11,7 @@ import torch
 from ironlm.config import EngineConfig
 from ironlm.exceptions import InvalidArgumentError
 from ironlm.model.config import ModelConfig
+from ironlm.model.layers import cpu_has_fast_bf16
 
 # Per layer: (keys, values) [blocks, block_size, Hkv, D]. Latent attention (ModelConfig.mla) caches one row per
 # token that is both key and value: its pair is the SAME tensor twice (`k is v`), so it costs one plane of bytes.
@@ -23,13 +24,16 @@ _KV_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.fl
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
                      quantized: bool = False) -> torch.dtype:
-    """The cache's element type (EngineConfig.kv_cache_dtype): auto = the activations' `dtype`, but float16 where
+    """The cache's element type (EngineConfig.kv_cache_dtype): auto = the activations' `dtype`, but 16-bit where
     they are float32 only because the weights are kept quantized for the core's CPU kernels (`quantized`: a GGUF's
-    blocks, int8/int4 under dtype auto), as llama.cpp's default f16 cache; a 16-bit type under float32 activations
-    on CPU, where the core's kernels and the torch path read it (rows rounded once, on the write); anything else
-    must equal `dtype`."""
+    blocks, int8/int4 under dtype auto), as llama.cpp's default f16 cache: bfloat16 on CPUs with native bf16, whose
+    prefill chunks then take the core's bf16 attention tiles (CpuAttention), float16 elsewhere. Explicitly, a 16-bit
+    type under float32 activations on CPU, where the core's kernels and the torch path read it (rows rounded once,
+    on the write); anything else must equal `dtype`."""
     if kv_cache_dtype == "auto":
-        return torch.float16 if quantized and device.type == "cpu" and dtype == torch.float32 else dtype
+        if quantized and device.type == "cpu" and dtype == torch.float32:
+            return torch.bfloat16 if cpu_has_fast_bf16() else torch.float16
+        return dtype
     kv = _KV_DTYPES.get(kv_cache_dtype)
     if kv is None:
         raise InvalidArgumentError(f"kv_cache_dtype: must be auto, float32, float16 or bfloat16, got "
