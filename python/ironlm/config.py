@@ -134,9 +134,10 @@ class EngineConfig:
         None, "weights per scale for int8/int4 (default: per output channel for int8, 32 for int4)",
         choices=QUANT_GROUP_SIZES)
     kv_cache_dtype: str = _opt(
-        "auto", "KV cache element type: auto = the activations' dtype, except float16 where they are float32 only "
+        "auto", "KV cache element type: auto = the activations' dtype, except 16-bit where they are float32 only "
         "because quantized weights run on the CPU kernels (a GGUF's blocks, int8/int4, under dtype auto), as "
-        "llama.cpp's default f16 cache; float16 or bfloat16 under float32 activations on CPU halve the bytes every "
+        "llama.cpp's default f16 cache: bfloat16 on CPUs with native bf16 (prompts then attend on the core's bf16 "
+        "tiles), float16 elsewhere; float16 or bfloat16 under float32 activations on CPU halve the bytes every "
         "decode step reads and double the tokens the pool holds; rows are rounded once, on the write",
         choices=KV_CACHE_DTYPES)
     device: str = _opt("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
