@@ -39,7 +39,8 @@ def _decode_case(seed: int = 0, n: int = 3, hq: int = 4, hkv: int = 2, d: int = 
 
 @pytest.mark.parametrize("cache", ["bfloat16", "float16"])
 def test_the_kernel_reads_a_16_bit_cache_as_the_f32_kernel_reads_its_values(cache):
-    q, k, v, tables, lens = _decode_case()
+    # head dim 48: not a multiple of 32, so no `vdpbf16ps` logits (see the next test): the f32 kernel's own bits
+    q, k, v, tables, lens = _decode_case(d=48)
     kc, vc = k.to(HALF[cache]), v.to(HALF[cache])
     got, want = torch.empty_like(q), torch.empty_like(q)
     _core.paged_decode_attention(as_numpy(q), as_numpy(kc), as_numpy(vc), tables, lens, 0.17, as_numpy(got), 2,
@@ -51,6 +52,26 @@ def test_the_kernel_reads_a_16_bit_cache_as_the_f32_kernel_reads_its_values(cach
     exact = torch.empty_like(q)
     _core.paged_decode_attention(as_numpy(q), k.numpy(), v.numpy(), tables, lens, 0.17, as_numpy(exact), 2)
     assert (got - exact).abs().max().item() < (2e-2 if cache == "bfloat16" else 3e-3)
+
+
+def test_a_bf16_cache_takes_bf16_dot_products_where_the_cpu_has_them():
+    """Over a bf16 cache at head dims a multiple of 32, CPUs with AVX-512 BF16 take the logits by `vdpbf16ps` on the
+    queries rounded to bf16 (as the prefill tiles do): within bf16 of the f32 kernel on the same cached values."""
+    q, k, v, tables, lens = _decode_case(d=64, seed=6)
+    kc, vc = k.bfloat16(), v.bfloat16()
+    got, want, rounded = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    _core.paged_decode_attention(as_numpy(q), as_numpy(kc), as_numpy(vc), tables, lens, 0.125, as_numpy(got), 2,
+                                 dtype="float32", cache_dtype="bfloat16")
+    _core.paged_decode_attention(as_numpy(q), kc.float().numpy(), vc.float().numpy(), tables, lens, 0.125,
+                                 as_numpy(want), 2)
+    qr = q.bfloat16().float()
+    _core.paged_decode_attention(as_numpy(qr), kc.float().numpy(), vc.float().numpy(), tables, lens, 0.125,
+                                 as_numpy(rounded), 2)
+    assert (got - want).abs().max().item() < 2e-2
+    if cpu_has_fast_bf16():  # products of bf16 pairs are exact in f32: the rounded queries' logits, summed in pairs
+        assert (got - rounded).abs().max().item() < 1e-5 < (got - want).abs().max().item()
+    else:
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("cache", ["bfloat16", "float16"])

@@ -488,6 +488,7 @@ fn run_seqs_generic<T: Elem, C: Elem>(
     let mut scratch = Scratch {
         scores: Vec::new(),
         q: Vec::new(),
+        qb: Vec::new(),
         acc: Vec::new(),
         spans: Vec::new(),
         tile: Vec::new(),
@@ -549,6 +550,8 @@ impl<T: Elem, C: Elem> DecodeArgs<'_, T, C> {
 struct Scratch {
     scores: Vec<f32>,
     q: Vec<f32>,
+    /// `attention_x86`: f32 queries rounded to bf16 for `vdpbf16ps` over a bf16 cache.
+    qb: Vec<crate::cpu::elem::Bf16>,
     acc: Vec<f32>,
     spans: Vec<(usize, usize, usize)>,
     tile: Vec<Lanes>,

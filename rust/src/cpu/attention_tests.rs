@@ -326,7 +326,9 @@ fn half_caches_and_strided_queries_match_the_f32_kernel() {
 }
 
 /// A 16-bit cache under f32 queries gives the bits of the f32 kernel over a cache holding the
-/// same (rounded) values: the cache type changes what is stored, never the arithmetic.
+/// same (rounded) values: the cache type changes what is stored, never the arithmetic. Except
+/// on `Avx512Bf16` over a bf16 cache (head dims a multiple of 32), whose logits take
+/// `vdpbf16ps` on the queries rounded to bf16: there it is the reference's within bf16.
 #[test]
 fn a_16_bit_cache_under_f32_queries_equals_the_f32_kernel_on_its_values() {
     use crate::cpu::elem::{Bf16, F16};
@@ -365,7 +367,13 @@ fn a_16_bit_cache_under_f32_queries_equals_the_f32_kernel_on_its_values() {
         for path in paths() {
             for threads in [1, 2] {
                 let (got, want) = run::<Bf16>(&case, path, threads);
-                assert_eq!(got, want, "bf16 cache, {path:?} D={d} threads={threads}");
+                if path == Path::Avx512Bf16 && d % 32 == 0 {
+                    let err = max_diff(&got, &case.reference());
+                    assert!(err < 1e-2, "bf16 cache, {path:?} D={d}: max error {err}");
+                    assert_ne!(got, want, "D={d}: the vdpbf16ps logits ran");
+                } else {
+                    assert_eq!(got, want, "bf16 cache, {path:?} D={d} threads={threads}");
+                }
                 let (got, want) = run::<F16>(&case, path, threads);
                 assert_eq!(got, want, "f16 cache, {path:?} D={d} threads={threads}");
                 assert!(max_diff(&got, &case.reference()) < 5e-3, "{path:?} D={d}");

@@ -64,6 +64,13 @@ pub(super) unsafe fn attend<T: Elem, C: Elem>(
     }
 }
 
+/// The group's queries as raw bf16 rows for `vdpbf16ps`: row `r` at `ptr + r * stride`.
+#[derive(Clone, Copy)]
+pub(super) struct QRaw {
+    pub(super) ptr: *const u16,
+    pub(super) stride: usize,
+}
+
 /// Where a (row, head) pair's numbers live: its logits at `scores[off..off + len - first]`
 /// (position `first` first), its output at `out[out..out + D]`.
 #[derive(Clone, Copy, Default)]
@@ -110,15 +117,34 @@ unsafe fn attend_dv<T: Elem, C: Elem, const DV: usize>(
     let Scratch {
         scores,
         q,
+        qb,
         spans,
         tile,
         ..
     } = scratch;
-    let dp = dp
-        && TypeId::of::<T>() == TypeId::of::<Bf16>()
-        && TypeId::of::<C>() == TypeId::of::<Bf16>();
-    let first_row = rows.start;
+    let bf16_cache = TypeId::of::<C>() == TypeId::of::<Bf16>();
+    let (half_q, wide_q) = (
+        TypeId::of::<T>() == TypeId::of::<Bf16>(),
+        TypeId::of::<T>() == TypeId::of::<f32>(),
+    );
+    let dp = dp && bf16_cache && (half_q || wide_q);
     let (total, lo, hi) = args.gather(rows.clone(), q, spans);
+    // The raw bf16 query rows `vdpbf16ps` reads: the caller's own, or (f32 queries over a bf16 cache) the
+    // group's queries rounded to bf16 here, as the prefill tiles round a chunk's (CpuAttention's f32 path).
+    let qraw = if dp && wide_q {
+        qb.clear();
+        qb.extend(q.iter().map(|&x| Bf16::store(x)));
+        QRaw {
+            ptr: qb.as_ptr().cast(),
+            stride: hq * d,
+        }
+    } else {
+        QRaw {
+            // SAFETY: `validate` bounds `rows.start * q_stride` inside q (rows.start < num_seqs).
+            ptr: unsafe { args.q.as_ptr().add(rows.start * args.q_stride).cast() },
+            stride: args.q_stride,
+        }
+    };
     scores.clear();
     scores.resize(total, 0.0);
     tile.clear();
@@ -127,9 +153,9 @@ unsafe fn attend_dv<T: Elem, C: Elem, const DV: usize>(
     // id and length, so each row offset and slice below stays inside its buffer.
     unsafe {
         if dp {
-            logits_bf16::<T, C, DV>(args, geo, spans, first_row, tile, scores, lo..hi);
+            logits_bf16::<T, C, DV>(args, geo, spans, qraw, tile, scores, lo..hi);
         } else {
-            logits::<T, C, DV, false>(args, geo, spans, q, first_row, tile, scores, lo..hi);
+            logits::<T, C, DV, false>(args, geo, spans, q, qraw, tile, scores, lo..hi);
         }
     }
     if let Some(cap) = args.softcap {
@@ -255,16 +281,17 @@ unsafe fn logits_bf16<T: Elem, C: Elem, const DV: usize>(
     args: &DecodeArgs<T, C>,
     geo: Geo,
     spans: &[(usize, usize, usize)],
-    first_row: usize,
+    qraw: QRaw,
     tile: &mut [Lanes],
     scores: &mut [f32],
     range: Range<usize>,
 ) {
-    // SAFETY: the caller's contract (T is Bf16, the CPU has AVX-512 BF16), passed on.
-    unsafe { logits::<T, C, DV, true>(args, geo, spans, &[], first_row, tile, scores, range) }
+    // SAFETY: the caller's contract (C is Bf16, `qraw` holds the rows' bf16 queries, the CPU has AVX-512
+    // BF16), passed on.
+    unsafe { logits::<T, C, DV, true>(args, geo, spans, &[], qraw, tile, scores, range) }
 }
 
-/// Every logit of the rows in `spans` (query rows from `first_row` on) at positions `range`,
+/// Every logit of the rows in `spans` (bf16 query rows at `qraw` for `DP`) at positions `range`,
 /// times `args.scale`, into `scores`; with `DP` (bf16 caches, AVX-512 BF16, DV even) by
 /// `vdpbf16ps` on the raw rows, else from `q` (the rows widened to f32) by f32 FMAs.
 ///
@@ -277,7 +304,7 @@ unsafe fn logits<T: Elem, C: Elem, const DV: usize, const DP: bool>(
     geo: Geo,
     spans: &[(usize, usize, usize)],
     q: &[f32],
-    first_row: usize,
+    qraw: QRaw,
     tile: &mut [Lanes],
     scores: &mut [f32],
     range: Range<usize>,
@@ -302,7 +329,7 @@ unsafe fn logits<T: Elem, C: Elem, const DV: usize, const DP: bool>(
                 let krow = kp.add(geo.row(pos));
                 if DP {
                     // bf16 pairs: a vector holds 32 elements, so DV / 2 of them make a row
-                    let (kraw, qraw) = (krow as *const u16, args.q.as_ptr() as *const u16);
+                    let kraw = krow as *const u16;
                     for kvh in 0..s.num_kv_heads {
                         let mut k = [_mm512_setzero_si512(); DV];
                         for (c, k) in k.iter_mut().take(DV / 2).enumerate() {
@@ -312,7 +339,7 @@ unsafe fn logits<T: Elem, C: Elem, const DV: usize, const DP: bool>(
                             if pos < first || pos >= len {
                                 continue;
                             }
-                            let qrow = qraw.add((first_row + r) * args.q_stride);
+                            let qrow = qraw.ptr.add(r * qraw.stride);
                             for h in kvh * group..(kvh + 1) * group {
                                 let qh = qrow.add(h * d);
                                 let mut acc = _mm512_setzero_ps();
