@@ -308,8 +308,11 @@ def test_default_model_json_schema_and_forced_tool_call(default_server: LiveServ
     for choice in r.choices:
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+    # A strict tool (no properties beyond its own, as OpenAI's strict mode requires): with an open object the
+    # grammar lets a 135M model ramble through made-up keys until max_tokens, a coin toss on its greedy path.
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}
     r = c.chat.completions.create(
         model="default", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[tool],
         tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=100)
