@@ -258,6 +258,15 @@ fn rejects_what_it_cannot_follow() {
     assert!(short.to_string().starts_with("out"), "{short}");
 }
 
+/// (Hq, Hkv, D, block size) of the element-type tests: head dims on the explicit AVX-512 passes
+/// (64, 16, 128; `vdpbf16ps` at 64 and 128) and one on the generic body (40).
+const TYPE_SHAPES: [(usize, usize, usize, usize); 4] = [
+    (9, 3, 64, 16),
+    (4, 4, 16, 4),
+    (8, 2, 128, 16),
+    (4, 2, 40, 8),
+];
+
 #[test]
 fn half_caches_and_strided_queries_match_the_f32_kernel() {
     use crate::cpu::elem::{Bf16, F16};
@@ -293,12 +302,7 @@ fn half_caches_and_strided_queries_match_the_f32_kernel() {
         out.iter().map(|x| x.load()).collect()
     }
     let mut rng = Rng(21);
-    for &(hq, hkv, d, bs) in &[
-        (9, 3, 64, 16),
-        (4, 4, 16, 4),
-        (8, 2, 128, 16),
-        (4, 2, 40, 8),
-    ] {
+    for &(hq, hkv, d, bs) in &TYPE_SHAPES {
         let mut case = Case::random(&mut rng, hq, hkv, d, bs, 5);
         // Round the inputs to bf16 first: the kernels then see the same values, and the
         // outputs differ only by the final rounding (bf16 2^-8, f16 2^-11 of a value <= 1).
@@ -350,12 +354,7 @@ fn a_16_bit_cache_under_f32_queries_equals_the_f32_kernel_on_its_values() {
         (got, want)
     }
     let mut rng = Rng(33);
-    for &(hq, hkv, d, bs) in &[
-        (9, 3, 64, 16),
-        (4, 4, 16, 4),
-        (8, 2, 128, 16),
-        (4, 2, 40, 8),
-    ] {
+    for &(hq, hkv, d, bs) in &TYPE_SHAPES {
         let mut case = Case::random(&mut rng, hq, hkv, d, bs, 4);
         // Rows 1 and 2 share row 1's table: one sequence's verification rows, read together.
         let m = case.shape.max_blocks;
