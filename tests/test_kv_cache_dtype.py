@@ -148,16 +148,17 @@ def _generate(llm: LLM, prompts, n: int = 24, logprobs: int | None = None):
 def f32_reference(hf_dir):
     llm = LLM(hf_dir, dtype="float32", kv_cache_memory="4MiB", block_size=4, seed=0)
     prompts = _prompts(llm.engine.model_config.vocab_size)
-    return llm.engine.num_blocks, prompts, _generate(llm, prompts, logprobs=1)
+    return llm.engine.num_blocks, prompts, _generate(llm, prompts, logprobs=1), llm.get_metrics()["kv_bytes_per_token"]
 
 
 @pytest.mark.parametrize("cache", ["bfloat16", "float16"])
 def test_a_16_bit_pool_holds_twice_the_tokens_and_decodes_close_to_f32(hf_dir, f32_reference, cache):
-    blocks, prompts, ref = f32_reference
+    blocks, prompts, ref, token_bytes = f32_reference
     llm = LLM(hf_dir, dtype="float32", kv_cache_dtype=cache, kv_cache_memory="4MiB", block_size=4, seed=0)
     assert llm.engine.runner.kv_dtype == HALF[cache]
     assert llm.engine.runner.kv_caches[0][0].dtype == HALF[cache]
     assert llm.engine.num_blocks == 2 * blocks
+    assert 2 * llm.get_metrics()["kv_bytes_per_token"] == token_bytes  # what /metrics reports too
     got = _generate(llm, prompts, logprobs=1)
     # Greedy over the same random tiny model: the first tokens agree; the chosen tokens' logprobs stay close while
     # the sequences agree. Measured on a Zen 4 (all 4 x 24 tokens agreeing): max |diff| 0.0235 for bf16 (8-bit
