@@ -16,7 +16,7 @@ import pytest
 from ironlm.bench import perplexity as pp
 from ironlm.bench.llama_cpp import find_binary
 from ironlm.exceptions import LlamaCppNotBuilt
-from ironlm.model.layers import cpu_has_fast_bf16
+from ironlm.model.linear import dense_prefill_pays
 from tiny_models import load_hf_gguf_reference, make_tiny_gguf, make_tiny_model, make_tiny_tokenizer
 
 N_TOKENS = 512
@@ -59,17 +59,17 @@ def test_fp32_matches_transformers(reference):
 
 def _auto_bound() -> float:
     """`auto`'s bound for the path a 128-row chunk takes on this CPU (the measured values are beside its case)."""
-    return 0.004 if cpu_has_fast_bf16() else 0.008
+    return 0.004 if dense_prefill_pays() else 0.008
 
 
 @pytest.mark.parametrize(("mode", "bound"), [
     # The file's own Q4_1 blocks kept quantized, over the 16-bit KV cache kv_cache_dtype auto gives them (as the
     # engine serves them: bf16 on CPUs with native bf16, whose chunks then attend on the core's bf16 tiles). A
-    # 128-token chunk is a "large batch": on CPUs with native bf16 it runs a dense bf16 GEMM over the dequantized
-    # blocks, measured +0.299% on a Zen 4 with AVX-512 BF16 (+0.176% over an f16 cache and SDPA, +0.400% over an
-    # f32 cache; earlier, on a Xeon, +0.160%, full text +0.13%); elsewhere
-    # the int8 kernels with activations rounded per 32-block, measured -0.545% on an AVX2-only AMD EPYC (Zen 3), where
-    # the windowed protocol gives 2.8919 against llama.cpp's 2.8970 on the same CPU (-0.18%). See _auto_bound.
+    # 128-token chunk is a "large batch": on CPUs with AMX it runs a dense bf16 GEMM over the dequantized blocks,
+    # measured +0.160% on a Xeon (full text +0.13%; on a Zen 4 before it kept the int8 kernels, +0.299% over a bf16
+    # cache); elsewhere the int8 kernels with activations rounded per 32-block, measured -0.287% on a Zen 4 with
+    # AVX-512 BF16 over its bf16 cache (full text +0.21%) and -0.545% on an AVX2-only AMD EPYC (Zen 3), where the
+    # windowed protocol gives 2.8919 against llama.cpp's 2.8970 on the same CPU (-0.18%). See _auto_bound.
     ("auto", None),
     # int8, one scale per output channel, requantized from the Q4_1-dequantized weights: a row's largest weight sets
     # its step, which is coarser than Q4_1's per-32 step on rows with outliers: measured +0.315% (full text +1.07%);

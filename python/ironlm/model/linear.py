@@ -16,6 +16,8 @@ the views saves a tensor-to-numpy conversion per call (4 matmuls x 30 layers a t
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -24,11 +26,13 @@ from ironlm.core_views import CORE_DTYPES, as_numpy
 from ironlm.model.layers import cpu_has_fast_bf16
 from ironlm.model.linear_gpu import Fp8Linear, TritonQuantLinear
 
-# From this many rows a dense bf16 GEMM on a dequantized copy beats the int8 kernels on CPUs with native bf16 (AMX
-# / AVX512_BF16). Measured per call on a 2-core Sapphire Rapids (benches/bench_quant_matmul.py): int8 400-470 GFLOP/s
-# at M = 64 against bf16 mm 495-583, and 385-430 against 1080-1430 at M = 512; dequantizing costs ~0.35 ms per
-# gate_up, ~0.7 ms a layer, which a 64-row batch does not earn back (int8 ~1.0 ms a layer, bf16 ~0.9 + 0.7) and a
-# 128-row one does.
+# From this many rows a dense bf16 GEMM on a dequantized copy beats the int8 kernels on CPUs with AMX tiles.
+# Measured per call on a 2-core Sapphire Rapids (benches/bench_quant_matmul.py): int8 400-470 GFLOP/s at M = 64
+# against bf16 mm 495-583, and 385-430 against 1080-1430 at M = 512; dequantizing costs ~0.35 ms per gate_up, ~0.7 ms
+# a layer, which a 64-row batch does not earn back (int8 ~1.0 ms a layer, bf16 ~0.9 + 0.7) and a 128-row one does.
+# Without AMX (AVX512_BF16 alone) the int8 tiles win at every size: on a 2-core Zen 4, one SmolLM2-135M layer's four
+# Q4 matmuls took 1.59 / 6.32 / 27.2 ms at M = 128 / 512 / 2,048 against 3.74 / 10.45 / 38.2 for the dense path
+# (dequantization and f32 <-> bf16 copies included), so there the dense path is not taken (`dense_prefill_pays`).
 DENSE_MIN_ROWS = 128
 
 # The core's dense kernels beat torch's GEMM on dense weights only at one or two rows and narrow outputs. Measured on
@@ -49,6 +53,15 @@ CORE_MAX_COLS = 4096
 # torch.mm.
 PACK_MAX_BYTES = 2 << 30
 _packed_bytes = 0
+
+
+@functools.cache
+def dense_prefill_pays() -> bool:
+    """Whether large batches of a quantized linear run faster as a dense bf16 GEMM over dequantized weights than on
+    the core's int8 kernels: on CPUs whose AMX tiles torch can use (see DENSE_MIN_ROWS; a VM may list AMX in its
+    flags without enabling it, which torch's check sees)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return cpu_has_fast_bf16() and amx is not None and bool(amx())
 
 
 def _core_weight(weight: torch.Tensor) -> np.ndarray | None:
@@ -228,7 +241,7 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
-        if x.shape[0] >= DENSE_MIN_ROWS and cpu_has_fast_bf16() and not invariant.enabled():
+        if x.shape[0] >= DENSE_MIN_ROWS and dense_prefill_pays() and not invariant.enabled():
             out = self._dense(x)
             if residual is not None:
                 out += residual
