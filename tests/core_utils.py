@@ -24,3 +24,17 @@ def scheduler_config(num_blocks: int, **overrides: Any) -> SchedulerConfig:
 
 def make_scheduler(num_blocks: int, **overrides: Any) -> _core.Scheduler:
     return _core.Scheduler(scheduler_config(num_blocks, **overrides))
+
+
+def spy_rows(monkeypatch: Any, name: str) -> list[int]:
+    """Wrap `_core.<name>` for the test: each call's first argument's row count goes into the returned list (which
+    kernel a step reached, with how many rows), and the real kernel runs."""
+    real = getattr(_core, name)
+    calls: list[int] = []
+
+    def spy(first: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(first.shape[0])
+        return real(first, *args, **kwargs)
+
+    monkeypatch.setattr(_core, name, spy)
+    return calls

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from core_utils import spy_rows
 from ironlm import LLM, InvalidArgumentError, SamplingParams, _core
 from ironlm.core_views import as_numpy
 from ironlm.model.layers import cpu_has_fast_bf16
@@ -211,14 +212,7 @@ def test_f32_prefill_chunks_over_a_bf16_cache_take_the_bf16_tiles(monkeypatch):
     bs, hq, hkv, d = 16, 9, 3, 64
     if not _core.prefill_attention_serves(d, d):
         pytest.skip("no AVX-512 BF16 tiles on this CPU")
-    calls: list[int] = []
-    real = _core.prefill_attention
-
-    def spy(q, *args, **kwargs):
-        calls.append(q.shape[0])
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(_core, "prefill_attention", spy)
+    calls = spy_rows(monkeypatch, "prefill_attention")
     g = torch.Generator().manual_seed(3)
     ctx, lens = np.array([0, 48]), np.array([40, 33])
     n = int(lens.sum())

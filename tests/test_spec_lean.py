@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from ironlm import LLM, SamplingParams, _core
+from core_utils import spy_rows
+from ironlm import LLM, SamplingParams
 from ironlm.attention import AttentionMetadata, CpuAttention
 from ironlm.model import lean, load_model
 from tiny_models import make_tiny_gguf, make_tiny_model
@@ -69,14 +70,7 @@ def _row_steps(model, kv) -> torch.Tensor:
                                                 ("int4", torch.bfloat16)])
 def test_lean_chunk_rows_are_bit_identical_to_one_row_steps(hf_dir, monkeypatch, weights, dtype):
     model = _load(hf_dir, weights, dtype)
-    calls: list[int] = []
-    real = _core.decode_attention_qkv
-
-    def spy(qkv, *args, **kwargs):
-        calls.append(qkv.shape[0])
-        return real(qkv, *args, **kwargs)
-
-    monkeypatch.setattr(_core, "decode_attention_qkv", spy)
+    calls = spy_rows(monkeypatch, "decode_attention_qkv")
     model._lean.clear()
     kv = _caches(model, dtype)
     got = _chunk_step(model, kv)

@@ -25,7 +25,7 @@ PREEMPTION_MODES = ("aggressive", "conservative")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DISTRIBUTED_BACKENDS = ("mp", "torchrun")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = DTYPES  # the same names; what auto picks: engine.kv_cache.resolve_kv_dtype
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors")
 QUANT_GROUP_SIZES = (32, 64, 128)
 # ironlm.structured.tool_parsers.PARSERS' names (tests check they agree); here so the CLI needs no import.

@@ -94,6 +94,13 @@ def added_bos(tokenizer: Any) -> int | None:
     return bos if bos is not None and len(with_special) > len(plain) and with_special[0] == bos else None
 
 
+def served_kv_dtype(loaded: LoadedModel) -> torch.dtype:
+    """The KV cache type the engine serves a mode's model with under kv_cache_dtype auto (the quantized modes load
+    with dtype auto, the others keep their dtype's cache; see engine.kv_cache.resolve_kv_dtype)."""
+    model = loaded.model
+    return resolve_kv_dtype("auto", model.dtype, torch.device("cpu"), quantized_auto("auto", model))
+
+
 def token_logprobs(loaded: LoadedModel, tokens: Sequence[int], *, chunk_size: int = 512,
                    block_size: int = 16, kv_dtype: torch.dtype | None = None) -> np.ndarray:
     """logprob of tokens[i] given tokens[:i], for i = 1..n-1 (float64 [n-1]), through the paged KV cache.
@@ -112,10 +119,9 @@ def token_logprobs(loaded: LoadedModel, tokens: Sequence[int], *, chunk_size: in
         raise PerplexityArgumentError(f"chunk_size must be >= 1, got {chunk_size}", "chunk_size")
     model = loaded.model
     nblocks = -(-n // block_size)
-    cpu = torch.device("cpu")
     if kv_dtype is None:
-        kv_dtype = resolve_kv_dtype("auto", model.dtype, cpu, quantized_auto("auto", model))
-    caches = allocate_kv_caches(loaded.config, nblocks, block_size, kv_dtype, cpu)
+        kv_dtype = served_kv_dtype(loaded)
+    caches = allocate_kv_caches(loaded.config, nblocks, block_size, kv_dtype, torch.device("cpu"))
     block_table = np.arange(nblocks, dtype=np.int32)[None, :]
     ids = torch.tensor(list(tokens), dtype=torch.long)
     out = np.empty(n - 1, dtype=np.float64)
@@ -199,9 +205,8 @@ def run(config: PerplexityConfig, log: Callable[[str], None] | None = None) -> d
         full = token_logprobs(loaded, tokens, chunk_size=config.chunk_size)
         win = window_logprobs(functools.partial(token_logprobs, loaded, chunk_size=config.chunk_size), tokens,
                               config.window, added_bos(loaded.tokenizer))
-        kv = resolve_kv_dtype("auto", loaded.model.dtype, torch.device("cpu"), quantized_auto("auto", loaded.model))
         results.append({"mode": mode, "dtype": str(loaded.model.dtype).removeprefix("torch."),
-                        "kv_cache_dtype": str(kv).removeprefix("torch."),
+                        "kv_cache_dtype": str(served_kv_dtype(loaded)).removeprefix("torch."),
                         "quantization": MODES[mode][0], "group_size": MODES[mode][2],
                         "ppl": perplexity(full), "ppl_windows": perplexity(win), "scored_tokens": len(full),
                         "scored_tokens_windows": len(win), "weight_bytes": int(loaded.model.weight_bytes()),

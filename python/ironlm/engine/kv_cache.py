@@ -10,16 +10,13 @@ import torch
 
 from ironlm.config import EngineConfig
 from ironlm.exceptions import InvalidArgumentError
+from ironlm.model import resolve_dtype
 from ironlm.model.config import ModelConfig
 from ironlm.model.layers import cpu_has_fast_bf16
 
 # Per layer: (keys, values) [blocks, block_size, Hkv, D]. Latent attention (ModelConfig.mla) caches one row per
 # token that is both key and value: its pair is the SAME tensor twice (`k is v`), so it costs one plane of bytes.
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-_KV_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
-              "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device,
@@ -34,10 +31,11 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.devi
         if quantized and device.type == "cpu" and dtype == torch.float32:
             return torch.bfloat16 if cpu_has_fast_bf16() else torch.float16
         return dtype
-    kv = _KV_DTYPES.get(kv_cache_dtype)
-    if kv is None:
+    try:
+        kv = resolve_dtype(kv_cache_dtype, device)  # the dtype names and aliases, one table
+    except ValueError:
         raise InvalidArgumentError(f"kv_cache_dtype: must be auto, float32, float16 or bfloat16, got "
-                                   f"{kv_cache_dtype!r}", "kv_cache_dtype")
+                                   f"{kv_cache_dtype!r}", "kv_cache_dtype") from None
     if kv != dtype and not (device.type == "cpu" and dtype == torch.float32 and kv != torch.float32):
         raise InvalidArgumentError(
             f"kv_cache_dtype: a {kv_cache_dtype} cache under {str(dtype).removeprefix('torch.')} activations on "

@@ -296,7 +296,8 @@ unsafe fn logits_bf16<T: Elem, C: Elem, const DV: usize>(
 /// `vdpbf16ps` on the raw rows, else from `q` (the rows widened to f32) by f32 FMAs.
 ///
 /// # Safety
-/// AVX-512F in the caller (and AVX-512 BF16 with `DP`, T being Bf16); `validate` passed.
+/// AVX-512F in the caller (and with `DP`: AVX-512 BF16, C being Bf16, `qraw` the rows' bf16
+/// queries); `validate` passed.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn logits<T: Elem, C: Elem, const DV: usize, const DP: bool>(
