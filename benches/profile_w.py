@@ -80,10 +80,15 @@ def _install(ledger: Ledger, names: dict[int, str]) -> None:
         return f"gemm.{names.get(id(lin), '?')}"
 
     def lin_shape(lin: Any, x: torch.Tensor, *_: Any, **__: Any) -> tuple[int, int, int]:
-        return x.shape[0], lin.weight.shape[0], lin.weight.shape[1]
+        w = getattr(lin, "weight", None)
+        n, k = (w.shape[0], w.shape[1]) if w is not None else (lin.matrix.rows, lin.matrix.cols)
+        return x.shape[0], n, k
 
-    for meth in ("__call__", "into", "accumulate"):
-        setattr(linear.DenseLinear, meth, ledger.wrap(getattr(linear.DenseLinear, meth), lin_name, lin_shape))
+    # QuantLinear's `into`/`accumulate` of a half-precision model call its `__call__`: the ledger's exclusive
+    # accounting keeps that time counted once.
+    for cls in (linear.DenseLinear, linear.QuantLinear):
+        for meth in ("__call__", "into", "accumulate"):
+            setattr(cls, meth, ledger.wrap(getattr(cls, meth), lin_name, lin_shape))
     for fn, op in (("rms_norm", "norm"), ("silu_and_mul", "act"), ("gelu_tanh_and_mul", "act"),
                    ("rope_inplace", "rope"), ("qk_norm_inplace", "rope"), ("dense_matmul", "gemm.core_kernel"),
                    ("paged_decode_attention", "attn.decode_kernel"), ("decode_attention_qkv", "attn.decode_kernel"),
