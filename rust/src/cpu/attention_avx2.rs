@@ -78,11 +78,11 @@ unsafe fn attend_dv<T: Elem, C: Elem, const DV: usize>(
 ) {
     let s = args.shape;
     let (d, hq) = (s.head_dim, s.num_q_heads);
-    let geo = Geo {
-        table: &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks],
-        block_size: s.block_size,
-        stride: s.kv_stride,
-    };
+    let geo = Geo::new(
+        &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks],
+        s.block_size,
+        s.kv_stride,
+    );
     let Scratch {
         scores,
         q,

@@ -88,14 +88,33 @@ pub(super) struct Geo<'a> {
     pub(super) block_size: usize,
     /// Elements between positions' cache rows (`DecodeShape::kv_stride`).
     pub(super) stride: usize,
+    /// `log2(block_size)` when it is a power of two: a shift and a mask instead of a 64-bit
+    /// division per position and pass (several per position in all).
+    shift: Option<u32>,
 }
 
-impl Geo<'_> {
+impl<'a> Geo<'a> {
+    pub(super) fn new(table: &'a [i32], block_size: usize, stride: usize) -> Self {
+        let shift = block_size
+            .is_power_of_two()
+            .then(|| block_size.trailing_zeros());
+        Geo {
+            table,
+            block_size,
+            stride,
+            shift,
+        }
+    }
+
     /// The element offset of position `pos`'s cache row (every KV head of the view).
     #[inline(always)]
     pub(super) fn row(&self, pos: usize) -> usize {
         let b = self.block_size;
-        (self.table[pos / b] as usize * b + pos % b) * self.stride
+        let (blk, off) = match self.shift {
+            Some(sh) => (pos >> sh, pos & (b - 1)),
+            None => (pos / b, pos % b),
+        };
+        (self.table[blk] as usize * b + off) * self.stride
     }
 }
 
@@ -109,11 +128,11 @@ unsafe fn attend_dv<T: Elem, C: Elem, const DV: usize>(
 ) {
     let s = args.shape;
     let (d, hq) = (s.head_dim, s.num_q_heads);
-    let geo = Geo {
-        table: &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks],
-        block_size: s.block_size,
-        stride: s.kv_stride,
-    };
+    let geo = Geo::new(
+        &args.block_tables[rows.start * s.max_blocks..(rows.start + 1) * s.max_blocks],
+        s.block_size,
+        s.kv_stride,
+    );
     let Scratch {
         scores,
         q,
@@ -195,11 +214,20 @@ unsafe fn attend_dv<T: Elem, C: Elem, const DV: usize>(
                 let col = kvh * d + c0 * 16;
                 // SAFETY: AVX-512F, as above; `nc` picks the instance whose width it names.
                 unsafe {
-                    match nc {
-                        4 => weigh::<T, C, 4, 6>(args.v_cache, geo, chunk, col, scores, out, c0),
-                        3 => weigh::<T, C, 3, 8>(args.v_cache, geo, chunk, col, scores, out, c0),
-                        2 => weigh::<T, C, 2, 12>(args.v_cache, geo, chunk, col, scores, out, c0),
-                        _ => weigh::<T, C, 1, 24>(args.v_cache, geo, chunk, col, scores, out, c0),
+                    let (v, sc) = (args.v_cache, &scores[..]);
+                    match (nc, chunk.len()) {
+                        // Whole widths (head dims 64, 128, 256) at their exact pair count: a
+                        // loop that may stop early kept LLVM storing all 24 accumulators to
+                        // the stack at every position.
+                        (4, 6) => weigh::<T, C, 4, 6, true>(v, geo, chunk, col, sc, out, c0),
+                        (4, 5) => weigh::<T, C, 4, 5, true>(v, geo, chunk, col, sc, out, c0),
+                        (4, 4) => weigh::<T, C, 4, 4, true>(v, geo, chunk, col, sc, out, c0),
+                        (4, 3) => weigh::<T, C, 4, 3, true>(v, geo, chunk, col, sc, out, c0),
+                        (4, 2) => weigh::<T, C, 4, 2, true>(v, geo, chunk, col, sc, out, c0),
+                        (4, _) => weigh::<T, C, 4, 1, true>(v, geo, chunk, col, sc, out, c0),
+                        (3, _) => weigh::<T, C, 3, 8, false>(v, geo, chunk, col, sc, out, c0),
+                        (2, _) => weigh::<T, C, 2, 12, false>(v, geo, chunk, col, sc, out, c0),
+                        _ => weigh::<T, C, 1, 24, false>(v, geo, chunk, col, sc, out, c0),
                     }
                 }
             };
@@ -487,12 +515,12 @@ unsafe fn softmax(sc: &mut [f32], sink: Option<f32>) {
     }
 }
 
-/// `out` columns `c0 * 16..(c0 + NC) * 16` of every pair in `pairs` (at most `NP`): the sum over
-/// its positions of probability × V row (cache columns `col..col + NC * 16`), accumulated in
-/// registers, positions in order.
+/// `out` columns `c0 * 16..(c0 + NC) * 16` of every pair in `pairs` (at most `NP`; exactly `NP`
+/// with `EXACT`): the sum over its positions of probability × V row (cache columns
+/// `col..col + NC * 16`), accumulated in registers, positions in order.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn weigh<T: Elem, C: Elem, const NC: usize, const NP: usize>(
+unsafe fn weigh<T: Elem, C: Elem, const NC: usize, const NP: usize, const EXACT: bool>(
     v_cache: &[C],
     geo: Geo,
     pairs: &[Pair],
@@ -501,6 +529,7 @@ unsafe fn weigh<T: Elem, C: Elem, const NC: usize, const NP: usize>(
     out: &mut [T],
     c0: usize,
 ) {
+    debug_assert!(!EXACT || pairs.len() == NP);
     let np = pairs.len().min(NP);
     let pairs = &pairs[..np];
     let Spans {
@@ -521,13 +550,13 @@ unsafe fn weigh<T: Elem, C: Elem, const NC: usize, const NP: usize>(
     // positions inside the pairs' spans, which these ranges are.
     unsafe {
         for pos in lo..all_lo.min(hi) {
-            step::<C, NC, NP, true>(&at, pairs, &mut acc, pos);
+            step::<C, NC, NP, true, EXACT>(&at, pairs, &mut acc, pos);
         }
         for pos in all_lo..all_hi {
-            step::<C, NC, NP, false>(&at, pairs, &mut acc, pos);
+            step::<C, NC, NP, false, EXACT>(&at, pairs, &mut acc, pos);
         }
         for pos in all_hi.max(lo)..hi {
-            step::<C, NC, NP, true>(&at, pairs, &mut acc, pos);
+            step::<C, NC, NP, true, EXACT>(&at, pairs, &mut acc, pos);
         }
     }
     for (pr, acc) in pairs.iter().zip(&acc) {
@@ -581,7 +610,7 @@ impl Spans {
 /// AVX-512F; `pos` is a position of some pair's span (so its cache row exists), and with
 /// `CHECK = false`, of every pair's.
 #[inline(always)]
-unsafe fn step<T: Elem, const NC: usize, const NP: usize, const CHECK: bool>(
+unsafe fn step<T: Elem, const NC: usize, const NP: usize, const CHECK: bool, const EXACT: bool>(
     at: &At<T>,
     pairs: &[Pair],
     acc: &mut [[__m512; NC]; NP],
@@ -601,7 +630,7 @@ unsafe fn step<T: Elem, const NC: usize, const NP: usize, const CHECK: bool>(
             *v = load16(vr.add(c * 16));
         }
         for (i, acc) in acc.iter_mut().enumerate() {
-            if i >= pairs.len() {
+            if !EXACT && i >= pairs.len() {
                 break;
             }
             let pr = pairs.get_unchecked(i);
