@@ -113,8 +113,9 @@ def test_dense_linear_routes_small_batches_to_the_core() -> None:
                     reason="oneDNN's packed bf16 GEMM needs native bf16 and torch's mkldnn ops")
 def test_bf16_batches_beyond_the_core_run_on_the_prepacked_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every entry point (call, call with residual, into, accumulate) of a bf16 batch over CORE_MAX_ROWS rows takes
-    oneDNN's packed GEMM and is within the f32-accumulation bound of the exact result, the residual rounded once
-    with the product; past the PACK_MAX_BYTES budget a layer keeps torch's GEMM."""
+    the core's pair-packed tiles (up to PACKED_MAX_ROWS, on AVX-512 BF16) or oneDNN's packed GEMM (beyond) and is
+    within the f32-accumulation bound of the exact result, the residual rounded once with the product; past the
+    PACK_MAX_BYTES budget a layer keeps torch's GEMM."""
     g = torch.Generator().manual_seed(11)
     k, n = 200, 96
     w = torch.randn(k, n, generator=g).bfloat16()
@@ -124,21 +125,67 @@ def test_bf16_batches_beyond_the_core_run_on_the_prepacked_weight(monkeypatch: p
         x = torch.randn(m, k, generator=g).bfloat16()
         resid = torch.randn(m, n, generator=g).bfloat16()
         outs = {"call": lin(x), "residual": lin(x, resid)}
-        # oneDNN writes fresh tensors: into / accumulate return them instead of copying into the buffer
+        # oneDNN writes fresh tensors: into / accumulate may return them instead of the buffer
         outs.update(into=lin.into(x, torch.empty(m, n, dtype=torch.bfloat16)),
                     accumulate=lin.accumulate(x, resid.clone()))
         for name, got in outs.items():
             extra = bias.double() + (resid.double() if name in ("residual", "accumulate") else 0)
             exact, tol = bound(x, w, extra, torch.bfloat16)
             assert ((got.double() - exact).abs() <= tol).all(), (m, name, (got.double() - exact).abs().max())
-        assert lin._packed is not None and lin._packed[1] is not None
-    monkeypatch.setattr(linear, "PACK_MAX_BYTES", linear._packed_bytes)  # the budget spent: torch's GEMM
+    assert lin._packed is not None and lin._packed[1] is not None  # 130 rows went to oneDNN
+    monkeypatch.setattr(linear, "PACK_MAX_BYTES", 0)  # both copies' budgets spent: torch's GEMM
     late = DenseLinear(w, bias)
     x = torch.randn(CORE_MAX_ROWS + 1, k, generator=g).bfloat16()
     assert torch.equal(late(x), torch.addmm(bias, x, w))
     assert late._packed is not None and late._packed[1] is None
+    assert late._pairs is None or late._pairs[1] is None
     buf = torch.empty(CORE_MAX_ROWS + 1, n, dtype=torch.bfloat16)
     assert late.into(x, buf) is buf and torch.equal(buf, torch.addmm(bias, x, w))  # torch writes in place
+
+
+@pytest.mark.skipif(not _core.PackedBf16.available(), reason="the pair-packed tiles need AVX-512 BF16")
+def test_pair_packed_tiles_give_every_row_its_one_row_bits() -> None:
+    """bf16 batches of CORE_MAX_ROWS + 1 to PACKED_MAX_ROWS rows run on `_core.PackedBf16`, whose sums are the
+    one-row kernel's: each row of a 3- to 64-row call (plain, with residual, into, accumulate: the last two in the
+    caller's buffer) has the bits that row gets alone, and `PackedBf16.matmul` equals `dense_matmul`'s avx512_bf16
+    path on odd k and n off the 16-column groups, with bias and accumulate, on 1 and 3 threads."""
+    g = torch.Generator().manual_seed(5)
+    k, n = 131, 75
+    w = torch.randn(k, n, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    lin = DenseLinear(w, bias)
+    for m in (CORE_MAX_ROWS + 1, 9, 40, linear.PACKED_MAX_ROWS):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        resid = torch.randn(m, n, generator=g).bfloat16()
+        got = {"call": lin(x), "residual": lin(x, resid)}
+        buf, acc = torch.empty(m, n, dtype=torch.bfloat16), resid.clone()
+        assert lin.into(x, buf) is buf and lin.accumulate(x, acc) is acc
+        got.update(into=buf, accumulate=acc)
+        for i in range(m):
+            alone = {"call": lin(x[i:i + 1]), "residual": lin(x[i:i + 1], resid[i:i + 1])}
+            alone.update(into=alone["call"], accumulate=alone["residual"])
+            for name, rows in got.items():
+                assert torch.equal(rows[i].view(torch.int16), alone[name][0].view(torch.int16)), (m, i, name)
+        assert lin._pairs is not None and lin._pairs[1] is not None
+    packed = _core.PackedBf16(as_numpy(w))
+    assert (packed.k, packed.n) == (k, n) and packed.nbytes == 66 * 80 * 2 * 2
+    for m, accumulate, threads in ((5, False, 1), (17, True, 3)):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        start = torch.randn(m, n, generator=g).bfloat16()
+        want = run(x, w, start.clone(), accumulate, bias, isa="avx512_bf16", threads=1)
+        out = start.clone()
+        packed.matmul(as_numpy(x), as_numpy(out), accumulate, bias.float().numpy(), threads)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    x16, out16 = np.zeros((2, k), np.int16), np.zeros((2, n), np.int16)
+    with pytest.raises(InvalidArgumentError, match="^x") as e:
+        packed.matmul(np.zeros((2, k - 1), np.int16), out16)
+    assert e.value.param == "x"
+    with pytest.raises(ValueError, match="^out"):
+        packed.matmul(x16, np.zeros((2, n + 1), np.int16))
+    with pytest.raises(ValueError, match="^bias"):
+        packed.matmul(x16, out16, bias=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="^weight"):
+        _core.PackedBf16(as_numpy(w.t()))  # not C-contiguous [in, out]
 
 
 def test_bad_arguments_name_the_parameter() -> None:

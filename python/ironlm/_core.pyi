@@ -250,6 +250,28 @@ def dense_isas() -> tuple[str, list[str]]:
     ``"avx512"``, ``"avx512_bf16"``)."""
 
 @final
+class PackedBf16:
+    """A bf16 weight ``[k, n]`` repacked once in ``vdpbf16ps`` pair order, for decode batches of a few to a few dozen
+    rows; ``matmul`` gives ``dense_matmul``'s ``avx512_bf16`` bits, independent of ``m`` and ``threads``."""
+
+    def __new__(cls, weight: npt.NDArray[np.int16]) -> Self:
+        """Packs ``weight``, the int16 bits of a C-contiguous bf16 ``[k, n]`` (``tensor.view(torch.int16)``)."""
+    @staticmethod
+    def available() -> bool:
+        """Whether this CPU runs ``matmul`` (AVX-512 BF16)."""
+    @property
+    def k(self) -> int: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed copy."""
+    def matmul(self, x: npt.NDArray[np.int16], out: npt.NDArray[np.int16], accumulate: bool = False,
+               bias: npt.NDArray[np.float32] | None = None, threads: int = 1) -> None:
+        """``out [m, n] = x [m, k] @ weight (+ bias)``, ``+=`` with ``accumulate`` (the residual add), f32 sums
+        rounded once; ``x`` and ``out`` the int16 bits of C-contiguous bf16 arrays. GIL released."""
+
+@final
 class QuantMatrix:
     """A weight matrix ``[rows, cols]`` (``[out_features, in_features]``) kept block-quantized: every 32 weights of
     a row are ``scale * q + min``, ``q`` 8- or 4-bit unsigned. ``matmul`` quantizes ``x`` to int8 per 32-block and runs

@@ -4,9 +4,10 @@
 use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::ops::{dtype_arg, ro, rw, with_elem, Ro};
+use super::ops::{dtype_arg, ro, rw, with_elem, DType, Ro};
 use super::value_error;
-use crate::cpu::dense::{self, Isa, Layout, Opts, Shape};
+use crate::cpu::dense::{self, Isa, Layout, Opts, PackedBf16, Shape};
+use crate::cpu::elem::Bf16;
 
 /// The weight `[k, n]` (what `x @ weight` multiplies by): C-contiguous is `Layout::Kn`, the
 /// transpose of a C-contiguous `[n, k]` (e.g. `lm_head.t()`) is `Layout::Nk`. Returns its first
@@ -112,4 +113,97 @@ pub(crate) fn dense_matmul(
 pub(crate) fn dense_isas() -> (&'static str, Vec<&'static str>) {
     let all = Isa::ALL.into_iter().filter(|i| i.available());
     (Isa::best().name(), all.map(Isa::name).collect())
+}
+
+/// A bf16 weight `[k, n]` repacked once for the `vdpbf16ps` tiles (`crate::cpu::dense::packed`):
+/// `x @ weight` for decode batches of a few to a few dozen rows, the same bits as
+/// `dense_matmul`'s `avx512_bf16` path.
+#[pyclass(name = "PackedBf16", module = "ironlm._core", frozen)]
+pub(crate) struct PyPackedBf16 {
+    inner: PackedBf16,
+}
+
+#[pymethods]
+impl PyPackedBf16 {
+    /// Packs `weight`, the int16 bits of a C-contiguous bf16 `[k, n]` (`tensor.view(torch.int16)`).
+    #[new]
+    fn new(py: Python<'_>, weight: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let w = ro(weight, "weight", DType::Bf16)?;
+        let (wp, k, n, layout) = weight_parts(&w)?;
+        if layout != Layout::Kn {
+            return Err(value_error("weight", "must be C-contiguous [in, out]"));
+        }
+        // SAFETY: `matrix` checked that the k * n elements from `wp` are the array's own and
+        // contiguous; the read-only borrow `w` outlives the slice.
+        let bits: &[u16] = match k * n {
+            0 => &[],
+            len => unsafe { std::slice::from_raw_parts(wp as *const u16, len) },
+        };
+        let inner = py.detach(|| PackedBf16::pack(bits, k, n))?;
+        Ok(PyPackedBf16 { inner })
+    }
+
+    /// Whether this CPU runs `matmul` (AVX-512 BF16).
+    #[staticmethod]
+    fn available() -> bool {
+        PackedBf16::available()
+    }
+
+    #[getter]
+    fn k(&self) -> usize {
+        self.inner.k()
+    }
+
+    #[getter]
+    fn n(&self) -> usize {
+        self.inner.n()
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+
+    /// `out [m, n] = x [m, k] @ weight (+ bias)`, `+=` with `accumulate` (the residual add),
+    /// rounded once; `x` and `out` the int16 bits of C-contiguous bf16 arrays. GIL released.
+    #[pyo3(signature = (x, out, accumulate = false, bias = None, threads = 1))]
+    fn matmul(
+        &self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        accumulate: bool,
+        bias: Option<PyReadonlyArray1<'_, f32>>,
+        threads: i64,
+    ) -> PyResult<()> {
+        let threads = super::count_arg("threads", threads, 1)?;
+        let x = ro(x, "x", DType::Bf16)?;
+        let mut out = rw(out, "out", DType::Bf16)?;
+        let bias = bias
+            .as_ref()
+            .map(|b| {
+                b.as_slice()
+                    .map_err(|_| value_error("bias", "must be contiguous"))
+            })
+            .transpose()?;
+        let (k, n) = (self.inner.k(), self.inner.n());
+        let xs = x.slice::<Bf16>("x")?;
+        let (os, oshape) = out.slice::<Bf16>("out")?;
+        if k == 0 || xs.len() % k != 0 {
+            let r = format!(
+                "has {} elements, not rows of the weight's {k} inputs",
+                xs.len()
+            );
+            return Err(value_error("x", r));
+        }
+        let m = xs.len() / k;
+        if oshape != [m, n] {
+            return Err(value_error(
+                "out",
+                format!("shape {oshape:?}, expected [{m}, {n}]"),
+            ));
+        }
+        py.detach(|| self.inner.matmul(xs, m, os, accumulate, bias, threads))?;
+        Ok(())
+    }
 }

@@ -27,6 +27,9 @@
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+mod packed;
+pub use packed::PackedBf16;
+
 #[cfg(test)]
 mod tests;
 
