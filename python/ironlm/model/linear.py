@@ -5,10 +5,11 @@ care how the weights are stored. Dense weights keep ironlm's `[in, out]` paramet
 as `addmm`'s input); quantized ones are an `ironlm._core.QuantMatrix` (`[out, in]`, 4- or 8-bit blocks of 32) whose
 kernel quantizes the activations to int8 and adds into the residual in place.
 
-One- and two-row CPU calls (decode) into narrow f32 / bf16 / f16 dense weights run on the core's dense kernels
-(`_core.dense_matmul`), which read the weights where torch keeps them and stream them once per call, where they
-measured faster than torch's GEMM; larger bf16 CPU batches run oneDNN on a prepacked copy of the weight
-(PACK_MAX_BYTES); everything else keeps torch's.
+bf16 CPU batches of up to PACKED_MAX_ROWS rows (decode) run on the core's vdpbf16ps tiles over a pair-ordered copy
+of the weight (`_core.PackedBf16`, on CPUs with AVX-512 BF16); one- and two-row calls into narrow f32 / bf16 / f16
+weights otherwise run on the core's dense kernels (`_core.dense_matmul`), which read the weights where torch keeps
+them and stream them once per call, where they measured faster than torch's GEMM; larger bf16 CPU batches run oneDNN
+on a prepacked copy of the weight (PACK_MAX_BYTES); everything else keeps torch's.
 
 `into` / `accumulate` serve the lean decode step, which keeps preallocated buffers and their numpy views: passing
 the views saves a tensor-to-numpy conversion per call (4 matmuls x 30 layers a token).
@@ -53,12 +54,15 @@ CORE_MAX_COLS = 4096
 # torch.mm.
 PACK_MAX_BYTES = 2 << 30
 _packed_bytes = 0
-# bf16 batches of CORE_MAX_ROWS + 1 to PACKED_MAX_ROWS rows (decode steps, speculative verification) run on the core's
-# vdpbf16ps tiles over a copy of the weight repacked once in pair order (`_core.PackedBf16`, AVX-512 BF16). On a 2-core
-# Zen 4 without AMX (SmolLM2-135M's shapes, weights from memory, against oneDNN's prepacked GEMM): 0.61-0.78x the
-# time at M = 3 and 8, 0.92-1.02x at 34 and 64, plus the torch dispatch saved (10-35 us a call in the lean step); the
-# bits are the core's M <= 2 kernel's, so a decode row gets the same result in any batch. Larger batches keep
-# oneDNN (equal at 64 rows, built for prefill). The copies share PACK_MAX_BYTES's size, on their own budget.
+# bf16 batches of up to PACKED_MAX_ROWS rows (decode steps, speculative verification) run on the core's vdpbf16ps
+# tiles over a copy of the weight repacked once in pair order (`_core.PackedBf16`, AVX-512 BF16), where the CPU has
+# them; the bits are the `dense_matmul` bf16 kernel's, so a decode row gets the same result in any batch. On a 2-core
+# Zen 4 without AMX (SmolLM2-135M's shapes, weights from memory): at M = 1-2 0.43-0.67x the time of that kernel
+# (29-38 GB/s of weights against 13-20: one contiguous stream a column group instead of a strided row slice per
+# step), the tied LM head too (1.5-2.0 against torch's 2.6-3.0 ms); against oneDNN's prepacked GEMM 0.53-0.78x at
+# 8 rows, 0.74-0.92x at 34, 0.82-0.99x at 64, plus the torch dispatch saved (10-35 us a call in the lean step).
+# Larger batches keep oneDNN (1.0-1.35x the time from 128 rows on narrow outputs). The copies have PACK_MAX_BYTES of
+# their own.
 PACKED_MAX_ROWS = 64
 _packed_core_bytes = 0
 
@@ -124,11 +128,11 @@ class DenseLinear:
         self._pairs: tuple[int, _core.PackedBf16 | None] | None = None  # (data_ptr, the core's pair-ordered copy)
 
     def _paired(self, x: torch.Tensor) -> _core.PackedBf16 | None:
-        """The core's pair-ordered weight when this call goes to its vdpbf16ps tiles: a bf16 CPU batch of
-        CORE_MAX_ROWS + 1 to PACKED_MAX_ROWS rows outside batch-invariant mode (see PACKED_MAX_ROWS)."""
+        """The core's pair-ordered weight when this call goes to its vdpbf16ps tiles: a bf16 CPU batch of 1 to
+        PACKED_MAX_ROWS rows outside batch-invariant mode (see PACKED_MAX_ROWS)."""
         if x.device.type != "cpu" or x.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16:
             return None
-        if not CORE_MAX_ROWS < x.shape[0] <= PACKED_MAX_ROWS or invariant.enabled():
+        if not 0 < x.shape[0] <= PACKED_MAX_ROWS or invariant.enabled():
             return None
         ptr = self.weight.data_ptr()
         if self._pairs is None or self._pairs[0] != ptr:  # (re)built if the parameter's storage was swapped
@@ -184,6 +188,12 @@ class DenseLinear:
                            torch.get_num_threads())
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        pairs = self._paired(x)
+        if pairs is not None:
+            if residual is not None and residual.dtype == x.dtype:
+                return self._run_paired(pairs, x, residual.contiguous().clone(), True)
+            out = self._run_paired(pairs, x, torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype), False)
+            return out if residual is None else out.add_(residual)
         views = self._core(x)
         if views is not None:
             x = x.contiguous()
@@ -193,12 +203,6 @@ class DenseLinear:
                 return out
             out = torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype)
             self._run_core(views, as_numpy(x), as_numpy(out), False)
-            return out if residual is None else out.add_(residual)
-        pairs = self._paired(x)
-        if pairs is not None:
-            if residual is not None and residual.dtype == x.dtype:
-                return self._run_paired(pairs, x, residual.contiguous().clone(), True)
-            out = self._run_paired(pairs, x, torch.empty(x.shape[0], self.weight.shape[1], dtype=x.dtype), False)
             return out if residual is None else out.add_(residual)
         packed = self._onednn(x)
         if packed is not None and (residual is None or residual.dtype == x.dtype):
@@ -233,14 +237,14 @@ class DenseLinear:
         """`x @ W (+ bias)` into the preallocated `out`, or where the GEMM cannot write into a given buffer
         (oneDNN's packed weights, the fixed tiles) a fresh tensor: returns the one holding the product. The lean
         step makes ~120 such calls a decode step; copying each product into its buffer cost it ~4 % of W."""
+        pairs = self._paired(x)
+        if pairs is not None and out.is_contiguous() and out.dtype == x.dtype:
+            return self._run_paired(pairs, x, out, False, x_np, out_np)
         views = self._core(x)
         if views is not None and out.is_contiguous() and out.dtype == x.dtype:
             self._run_core(views, as_numpy(x.contiguous()) if x_np is None else x_np,
                            as_numpy(out) if out_np is None else out_np, False)
             return out
-        pairs = self._paired(x)
-        if pairs is not None and out.is_contiguous() and out.dtype == x.dtype:
-            return self._run_paired(pairs, x, out, False, x_np, out_np)
         packed = self._onednn(x)
         if packed is not None and out.dtype == x.dtype:
             return self._run_packed(packed, x, None)
@@ -256,14 +260,14 @@ class DenseLinear:
                    out_np: np.ndarray | None = None) -> torch.Tensor:
         """`out + x @ W (+ bias)`, the residual add: in `out` itself, or a fresh tensor (see `into`); returns
         the one holding the sum."""
+        pairs = self._paired(x)
+        if pairs is not None and out.is_contiguous() and out.dtype == x.dtype:
+            return self._run_paired(pairs, x, out, True, x_np, out_np)
         views = self._core(x)
         if views is not None and out.is_contiguous() and out.dtype == x.dtype:
             self._run_core(views, as_numpy(x.contiguous()) if x_np is None else x_np,
                            as_numpy(out) if out_np is None else out_np, True)
             return out
-        pairs = self._paired(x)
-        if pairs is not None and out.is_contiguous() and out.dtype == x.dtype:
-            return self._run_paired(pairs, x, out, True, x_np, out_np)
         packed = self._onednn(x)
         if packed is not None and out.dtype == x.dtype:
             return self._run_packed(packed, x, out)
