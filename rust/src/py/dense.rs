@@ -47,6 +47,16 @@ fn weight_parts(w: &Ro<'_>) -> PyResult<(*const u8, usize, usize, Layout)> {
     })
 }
 
+/// The optional f32 bias as a slice (it must be contiguous).
+fn bias_slice<'a>(bias: &'a Option<PyReadonlyArray1<'_, f32>>) -> PyResult<Option<&'a [f32]>> {
+    bias.as_ref()
+        .map(|b| {
+            b.as_slice()
+                .map_err(|_| value_error("bias", "must be contiguous"))
+        })
+        .transpose()
+}
+
 /// `out = x @ weight (+ bias)` for `x [m, k]`, `weight [k, n]` (either layout, see `matrix`),
 /// `out [m, n]`; with `accumulate`, `out += ...` (the residual add). Rounded once to `dtype`.
 #[pyfunction]
@@ -78,13 +88,7 @@ pub(crate) fn dense_matmul(
     let (x, w) = (ro(x, "x", dt)?, ro(weight, "weight", dt)?);
     let mut out = rw(out, "out", dt)?;
     let (wp, k, n, layout) = weight_parts(&w)?;
-    let bias = bias
-        .as_ref()
-        .map(|b| {
-            b.as_slice()
-                .map_err(|_| value_error("bias", "must be contiguous"))
-        })
-        .transpose()?;
+    let bias = bias_slice(&bias)?;
     with_elem!(dt, T => {
         let xs = x.slice::<T>("x")?;
         let (os, oshape) = out.slice::<T>("out")?;
@@ -179,13 +183,7 @@ impl PyPackedBf16 {
         let threads = super::count_arg("threads", threads, 1)?;
         let x = ro(x, "x", DType::Bf16)?;
         let mut out = rw(out, "out", DType::Bf16)?;
-        let bias = bias
-            .as_ref()
-            .map(|b| {
-                b.as_slice()
-                    .map_err(|_| value_error("bias", "must be contiguous"))
-            })
-            .transpose()?;
+        let bias = bias_slice(&bias)?;
         let (k, n) = (self.inner.k(), self.inner.n());
         let xs = x.slice::<Bf16>("x")?;
         let (os, oshape) = out.slice::<Bf16>("out")?;

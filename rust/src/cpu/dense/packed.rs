@@ -145,6 +145,7 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
+    use super::super::x86::dp;
     use super::{PackedBf16, COLS};
     use crate::cpu::dense::{Bf16, Job, Sink};
 
@@ -224,19 +225,6 @@ mod x86 {
             }
         }
         MR
-    }
-
-    /// `acc + w[2i] x[2i] + w[2i+1] x[2i+1]` per f32 lane (`vdpbf16ps`, as `dense::x86::dp`).
-    #[inline(always)]
-    unsafe fn dp(acc: __m512, w: __m512i, x: __m512i) -> __m512 {
-        // SAFETY: register arithmetic; the casts reinterpret bits.
-        unsafe {
-            _mm512_dpbf16_ps(
-                acc,
-                std::mem::transmute::<__m512i, __m512bh>(w),
-                std::mem::transmute::<__m512i, __m512bh>(x),
-            )
-        }
     }
 }
 

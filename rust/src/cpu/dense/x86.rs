@@ -389,7 +389,7 @@ unsafe fn prefetch_rows<const NV: usize>(w: *const u16, n: usize, kk: usize, k: 
 
 /// `acc + w[2i] x[2i] + w[2i+1] x[2i+1]` per f32 lane.
 #[inline(always)]
-unsafe fn dp(acc: __m512, w: __m512i, x: __m512i) -> __m512 {
+pub(super) unsafe fn dp(acc: __m512, w: __m512i, x: __m512i) -> __m512 {
     _mm512_dpbf16_ps(
         acc,
         std::mem::transmute::<__m512i, __m512bh>(w),
