@@ -194,6 +194,36 @@ def test_pair_packed_tiles_give_every_row_its_one_row_bits() -> None:
         _core.PackedBf16(as_numpy(w.t()))  # not C-contiguous [in, out]
 
 
+@pytest.mark.skipif(not _core.PackedF32.available(), reason="the packed f32 tiles need AVX2 and FMA")
+def test_one_and_two_f32_rows_run_on_the_packed_copy_with_the_kernel_bits() -> None:
+    """f32 calls of 1-2 rows (narrow layers and the wide LM head alike) run on `_core.PackedF32`, with the bits of
+    `dense_matmul`'s f32 path (call, residual, into, accumulate); 3 rows keep torch's GEMM."""
+    g = torch.Generator().manual_seed(9)
+    for k, n in ((131, 75), (64, CORE_MAX_COLS + 1)):
+        w = torch.randn(k, n, generator=g)
+        bias = torch.randn(n, generator=g)
+        lin = DenseLinear(w, bias)
+        for m in (1, CORE_MAX_ROWS):
+            x = torch.randn(m, k, generator=g)
+            resid = torch.randn(m, n, generator=g)
+            want = run(x, w, torch.empty(m, n), bias=bias, threads=1)
+            want_res = run(x, w, resid.clone(), True, bias, threads=1)
+            assert torch.equal(lin(x), want) and torch.equal(lin(x, resid), want_res)
+            buf, acc = torch.empty(m, n), resid.clone()
+            assert lin.into(x, buf) is buf and torch.equal(buf, want)
+            assert lin.accumulate(x, acc) is acc and torch.equal(acc, want_res)
+        assert lin._pairs is not None and isinstance(lin._pairs[1], _core.PackedF32)
+        three = torch.randn(CORE_MAX_ROWS + 1, k, generator=g)
+        assert torch.equal(lin(three), torch.addmm(bias, three, w))
+    packed = _core.PackedF32(w.numpy())
+    assert (packed.k, packed.n, packed.nbytes) == (64, CORE_MAX_COLS + 1, 64 * 4112 * 4)
+    with pytest.raises(InvalidArgumentError, match="^out") as e:
+        packed.matmul(np.zeros((1, 64), np.float32), np.zeros((1, 3), np.float32))
+    assert e.value.param == "out"
+    with pytest.raises(ValueError, match="^x"):
+        packed.matmul(np.zeros((1, 63), np.float32), np.zeros((1, CORE_MAX_COLS + 1), np.float32))
+
+
 def test_bad_arguments_name_the_parameter() -> None:
     x, out = np.zeros((2, 8), np.float32), np.zeros((2, 4), np.float32)
     w = np.zeros((8, 4), np.float32)

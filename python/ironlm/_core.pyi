@@ -272,6 +272,28 @@ class PackedBf16:
         rounded once; ``x`` and ``out`` the int16 bits of C-contiguous bf16 arrays. GIL released."""
 
 @final
+class PackedF32:
+    """An f32 weight ``[k, n]`` repacked once in 16-column groups, for one- and two-row decode calls (AVX2 + FMA);
+    ``matmul`` gives ``dense_matmul``'s f32 bits on the same vector width, independent of ``m`` and ``threads``."""
+
+    def __new__(cls, weight: npt.NDArray[np.float32]) -> Self:
+        """Packs ``weight``, a C-contiguous f32 ``[k, n]``."""
+    @staticmethod
+    def available() -> bool:
+        """Whether this CPU runs ``matmul`` (AVX2 and FMA)."""
+    @property
+    def k(self) -> int: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed copy."""
+    def matmul(self, x: npt.NDArray[np.float32], out: npt.NDArray[np.float32], accumulate: bool = False,
+               bias: npt.NDArray[np.float32] | None = None, threads: int = 1) -> None:
+        """``out [m, n] = x [m, k] @ weight (+ bias)``, ``+=`` with ``accumulate`` (the residual add); C-contiguous
+        f32 arrays. GIL released."""
+
+@final
 class QuantMatrix:
     """A weight matrix ``[rows, cols]`` (``[out_features, in_features]``) kept block-quantized: every 32 weights of
     a row are ``scale * q + min``, ``q`` 8- or 4-bit unsigned. ``matmul`` quantizes ``x`` to int8 per 32-block and runs

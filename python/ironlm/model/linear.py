@@ -6,8 +6,9 @@ as `addmm`'s input); quantized ones are an `ironlm._core.QuantMatrix` (`[out, in
 kernel quantizes the activations to int8 and adds into the residual in place.
 
 bf16 CPU batches of up to PACKED_MAX_ROWS rows (decode) run on the core's vdpbf16ps tiles over a pair-ordered copy
-of the weight (`_core.PackedBf16`, on CPUs with AVX-512 BF16); one- and two-row calls into narrow f32 / bf16 / f16
-weights otherwise run on the core's dense kernels (`_core.dense_matmul`), which read the weights where torch keeps
+of the weight (`_core.PackedBf16`, on CPUs with AVX-512 BF16), one- and two-row f32 calls on a copy in 16-column
+groups (`_core.PackedF32`); one- and two-row calls into narrow f32 / bf16 / f16 weights otherwise run on the core's
+dense kernels (`_core.dense_matmul`), which read the weights where torch keeps
 them and stream them once per call, where they measured faster than torch's GEMM; larger bf16 CPU batches run oneDNN
 on a prepacked copy of the weight (PACK_MAX_BYTES); everything else keeps torch's.
 
@@ -61,8 +62,10 @@ _packed_bytes = 0
 # (29-38 GB/s of weights against 13-20: one contiguous stream a column group instead of a strided row slice per
 # step), the tied LM head too (1.5-2.0 against torch's 2.6-3.0 ms); against oneDNN's prepacked GEMM 0.53-0.78x at
 # 8 rows, 0.74-0.92x at 34, 0.82-0.99x at 64, plus the torch dispatch saved (10-35 us a call in the lean step).
-# Larger batches keep oneDNN (1.0-1.35x the time from 128 rows on narrow outputs). The copies have PACK_MAX_BYTES of
-# their own.
+# Larger batches keep oneDNN (1.0-1.35x the time from 128 rows on narrow outputs). f32 weights (dtype auto on CPUs
+# without native bf16) take the same idea for one- and two-row calls (`_core.PackedF32`, 16-column groups, AVX2 +
+# FMA; the bits of `dense_matmul`'s f32 path): on the same Zen 4, M = 1, 31-40 GB/s against the Kn kernel's 14-21
+# and torch's 12-22, a token's matmuls 30.7 -> 14.7 ms. The copies have PACK_MAX_BYTES of their own.
 PACKED_MAX_ROWS = 64
 _packed_core_bytes = 0
 
@@ -86,16 +89,21 @@ def _core_weight(weight: torch.Tensor) -> np.ndarray | None:
     return as_numpy(weight.detach())
 
 
-def _pack_core(weight: torch.Tensor) -> _core.PackedBf16 | None:
-    """The core's pair-ordered copy of a bf16 `[in, out]` CPU weight, or None (other dtypes, a CPU without AVX-512
-    BF16, or the budget spent)."""
+_PACKED_KINDS: dict[torch.dtype, type[_core.PackedBf16 | _core.PackedF32]] = {
+    torch.bfloat16: _core.PackedBf16, torch.float32: _core.PackedF32}
+
+
+def _pack_core(weight: torch.Tensor) -> _core.PackedBf16 | _core.PackedF32 | None:
+    """The core's packed copy of a bf16 or f32 `[in, out]` CPU weight, or None (other dtypes, a CPU without the
+    kernel's instructions, or the budget spent)."""
     global _packed_core_bytes
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+    kind = _PACKED_KINDS.get(weight.dtype)
+    if weight.device.type != "cpu" or kind is None or weight.dim() != 2 or not kind.available():
         return None
     size = weight.numel() * weight.element_size()
-    if not _core.PackedBf16.available() or _packed_core_bytes + size > PACK_MAX_BYTES:
+    if _packed_core_bytes + size > PACK_MAX_BYTES:
         return None
-    packed = _core.PackedBf16(as_numpy(weight.detach().contiguous()))
+    packed = kind(as_numpy(weight.detach().contiguous()))
     _packed_core_bytes += size
     return packed
 
@@ -125,22 +133,24 @@ class DenseLinear:
         self._np: tuple[int, np.ndarray, np.ndarray | None] | None = None  # (data_ptr, weight, f32 bias) for the core
         self._bias_f32: np.ndarray | None = None
         self._packed: tuple[int, torch.Tensor | None] | None = None  # (data_ptr, oneDNN-packed weight or None)
-        self._pairs: tuple[int, _core.PackedBf16 | None] | None = None  # (data_ptr, the core's pair-ordered copy)
+        self._pairs: tuple[int, _core.PackedBf16 | _core.PackedF32 | None] | None = None  # (data_ptr, packed copy)
 
-    def _paired(self, x: torch.Tensor) -> _core.PackedBf16 | None:
-        """The core's pair-ordered weight when this call goes to its vdpbf16ps tiles: a bf16 CPU batch of 1 to
-        PACKED_MAX_ROWS rows outside batch-invariant mode (see PACKED_MAX_ROWS)."""
-        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16:
+    def _paired(self, x: torch.Tensor) -> _core.PackedBf16 | _core.PackedF32 | None:
+        """The core's packed weight when this call goes to its packed tiles: a CPU batch outside batch-invariant mode
+        of 1 to PACKED_MAX_ROWS rows (bf16) or 1 to CORE_MAX_ROWS rows (f32), see PACKED_MAX_ROWS."""
+        if x.device.type != "cpu" or x.dtype != self.weight.dtype or invariant.enabled():
             return None
-        if not 0 < x.shape[0] <= PACKED_MAX_ROWS or invariant.enabled():
+        rows = {torch.bfloat16: PACKED_MAX_ROWS, torch.float32: CORE_MAX_ROWS}.get(x.dtype, 0)
+        if not 0 < x.shape[0] <= rows:
             return None
         ptr = self.weight.data_ptr()
         if self._pairs is None or self._pairs[0] != ptr:  # (re)built if the parameter's storage was swapped
             self._pairs = (ptr, _pack_core(self.weight))
         return self._pairs[1]
 
-    def _run_paired(self, packed: _core.PackedBf16, x: torch.Tensor, out: torch.Tensor, accumulate: bool,
-                    x_np: np.ndarray | None = None, out_np: np.ndarray | None = None) -> torch.Tensor:
+    def _run_paired(self, packed: _core.PackedBf16 | _core.PackedF32, x: torch.Tensor, out: torch.Tensor,
+                    accumulate: bool, x_np: np.ndarray | None = None, out_np: np.ndarray | None = None
+                    ) -> torch.Tensor:
         if self.bias is not None and self._bias_f32 is None:
             self._bias_f32 = self.bias.detach().float().contiguous().numpy()
         packed.matmul(as_numpy(x.contiguous()) if x_np is None else x_np, as_numpy(out) if out_np is None else out_np,

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 
 use super::ops::{dtype_arg, ro, rw, with_elem, DType, Ro};
 use super::value_error;
-use crate::cpu::dense::{self, Isa, Layout, Opts, PackedBf16, Shape};
+use crate::cpu::dense::{self, Isa, Layout, Opts, PackedBf16, PackedF32, Shape};
 use crate::cpu::elem::Bf16;
 
 /// The weight `[k, n]` (what `x @ weight` multiplies by): C-contiguous is `Layout::Kn`, the
@@ -119,89 +119,114 @@ pub(crate) fn dense_isas() -> (&'static str, Vec<&'static str>) {
     (Isa::best().name(), all.map(Isa::name).collect())
 }
 
-/// A bf16 weight `[k, n]` repacked once for the `vdpbf16ps` tiles (`crate::cpu::dense::packed`):
-/// `x @ weight` for decode batches of a few to a few dozen rows, the same bits as
-/// `dense_matmul`'s `avx512_bf16` path.
-#[pyclass(name = "PackedBf16", module = "ironlm._core", frozen)]
-pub(crate) struct PyPackedBf16 {
-    inner: PackedBf16,
+/// A pyclass over one of the packed dense kernels: `$inner` packs elements `$raw` of a
+/// C-contiguous `[k, n]` array (`$dt`'s numpy view) and multiplies `$elem` activations.
+macro_rules! packed_class {
+    ($(#[$doc:meta])* $py:ident, $name:literal, $inner:ty, $dt:expr, $raw:ty, $elem:ty, $needs:literal) => {
+        $(#[$doc])*
+        #[pyclass(name = $name, module = "ironlm._core", frozen)]
+        pub(crate) struct $py {
+            inner: $inner,
+        }
+
+        #[pymethods]
+        impl $py {
+            /// Packs `weight`, a C-contiguous `[k, n]` (bf16 as its int16 bits).
+            #[new]
+            fn new(py: Python<'_>, weight: &Bound<'_, PyAny>) -> PyResult<Self> {
+                let w = ro(weight, "weight", $dt)?;
+                let (wp, k, n, layout) = weight_parts(&w)?;
+                if layout != Layout::Kn {
+                    return Err(value_error("weight", "must be C-contiguous [in, out]"));
+                }
+                // SAFETY: `matrix` checked that the k * n elements from `wp` are the array's
+                // own and contiguous; the read-only borrow `w` outlives the slice.
+                let raw: &[$raw] = match k * n {
+                    0 => &[],
+                    len => unsafe { std::slice::from_raw_parts(wp as *const $raw, len) },
+                };
+                let inner = py.detach(|| <$inner>::pack(raw, k, n))?;
+                Ok($py { inner })
+            }
+
+            #[doc = concat!("Whether this CPU runs `matmul` (", $needs, ").")]
+            #[staticmethod]
+            fn available() -> bool {
+                <$inner>::available()
+            }
+
+            #[getter]
+            fn k(&self) -> usize {
+                self.inner.k()
+            }
+
+            #[getter]
+            fn n(&self) -> usize {
+                self.inner.n()
+            }
+
+            #[getter]
+            fn nbytes(&self) -> usize {
+                self.inner.nbytes()
+            }
+
+            /// `out [m, n] = x [m, k] @ weight (+ bias)`, `+=` with `accumulate` (the residual
+            /// add), rounded once; C-contiguous arrays of the weight's type. GIL released.
+            #[pyo3(signature = (x, out, accumulate = false, bias = None, threads = 1))]
+            fn matmul(
+                &self,
+                py: Python<'_>,
+                x: &Bound<'_, PyAny>,
+                out: &Bound<'_, PyAny>,
+                accumulate: bool,
+                bias: Option<PyReadonlyArray1<'_, f32>>,
+                threads: i64,
+            ) -> PyResult<()> {
+                let threads = super::count_arg("threads", threads, 1)?;
+                let x = ro(x, "x", $dt)?;
+                let mut out = rw(out, "out", $dt)?;
+                let bias = bias_slice(&bias)?;
+                let (k, n) = (self.inner.k(), self.inner.n());
+                let xs = x.slice::<$elem>("x")?;
+                let (os, oshape) = out.slice::<$elem>("out")?;
+                if k == 0 || xs.len() % k != 0 {
+                    let r = format!("has {} elements, not rows of the weight's {k} inputs", xs.len());
+                    return Err(value_error("x", r));
+                }
+                let m = xs.len() / k;
+                if oshape != [m, n] {
+                    let r = format!("shape {oshape:?}, expected [{m}, {n}]");
+                    return Err(value_error("out", r));
+                }
+                py.detach(|| self.inner.matmul(xs, m, os, accumulate, bias, threads))?;
+                Ok(())
+            }
+        }
+    };
 }
 
-#[pymethods]
-impl PyPackedBf16 {
-    /// Packs `weight`, the int16 bits of a C-contiguous bf16 `[k, n]` (`tensor.view(torch.int16)`).
-    #[new]
-    fn new(py: Python<'_>, weight: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let w = ro(weight, "weight", DType::Bf16)?;
-        let (wp, k, n, layout) = weight_parts(&w)?;
-        if layout != Layout::Kn {
-            return Err(value_error("weight", "must be C-contiguous [in, out]"));
-        }
-        // SAFETY: `matrix` checked that the k * n elements from `wp` are the array's own and
-        // contiguous; the read-only borrow `w` outlives the slice.
-        let bits: &[u16] = match k * n {
-            0 => &[],
-            len => unsafe { std::slice::from_raw_parts(wp as *const u16, len) },
-        };
-        let inner = py.detach(|| PackedBf16::pack(bits, k, n))?;
-        Ok(PyPackedBf16 { inner })
-    }
+packed_class!(
+    /// A bf16 weight `[k, n]` repacked once for the `vdpbf16ps` tiles
+    /// (`crate::cpu::dense::packed`): `x @ weight` for decode batches of one to a few dozen
+    /// rows, the same bits as `dense_matmul`'s `avx512_bf16` path.
+    PyPackedBf16,
+    "PackedBf16",
+    PackedBf16,
+    DType::Bf16,
+    u16,
+    Bf16,
+    "AVX-512 BF16"
+);
 
-    /// Whether this CPU runs `matmul` (AVX-512 BF16).
-    #[staticmethod]
-    fn available() -> bool {
-        PackedBf16::available()
-    }
-
-    #[getter]
-    fn k(&self) -> usize {
-        self.inner.k()
-    }
-
-    #[getter]
-    fn n(&self) -> usize {
-        self.inner.n()
-    }
-
-    #[getter]
-    fn nbytes(&self) -> usize {
-        self.inner.nbytes()
-    }
-
-    /// `out [m, n] = x [m, k] @ weight (+ bias)`, `+=` with `accumulate` (the residual add),
-    /// rounded once; `x` and `out` the int16 bits of C-contiguous bf16 arrays. GIL released.
-    #[pyo3(signature = (x, out, accumulate = false, bias = None, threads = 1))]
-    fn matmul(
-        &self,
-        py: Python<'_>,
-        x: &Bound<'_, PyAny>,
-        out: &Bound<'_, PyAny>,
-        accumulate: bool,
-        bias: Option<PyReadonlyArray1<'_, f32>>,
-        threads: i64,
-    ) -> PyResult<()> {
-        let threads = super::count_arg("threads", threads, 1)?;
-        let x = ro(x, "x", DType::Bf16)?;
-        let mut out = rw(out, "out", DType::Bf16)?;
-        let bias = bias_slice(&bias)?;
-        let (k, n) = (self.inner.k(), self.inner.n());
-        let xs = x.slice::<Bf16>("x")?;
-        let (os, oshape) = out.slice::<Bf16>("out")?;
-        if k == 0 || xs.len() % k != 0 {
-            let r = format!(
-                "has {} elements, not rows of the weight's {k} inputs",
-                xs.len()
-            );
-            return Err(value_error("x", r));
-        }
-        let m = xs.len() / k;
-        if oshape != [m, n] {
-            return Err(value_error(
-                "out",
-                format!("shape {oshape:?}, expected [{m}, {n}]"),
-            ));
-        }
-        py.detach(|| self.inner.matmul(xs, m, os, accumulate, bias, threads))?;
-        Ok(())
-    }
-}
+packed_class!(
+    /// An f32 weight `[k, n]` repacked once in 16-column groups (`crate::cpu::dense::packed_f32`):
+    /// one- and two-row `x @ weight` on CPUs without AVX-512 BF16, the same bits as
+    /// `dense_matmul`'s f32 path on the same vector width.
+    PyPackedF32,
+    "PackedF32",
+    PackedF32,
+    DType::F32,
+    f32,
+    f32,
+    "AVX2 and FMA"
+);

@@ -295,6 +295,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dense::dense_isas, m)?)?;
     m.add_class::<quant::PyQuantMatrix>()?;
     m.add_class::<dense::PyPackedBf16>()?;
+    m.add_class::<dense::PyPackedF32>()?;
     m.add_class::<moe::PyMoeExperts>()?;
     #[cfg(feature = "test-bindings")]
     {

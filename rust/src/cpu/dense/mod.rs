@@ -28,7 +28,35 @@
 mod x86;
 
 mod packed;
+mod packed_f32;
 pub use packed::PackedBf16;
+pub use packed_f32::PackedF32;
+
+/// The packed kernels' operand checks: `x [m, k]`, `out [m, n]`, `bias [n]`.
+fn check_call(
+    x: usize,
+    out: usize,
+    bias: Option<&[f32]>,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> CoreResult<()> {
+    if x != m * k {
+        let r = format!("has {x} elements, expected m * k = {m} * {k}");
+        return Err(CoreError::invalid("x", r));
+    }
+    if out != m * n {
+        let r = format!("has {out} elements, expected m * n = {m} * {n}");
+        return Err(CoreError::invalid("out", r));
+    }
+    match bias {
+        Some(b) if b.len() != n => {
+            let r = format!("has {} elements, expected n = {n}", b.len());
+            Err(CoreError::invalid("bias", r))
+        }
+        _ => Ok(()),
+    }
+}
 
 #[cfg(test)]
 mod tests;

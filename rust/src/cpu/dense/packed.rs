@@ -80,20 +80,7 @@ impl PackedBf16 {
         threads: usize,
     ) -> CoreResult<()> {
         let (k, n) = (self.k, self.n);
-        if x.len() != m * k {
-            let r = format!("has {} elements, expected m * k = {m} * {k}", x.len());
-            return Err(CoreError::invalid("x", r));
-        }
-        if out.len() != m * n {
-            let r = format!("has {} elements, expected m * n = {m} * {n}", out.len());
-            return Err(CoreError::invalid("out", r));
-        }
-        if let Some(b) = bias {
-            if b.len() != n {
-                let r = format!("has {} elements, expected n = {n}", b.len());
-                return Err(CoreError::invalid("bias", r));
-            }
-        }
+        super::check_call(x.len(), out.len(), bias, m, k, n)?;
         if !Self::available() {
             let r = "the packed bf16 kernel needs AVX-512 BF16";
             return Err(CoreError::invalid("isa", r));

@@ -1,0 +1,325 @@
+//! An f32 `[K, N]` weight repacked once in 16-column groups (`[groups][K][16]`), for the one- and
+//! two-row decode calls of CPUs without AVX-512 BF16 (where `dtype=auto` keeps dense models in
+//! f32, and the `bf16` pair-packed tiles of [`super::PackedBf16`] do not run).
+//!
+//! The `Kn` kernel reads a row slice of the weight `N` floats apart at every `k` (strides of a
+//! page or more): the prefetcher follows one sequential stream per group here instead. The
+//! arithmetic is `Kn`'s f32 chain lane for lane (`acc = fma(w[k][c], x[k], acc)` from zero over
+//! `k` in order, then the same [`Sink`]), so both give the same bits on a given SIMD width.
+
+use super::{Job, Shape, Sink};
+use crate::error::{CoreError, CoreResult};
+
+/// Output columns per group.
+const COLS: usize = 16;
+
+/// An f32 weight `[k, n]` (`out = x @ W`) in 16-column groups.
+pub struct PackedF32 {
+    k: usize,
+    n: usize,
+    /// `[groups][k][COLS]`.
+    data: Vec<f32>,
+}
+
+impl PackedF32 {
+    /// Packs `w`, a row-major f32 `[k, n]`.
+    pub fn pack(w: &[f32], k: usize, n: usize) -> CoreResult<Self> {
+        if w.len() != k * n {
+            let r = format!("has {} elements, expected k * n = {k} * {n}", w.len());
+            return Err(CoreError::invalid("weight", r));
+        }
+        let groups = n.div_ceil(COLS);
+        let mut data = vec![0.0f32; groups * k * COLS];
+        for (g, dst) in data
+            .chunks_exact_mut((k * COLS).max(1))
+            .enumerate()
+            .take(groups)
+        {
+            let cols = COLS.min(n - g * COLS);
+            for (kk, row) in w.chunks_exact(n.max(1)).enumerate().take(k) {
+                dst[kk * COLS..kk * COLS + cols].copy_from_slice(&row[g * COLS..g * COLS + cols]);
+            }
+        }
+        Ok(PackedF32 { k, n, data })
+    }
+
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Bytes of the packed copy.
+    pub fn nbytes(&self) -> usize {
+        self.data.len() * 4
+    }
+
+    /// Whether this CPU runs [`PackedF32::matmul`] (AVX2 + FMA).
+    pub fn available() -> bool {
+        super::Isa::Avx2.available()
+    }
+
+    /// `out [m, n] = x [m, k] @ W (+ bias)`, `+=` with `accumulate`, as `dense::matmul`
+    /// computes it with `isa` (`Avx512` on CPUs with AVX-512F, else `Avx2`).
+    pub fn matmul(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        accumulate: bool,
+        bias: Option<&[f32]>,
+        threads: usize,
+    ) -> CoreResult<()> {
+        let wide = super::Isa::Avx512.available();
+        self.matmul_on(x, m, out, accumulate, bias, threads, wide)
+    }
+
+    /// `matmul` on 512-bit vectors (`wide`, AVX-512F) or 256-bit ones (tests run both).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_on(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        accumulate: bool,
+        bias: Option<&[f32]>,
+        threads: usize,
+        wide: bool,
+    ) -> CoreResult<()> {
+        let (k, n) = (self.k, self.n);
+        super::check_call(x.len(), out.len(), bias, m, k, n)?;
+        if !Self::available() {
+            return Err(CoreError::invalid(
+                "isa",
+                "the packed f32 kernel needs AVX2 and FMA",
+            ));
+        }
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let job: Job<f32> = Job {
+            w: &[],
+            xf: x,
+            xb: &[],
+            kp: k,
+            shape: Shape { m, k, n },
+        };
+        let sink = Sink {
+            out: out.as_mut_ptr(),
+            n,
+            bias,
+            accumulate,
+        };
+        let groups = n.div_ceil(COLS);
+        let parts = threads.clamp(1, groups);
+        let (job, sink) = (&job, &sink);
+        crate::cpu::parallel::run_parts(parts, &|p| {
+            let (g0, g1) = (groups * p / parts, groups * (p + 1) / parts);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 + FMA checked above (AVX-512F with `wide`); the part owns groups
+            // g0..g1, whose columns no other part writes.
+            unsafe {
+                x86::run(self, job, sink, g0..g1, wide)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = (job, sink, g0, g1, wide);
+        });
+        Ok(())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    use super::{PackedF32, COLS};
+    use crate::cpu::dense::{Job, Sink};
+
+    /// Rows in tiles of 4 (then 2, 1), groups two at a time.
+    pub(super) unsafe fn run(
+        w: &PackedF32,
+        j: &Job<f32>,
+        sink: &Sink<f32>,
+        gs: Range<usize>,
+        wide: bool,
+    ) {
+        let m = j.shape.m;
+        let mut g = gs.start;
+        while g < gs.end {
+            let ng = (gs.end - g).min(2);
+            let mut r0 = 0;
+            while r0 < m {
+                let mr = match m - r0 {
+                    4.. => 4,
+                    2..=3 => 2,
+                    _ => 1,
+                };
+                macro_rules! go {
+                    ($mr:literal) => {
+                        // SAFETY: the caller's contract; rows r0..r0 + MR and groups g..g + ng
+                        // exist.
+                        unsafe {
+                            match (wide, ng) {
+                                (true, 2) => tile512::<$mr, 2>(w, j, sink, r0, g),
+                                (true, _) => tile512::<$mr, 1>(w, j, sink, r0, g),
+                                (false, 2) => tile256::<$mr, 2>(w, j, sink, r0, g),
+                                (false, _) => tile256::<$mr, 1>(w, j, sink, r0, g),
+                            }
+                        }
+                    };
+                }
+                match mr {
+                    4 => go!(4),
+                    2 => go!(2),
+                    _ => go!(1),
+                }
+                r0 += mr;
+            }
+            g += ng;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn tile512<const MR: usize, const NG: usize>(
+        w: &PackedF32,
+        j: &Job<f32>,
+        sink: &Sink<f32>,
+        r0: usize,
+        g: usize,
+    ) {
+        let k = w.k;
+        // SAFETY: rows r0..r0 + MR of `j.xf` (k apart) and groups g..g + NG of `w.data` exist;
+        // prefetches never fault.
+        unsafe {
+            let x: [*const f32; MR] = std::array::from_fn(|r| j.xf.as_ptr().add((r0 + r) * k));
+            let wp: [*const f32; NG] =
+                std::array::from_fn(|v| w.data.as_ptr().add((g + v) * k * COLS));
+            let mut acc = [[_mm512_setzero_ps(); NG]; MR];
+            for kk in 0..k {
+                for &b in wp.iter() {
+                    _mm_prefetch::<_MM_HINT_T0>(b.add((kk + 16) * COLS) as *const i8);
+                }
+                let wv: [__m512; NG] =
+                    std::array::from_fn(|v| _mm512_loadu_ps(wp[v].add(kk * COLS)));
+                for r in 0..MR {
+                    let xb = _mm512_set1_ps(*x[r].add(kk));
+                    for v in 0..NG {
+                        acc[r][v] = _mm512_fmadd_ps(wv[v], xb, acc[r][v]);
+                    }
+                }
+            }
+            let mut vals = [0.0f32; COLS];
+            for (r, a) in acc.iter().enumerate() {
+                for (v, &a) in a.iter().enumerate() {
+                    let c = (g + v) * COLS;
+                    _mm512_storeu_ps(vals.as_mut_ptr(), a);
+                    sink.put(r0 + r, c, &vals[..COLS.min(w.n - c)]);
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile256<const MR: usize, const NG: usize>(
+        w: &PackedF32,
+        j: &Job<f32>,
+        sink: &Sink<f32>,
+        r0: usize,
+        g: usize,
+    ) {
+        let k = w.k;
+        // SAFETY: as in `tile512`.
+        unsafe {
+            let x: [*const f32; MR] = std::array::from_fn(|r| j.xf.as_ptr().add((r0 + r) * k));
+            let wp: [*const f32; NG] =
+                std::array::from_fn(|v| w.data.as_ptr().add((g + v) * k * COLS));
+            let mut acc = [[[_mm256_setzero_ps(); 2]; NG]; MR];
+            for kk in 0..k {
+                for &b in wp.iter() {
+                    _mm_prefetch::<_MM_HINT_T0>(b.add((kk + 16) * COLS) as *const i8);
+                }
+                let wv: [[__m256; 2]; NG] = std::array::from_fn(|v| {
+                    let p = wp[v].add(kk * COLS);
+                    [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
+                });
+                for r in 0..MR {
+                    let xb = _mm256_set1_ps(*x[r].add(kk));
+                    for v in 0..NG {
+                        for h in 0..2 {
+                            acc[r][v][h] = _mm256_fmadd_ps(wv[v][h], xb, acc[r][v][h]);
+                        }
+                    }
+                }
+            }
+            let mut vals = [0.0f32; COLS];
+            for (r, a) in acc.iter().enumerate() {
+                for (v, a) in a.iter().enumerate() {
+                    let c = (g + v) * COLS;
+                    _mm256_storeu_ps(vals.as_mut_ptr(), a[0]);
+                    _mm256_storeu_ps(vals.as_mut_ptr().add(8), a[1]);
+                    sink.put(r0 + r, c, &vals[..COLS.min(w.n - c)]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::dense::{matmul, Isa, Layout, Opts};
+    use crate::test_rng::Rng;
+
+    /// Every row, every shape (`n` off the 16-column groups, 1-9 rows), bias and accumulate: the
+    /// same bits as `dense::matmul`'s `Kn` path at each width this CPU runs, on 1 and 3 threads.
+    #[test]
+    fn equals_the_kn_path_bit_for_bit() {
+        if !PackedF32::available() {
+            return;
+        }
+        let widths = [(false, Isa::Avx2), (true, Isa::Avx512)];
+        for (wide, isa) in widths.into_iter().filter(|(_, i)| i.available()) {
+            same_bits_as_kn(wide, isa);
+        }
+    }
+
+    fn same_bits_as_kn(wide: bool, isa: Isa) {
+        let mut rng = Rng(13);
+        for (k, n) in [(64, 48), (33, 17), (576, 960), (7, 5), (130, 100)] {
+            let w = rng.floats(k * n);
+            let packed = PackedF32::pack(&w, k, n).unwrap();
+            for m in [1, 2, 3, 5, 9] {
+                let x = rng.floats(m * k);
+                let bias = rng.floats(n);
+                for (accumulate, with_bias) in [(false, false), (true, true), (false, true)] {
+                    let init = rng.floats(m * n);
+                    let b = with_bias.then_some(&bias[..]);
+                    let mut want = init.clone();
+                    let opts = Opts {
+                        accumulate,
+                        bias: b,
+                        threads: 1,
+                        isa: Some(isa),
+                    };
+                    matmul(&x, &w, &mut want, Shape { m, k, n }, Layout::Kn, &opts).unwrap();
+                    for threads in [1, 3] {
+                        let mut got = init.clone();
+                        packed
+                            .matmul_on(&x, m, &mut got, accumulate, b, threads, wide)
+                            .unwrap();
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        let case =
+                            format!("{isa:?} k={k} n={n} m={m} acc={accumulate} t={threads}");
+                        assert!(same, "{case}");
+                    }
+                }
+            }
+        }
+    }
+}
