@@ -32,6 +32,13 @@ mod packed_f32;
 pub use packed::PackedBf16;
 pub use packed_f32::PackedF32;
 
+/// A packed kernel's call: output column groups `0..groups` split over up to `threads` parts, each
+/// part running `f` on its own contiguous range (so no two parts write the same columns).
+fn run_groups(threads: usize, groups: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+    let parts = threads.clamp(1, groups);
+    crate::cpu::parallel::run_parts(parts, &|p| f(groups * p / parts..groups * (p + 1) / parts));
+}
+
 /// The packed kernels' operand checks: `x [m, k]`, `out [m, n]`, `bias [n]`.
 fn check_call(
     x: usize,

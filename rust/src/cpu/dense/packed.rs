@@ -109,19 +109,16 @@ impl PackedBf16 {
             bias,
             accumulate,
         };
-        let groups = n.div_ceil(COLS);
-        let parts = threads.clamp(1, groups);
         let (job, sink) = (&job, &sink);
-        crate::cpu::parallel::run_parts(parts, &|p| {
-            let (g0, g1) = (groups * p / parts, groups * (p + 1) / parts);
+        super::run_groups(threads, n.div_ceil(COLS), &|gs| {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX-512 BF16 checked above; the part owns groups g0..g1, whose columns
-            // no other part writes.
+            // SAFETY: AVX-512 BF16 checked above; the part owns groups `gs`, whose columns no
+            // other part writes.
             unsafe {
-                x86::run(self, job, sink, g0..g1)
+                x86::run(self, job, sink, gs)
             };
             #[cfg(not(target_arch = "x86_64"))]
-            let _ = (job, sink, g0, g1);
+            let _ = (job, sink, gs);
         });
         Ok(())
     }

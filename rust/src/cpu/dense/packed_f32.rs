@@ -112,19 +112,16 @@ impl PackedF32 {
             bias,
             accumulate,
         };
-        let groups = n.div_ceil(COLS);
-        let parts = threads.clamp(1, groups);
         let (job, sink) = (&job, &sink);
-        crate::cpu::parallel::run_parts(parts, &|p| {
-            let (g0, g1) = (groups * p / parts, groups * (p + 1) / parts);
+        super::run_groups(threads, n.div_ceil(COLS), &|gs| {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 + FMA checked above (AVX-512F with `wide`); the part owns groups
-            // g0..g1, whose columns no other part writes.
+            // `gs`, whose columns no other part writes.
             unsafe {
-                x86::run(self, job, sink, g0..g1, wide)
+                x86::run(self, job, sink, gs, wide)
             };
             #[cfg(not(target_arch = "x86_64"))]
-            let _ = (job, sink, g0, g1, wide);
+            let _ = (job, sink, gs, wide);
         });
         Ok(())
     }
