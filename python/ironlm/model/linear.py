@@ -8,9 +8,9 @@ kernel quantizes the activations to int8 and adds into the residual in place.
 bf16 CPU batches of up to PACKED_MAX_ROWS rows (decode) run on the core's vdpbf16ps tiles over a pair-ordered copy
 of the weight (`_core.PackedBf16`, on CPUs with AVX-512 BF16), one- and two-row f32 calls on a copy in 16-column
 groups (`_core.PackedF32`); one- and two-row calls into narrow f32 / bf16 / f16 weights otherwise run on the core's
-dense kernels (`_core.dense_matmul`), which read the weights where torch keeps
-them and stream them once per call, where they measured faster than torch's GEMM; larger bf16 CPU batches run oneDNN
-on a prepacked copy of the weight (PACK_MAX_BYTES); everything else keeps torch's.
+dense kernels (`_core.dense_matmul`), which read the weights where torch keeps them and stream them once per call,
+where they measured faster than torch's GEMM; larger bf16 CPU batches run oneDNN on a prepacked copy of the weight
+(PACK_MAX_BYTES); everything else keeps torch's.
 
 `into` / `accumulate` serve the lean decode step, which keeps preallocated buffers and their numpy views: passing
 the views saves a tensor-to-numpy conversion per call (4 matmuls x 30 layers a token).
@@ -131,30 +131,33 @@ class DenseLinear:
         self.weight = weight
         self.bias = bias
         self._np: tuple[int, np.ndarray, np.ndarray | None] | None = None  # (data_ptr, weight, f32 bias) for the core
-        self._bias_f32: np.ndarray | None = None
         self._packed: tuple[int, torch.Tensor | None] | None = None  # (data_ptr, oneDNN-packed weight or None)
-        self._pairs: tuple[int, _core.PackedBf16 | _core.PackedF32 | None] | None = None  # (data_ptr, packed copy)
+        # (data_ptr, the core's packed copy, f32 bias)
+        self._pairs: tuple[int, _core.PackedBf16 | _core.PackedF32 | None, np.ndarray | None] | None = None
+
+    def _bias_f32(self) -> np.ndarray | None:
+        """The bias as the core's kernels take it (contiguous f32), made once per weight storage with its views."""
+        return None if self.bias is None else self.bias.detach().float().contiguous().numpy()
 
     def _paired(self, x: torch.Tensor) -> _core.PackedBf16 | _core.PackedF32 | None:
         """The core's packed weight when this call goes to its packed tiles: a CPU batch outside batch-invariant mode
         of 1 to PACKED_MAX_ROWS rows (bf16) or 1 to CORE_MAX_ROWS rows (f32), see PACKED_MAX_ROWS."""
         if x.device.type != "cpu" or x.dtype != self.weight.dtype or invariant.enabled():
             return None
-        rows = {torch.bfloat16: PACKED_MAX_ROWS, torch.float32: CORE_MAX_ROWS}.get(x.dtype, 0)
+        rows = PACKED_MAX_ROWS if x.dtype == torch.bfloat16 else CORE_MAX_ROWS if x.dtype == torch.float32 else 0
         if not 0 < x.shape[0] <= rows:
             return None
         ptr = self.weight.data_ptr()
         if self._pairs is None or self._pairs[0] != ptr:  # (re)built if the parameter's storage was swapped
-            self._pairs = (ptr, _pack_core(self.weight))
+            self._pairs = (ptr, _pack_core(self.weight), self._bias_f32())
         return self._pairs[1]
 
     def _run_paired(self, packed: _core.PackedBf16 | _core.PackedF32, x: torch.Tensor, out: torch.Tensor,
                     accumulate: bool, x_np: np.ndarray | None = None, out_np: np.ndarray | None = None
                     ) -> torch.Tensor:
-        if self.bias is not None and self._bias_f32 is None:
-            self._bias_f32 = self.bias.detach().float().contiguous().numpy()
+        assert self._pairs is not None  # `_paired` built it
         packed.matmul(as_numpy(x.contiguous()) if x_np is None else x_np, as_numpy(out) if out_np is None else out_np,
-                      accumulate, self._bias_f32, torch.get_num_threads())
+                      accumulate, self._pairs[2], torch.get_num_threads())
         return out
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -188,8 +191,7 @@ class DenseLinear:
             w = _core_weight(self.weight)
             if w is None:
                 return None
-            b = None if self.bias is None else self.bias.detach().float().contiguous().numpy()
-            self._np = (ptr, w, b)
+            self._np = (ptr, w, self._bias_f32())
         return self._np[1], self._np[2]
 
     def _run_core(self, views: tuple[np.ndarray, np.ndarray | None], x_np: np.ndarray, out_np: np.ndarray,

@@ -16,38 +16,62 @@ use super::{Bf16, Job, Shape, Sink};
 use crate::error::{CoreError, CoreResult};
 
 /// Output columns per group (one 512-bit vector of f32 lanes).
-const COLS: usize = 16;
+pub(super) const COLS: usize = 16;
 
-/// A bf16 weight `[k, n]` (`out = x @ W`) in `vdpbf16ps` pair order (see the module notes).
-pub struct PackedBf16 {
-    k: usize,
-    n: usize,
-    /// Pairs of `k`, the last zero-padded when `k` is odd.
-    pairs: usize,
-    /// `[groups][pairs][COLS][2]` bf16 bits.
-    data: Vec<u16>,
+/// An element of a packed layout, and how many consecutive `k` share an output lane: 2 for
+/// bf16 bits (`vdpbf16ps` pairs), 1 for f32.
+pub trait Lane: Copy + Default + Send + Sync {
+    const PAIR: usize;
 }
 
-impl PackedBf16 {
-    /// Packs `w`, the bits of a row-major bf16 `[k, n]`.
-    pub fn pack(w: &[u16], k: usize, n: usize) -> CoreResult<Self> {
+impl Lane for u16 {
+    const PAIR: usize = 2;
+}
+
+impl Lane for f32 {
+    const PAIR: usize = 1;
+}
+
+/// A weight `[k, n]` (`out = x @ W`) in groups of [`COLS`] output columns, each group
+/// `[k / PAIR][COLS][PAIR]` (`k` zero-padded to whole pairs): one sequential stream a group.
+pub struct Packed<E> {
+    pub(super) k: usize,
+    pub(super) n: usize,
+    pub(super) data: Vec<E>,
+}
+
+/// bf16 weights (their bits) in `vdpbf16ps` pair order (see the module notes).
+pub type PackedBf16 = Packed<u16>;
+
+impl<E: Lane> Packed<E> {
+    /// Packs `w`, a row-major `[k, n]`.
+    pub fn pack(w: &[E], k: usize, n: usize) -> CoreResult<Self> {
         if w.len() != k * n {
             let r = format!("has {} elements, expected k * n = {k} * {n}", w.len());
             return Err(CoreError::invalid("weight", r));
         }
-        let pairs = k.div_ceil(2);
-        let groups = n.div_ceil(COLS);
-        let mut data = vec![0u16; groups * pairs * COLS * 2];
-        for (g, dst) in data.chunks_exact_mut(pairs * COLS * 2).enumerate() {
+        let mut packed = Packed {
+            k,
+            n,
+            data: Vec::new(),
+        };
+        let (len, groups) = (packed.group_len(), n.div_ceil(COLS));
+        packed.data = vec![E::default(); groups * len];
+        for (g, dst) in packed
+            .data
+            .chunks_exact_mut(len.max(1))
+            .enumerate()
+            .take(groups)
+        {
             let cols = COLS.min(n - g * COLS);
             for (kk, row) in w.chunks_exact(n.max(1)).enumerate().take(k) {
-                let (p, t) = (kk / 2, kk % 2);
+                let (p, t) = (kk / E::PAIR, kk % E::PAIR);
                 for (c, &v) in row[g * COLS..g * COLS + cols].iter().enumerate() {
-                    dst[(p * COLS + c) * 2 + t] = v;
+                    dst[(p * COLS + c) * E::PAIR + t] = v;
                 }
             }
         }
-        Ok(PackedBf16 { k, n, pairs, data })
+        Ok(packed)
     }
 
     pub fn k(&self) -> usize {
@@ -60,9 +84,21 @@ impl PackedBf16 {
 
     /// Bytes of the packed copy.
     pub fn nbytes(&self) -> usize {
-        self.data.len() * 2
+        self.data.len() * std::mem::size_of::<E>()
     }
 
+    /// `k` rounded up to whole pairs.
+    pub(super) fn padded_k(&self) -> usize {
+        self.k.div_ceil(E::PAIR) * E::PAIR
+    }
+
+    /// Elements of one column group.
+    pub(super) fn group_len(&self) -> usize {
+        self.padded_k() * COLS
+    }
+}
+
+impl Packed<u16> {
     /// Whether this CPU runs [`PackedBf16::matmul`] (AVX-512 BF16).
     pub fn available() -> bool {
         super::Isa::Avx512Bf16.available()
@@ -89,7 +125,7 @@ impl PackedBf16 {
             return Ok(());
         }
         // The activations' bits, rows padded with a zero to whole pairs.
-        let kp = self.pairs * 2;
+        let kp = self.padded_k();
         let mut xb = vec![0u16; m * kp];
         for (dst, src) in xb.chunks_exact_mut(kp).zip(x.chunks_exact(k.max(1))) {
             for (d, s) in dst.iter_mut().zip(src) {
@@ -177,15 +213,15 @@ mod x86 {
         r0: usize,
         g: usize,
     ) -> usize {
-        let group = w.pairs * COLS * 2;
-        // SAFETY: rows r0..r0 + MR of `j.xb` (kp = 2 * pairs apart) and groups g..g + NG of
+        let group = w.group_len();
+        // SAFETY: rows r0..r0 + MR of `j.xb` (`padded_k` apart) and groups g..g + NG of
         // `w.data` exist (the caller's tiling); prefetches never fault.
         unsafe {
             let x: [*const u16; MR] = std::array::from_fn(|r| j.xb.as_ptr().add((r0 + r) * j.kp));
             let wp: [*const u16; NG] =
                 std::array::from_fn(|v| w.data.as_ptr().add((g + v) * group));
             let mut acc = [[_mm512_setzero_ps(); NG]; MR];
-            for p in 0..w.pairs {
+            for p in 0..w.padded_k() / 2 {
                 for &b in wp.iter() {
                     _mm_prefetch::<_MM_HINT_T0>(b.add((p + 16) * COLS * 2) as *const i8);
                 }

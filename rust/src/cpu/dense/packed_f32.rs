@@ -7,55 +7,14 @@
 //! arithmetic is `Kn`'s f32 chain lane for lane (`acc = fma(w[k][c], x[k], acc)` from zero over
 //! `k` in order, then the same [`Sink`]), so both give the same bits on a given SIMD width.
 
+use super::packed::{Packed, COLS};
 use super::{Job, Shape, Sink};
 use crate::error::{CoreError, CoreResult};
 
-/// Output columns per group.
-const COLS: usize = 16;
+/// f32 weights in 16-column groups, `k` in order.
+pub type PackedF32 = Packed<f32>;
 
-/// An f32 weight `[k, n]` (`out = x @ W`) in 16-column groups.
-pub struct PackedF32 {
-    k: usize,
-    n: usize,
-    /// `[groups][k][COLS]`.
-    data: Vec<f32>,
-}
-
-impl PackedF32 {
-    /// Packs `w`, a row-major f32 `[k, n]`.
-    pub fn pack(w: &[f32], k: usize, n: usize) -> CoreResult<Self> {
-        if w.len() != k * n {
-            let r = format!("has {} elements, expected k * n = {k} * {n}", w.len());
-            return Err(CoreError::invalid("weight", r));
-        }
-        let groups = n.div_ceil(COLS);
-        let mut data = vec![0.0f32; groups * k * COLS];
-        for (g, dst) in data
-            .chunks_exact_mut((k * COLS).max(1))
-            .enumerate()
-            .take(groups)
-        {
-            let cols = COLS.min(n - g * COLS);
-            for (kk, row) in w.chunks_exact(n.max(1)).enumerate().take(k) {
-                dst[kk * COLS..kk * COLS + cols].copy_from_slice(&row[g * COLS..g * COLS + cols]);
-            }
-        }
-        Ok(PackedF32 { k, n, data })
-    }
-
-    pub fn k(&self) -> usize {
-        self.k
-    }
-
-    pub fn n(&self) -> usize {
-        self.n
-    }
-
-    /// Bytes of the packed copy.
-    pub fn nbytes(&self) -> usize {
-        self.data.len() * 4
-    }
-
+impl Packed<f32> {
     /// Whether this CPU runs [`PackedF32::matmul`] (AVX2 + FMA).
     pub fn available() -> bool {
         super::Isa::Avx2.available()
@@ -193,7 +152,7 @@ mod x86 {
         unsafe {
             let x: [*const f32; MR] = std::array::from_fn(|r| j.xf.as_ptr().add((r0 + r) * k));
             let wp: [*const f32; NG] =
-                std::array::from_fn(|v| w.data.as_ptr().add((g + v) * k * COLS));
+                std::array::from_fn(|v| w.data.as_ptr().add((g + v) * w.group_len()));
             let mut acc = [[_mm512_setzero_ps(); NG]; MR];
             for kk in 0..k {
                 for &b in wp.iter() {
@@ -232,7 +191,7 @@ mod x86 {
         unsafe {
             let x: [*const f32; MR] = std::array::from_fn(|r| j.xf.as_ptr().add((r0 + r) * k));
             let wp: [*const f32; NG] =
-                std::array::from_fn(|v| w.data.as_ptr().add((g + v) * k * COLS));
+                std::array::from_fn(|v| w.data.as_ptr().add((g + v) * w.group_len()));
             let mut acc = [[[_mm256_setzero_ps(); 2]; NG]; MR];
             for kk in 0..k {
                 for &b in wp.iter() {

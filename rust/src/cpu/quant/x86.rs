@@ -186,10 +186,9 @@ unsafe fn avx512<const Q4: bool, const HALF: bool, const SYM: bool, const MR: us
                 }
             }
         } else if MR >= 4 {
-            // The block's 8 weight vectors loaded once into registers, then each row's chain.
-            // Interleaving the loads with the rows (the shape below) made LLVM materialise every
-            // broadcast of `x` on the stack at MR >= 4: half the Q4 tile's rate (223 vs 566 int8
-            // GOP/s at M = 34, 49,152 x 576).
+            // The block's 8 weight vectors loaded once into registers, then each row's chain:
+            // with `sym` constant, the interleaved shape below still ran 448-521 int8 GOP/s at
+            // M = 8-128 (3,072 x 576, Zen 4) against 531-585 this way.
             let w: [__m512i; 8] =
                 std::array::from_fn(|c| _mm512_loadu_si512(blk.add(64 * c) as *const __m512i));
             for r in 0..MR {
@@ -198,16 +197,13 @@ unsafe fn avx512<const Q4: bool, const HALF: bool, const SYM: bool, const MR: us
                 }
             }
         } else {
+            // Below 4 rows: two chains a row, so the `vpdpbusd` latency does not bound M = 1.
             for j in 0..4 {
                 let v0 = _mm512_loadu_si512(blk.add(128 * j) as *const __m512i);
                 let v1 = _mm512_loadu_si512(blk.add(128 * j + 64) as *const __m512i);
                 for r in 0..MR {
                     even[r] = _mm512_dpbusd_epi32(even[r], v0, x4_512(x[r], c0 + 8 * j));
-                    if MR < 4 {
-                        odd[r] = _mm512_dpbusd_epi32(odd[r], v1, x4_512(x[r], c0 + 8 * j + 4));
-                    } else {
-                        even[r] = _mm512_dpbusd_epi32(even[r], v1, x4_512(x[r], c0 + 8 * j + 4));
-                    }
+                    odd[r] = _mm512_dpbusd_epi32(odd[r], v1, x4_512(x[r], c0 + 8 * j + 4));
                 }
             }
         }
