@@ -74,7 +74,9 @@ class Ledger:
 
 
 def _install(ledger: Ledger, names: dict[int, str]) -> None:
-    """Wrap the forward's op classes in place (module attributes, so every caller sees the wrapped one)."""
+    """Wrap the forward's op classes in place (module attributes, so every caller sees the wrapped one). The lean
+    step runs layer by layer here (lean.FUSE_LAYERS off): the fused stack's ops are one core call, not timed apart."""
+    lean.FUSE_LAYERS = False
 
     def lin_name(lin: Any, *_: Any, **__: Any) -> str:
         return f"gemm.{names.get(id(lin), '?')}"

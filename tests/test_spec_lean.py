@@ -68,13 +68,19 @@ def _row_steps(model, kv) -> torch.Tensor:
 @pytest.mark.parametrize(("weights", "dtype"), [("Q4_0", torch.float32), ("Q8_0", torch.float32),
                                                 ("Q4_1", torch.bfloat16), ("int8", torch.float32),
                                                 ("int4", torch.bfloat16)])
-def test_lean_chunk_rows_are_bit_identical_to_one_row_steps(hf_dir, monkeypatch, weights, dtype):
+@pytest.mark.parametrize("fused", [True, False])
+def test_lean_chunk_rows_are_bit_identical_to_one_row_steps(hf_dir, monkeypatch, weights, dtype, fused):
+    """`fused`: float32 models run every layer in one core call (lean.stack), else layer by layer."""
     model = _load(hf_dir, weights, dtype)
+    monkeypatch.setattr(lean, "FUSE_LAYERS", fused)
     calls = spy_rows(monkeypatch, "decode_attention_qkv")
     model._lean.clear()
     kv = _caches(model, dtype)
     got = _chunk_step(model, kv)
-    assert 7 in model._lean and calls == [7] * model.config.num_layers, "the chunk step did not take the lean step"
+    assert 7 in model._lean, "the chunk step did not take the lean step"
+    stacked = lean.stack(model) is not None
+    assert stacked == (fused and dtype == torch.float32)
+    assert calls == ([] if stacked else [7] * model.config.num_layers)
     kv1 = _caches(model, dtype)
     want = _row_steps(model, kv1)
     assert torch.equal(got, want)

@@ -358,6 +358,66 @@ class QuantMatrix:
         """``"q8"``, ``"q4"``, ``"q6k"`` or ``"mxfp4"``."""
 
 @final
+class LeanLayer:
+    """One Llama-shaped layer of a ``LeanStack``: its pre-norms ``input_norm`` and ``post_norm`` (float32
+    ``[hidden]`` views, read at each step), the ``qkv`` / ``o`` / ``gate_up`` / ``down`` matrices (handles, not
+    copies) with optional float32 biases, optional q and k norm weights, the index of its rotary table in
+    ``LeanStack.run``'s ``tables`` (None: NoPE), its sliding ``window``, logit ``softcap``, attention ``scale``,
+    query heads, the norms' ``eps`` and the MLP's activation (``"silu"`` or ``"gelu_tanh"``)."""
+
+    def __new__(
+        cls,
+        *,
+        input_norm: npt.NDArray[np.float32],
+        post_norm: npt.NDArray[np.float32],
+        qkv: QuantMatrix,
+        o: QuantMatrix,
+        gate_up: QuantMatrix,
+        down: QuantMatrix,
+        biases: tuple[
+            npt.NDArray[np.float32] | None,
+            npt.NDArray[np.float32] | None,
+            npt.NDArray[np.float32] | None,
+            npt.NDArray[np.float32] | None,
+        ]
+        | None = None,
+        qk_norm: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
+        rotary: int | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+        scale: float,
+        num_heads: int,
+        eps: float,
+        activation: str = "silu",
+    ) -> Self: ...
+
+@final
+class LeanStack:
+    """A model's layers as one decode step per call (float32 activations, block-quantized weights): per layer the
+    pre-norm, q|k|v, ``decode_attention_qkv``'s qk-norm, RoPE, cache write and paged attention, o with the residual
+    add, the MLP's norm, gate_up, the gated activation and down with the residual add; the kernels the per-layer
+    lean step calls, in its order and with its bits, the GIL released once."""
+
+    def __new__(cls, layers: Sequence[LeanLayer], hidden: int) -> Self: ...
+    def __len__(self) -> int: ...
+    def run(
+        self,
+        h: npt.NDArray[np.float32],
+        caches: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+        block_tables: npt.NDArray[np.int32],
+        seq_lens: npt.NDArray[np.int32],
+        slots: npt.NDArray[np.int64],
+        positions: npt.NDArray[np.int64],
+        tables: Sequence[npt.NDArray[np.float32]],
+        threads: int = 1,
+        cache_dtype: str = "float32",
+    ) -> None:
+        """Every layer over the residual stream ``h`` ``[t, hidden]`` in place; layer ``i`` writes the step's K/V
+        rows into ``caches[i] = (k, v)`` (``[blocks, block_size, Hkv, D]`` of ``cache_dtype``, 16-bit ones as int16
+        views of their bits) and attends them. ``block_tables`` ``[t, max_blocks]`` and ``seq_lens`` int32,
+        ``slots`` and ``positions`` int64, one row per token; ``tables`` the rotary tables the layers name."""
+
+@final
 class MoeExperts:
     """A MoE layer's routed experts over the ``QuantMatrix`` objects its linears hold (handles, not copies): experts
     ``first .. first + len(gate_up)`` of ``num_experts``, ``gate_up[i]`` ``[2I, hidden]`` (gate rows, then up rows)

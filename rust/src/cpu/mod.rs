@@ -7,6 +7,7 @@ pub mod decode;
 pub mod dense;
 pub mod elem;
 pub mod features;
+pub mod lean;
 pub mod ops;
 pub mod parallel;
 pub mod prefill;

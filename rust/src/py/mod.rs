@@ -20,6 +20,7 @@ mod grammar;
 // `make develop`), left out of the wheel.
 #[cfg(feature = "test-bindings")]
 mod kv;
+mod lean;
 mod moe;
 mod ops;
 mod quant;
@@ -297,6 +298,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dense::PyPackedBf16>()?;
     m.add_class::<dense::PyPackedF32>()?;
     m.add_class::<moe::PyMoeExperts>()?;
+    m.add_class::<lean::PyLeanLayer>()?;
+    m.add_class::<lean::PyLeanStack>()?;
     #[cfg(feature = "test-bindings")]
     {
         m.add_class::<kv::PyBlockAllocator>()?;

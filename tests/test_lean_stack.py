@@ -1,0 +1,106 @@
+"""The fused lean step (`_core.LeanStack`: every layer of a decode step in one core call): it is taken where every
+layer is a plain pre-norm block over block-quantized weights, and there it equals both the per-layer lean step
+(`lean_layer`, the same kernels called one by one) and the ordinary forward bit for bit: logits and every cache row,
+under float32 and bfloat16 caches, over biases (Qwen2), per-head qk-norm (Qwen3), NoPE and sliding layers (SmolLM3).
+Models it does not implement (dense weights, post-norms) keep the per-layer step; bad arguments are ValueErrors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ironlm import _core
+from ironlm.attention import CpuAttention
+from ironlm.model import lean, load_model
+from lean_batch import assert_same_step, decode_batch
+from tiny_families import FAMILY_VARIANTS, make_family_model
+from tiny_models import make_tiny_model
+
+CASES = {  # name -> (maker, quantization)
+    "llama-int4": (lambda p: make_tiny_model(p, arch="llama"), "int4"),
+    "qwen2-int8": (lambda p: make_tiny_model(p, arch="qwen2"), "int8"),
+    "qwen3-int8": (lambda p: make_tiny_model(p, arch="qwen3"), "int8"),
+    "smollm3-int4": (lambda p: make_family_model(p, "smollm3", **FAMILY_VARIANTS["smollm3"][1]), "int4"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def quantized(request, tmp_path_factory):
+    make, quant = CASES[request.param]
+    path = make(tmp_path_factory.mktemp(request.param))
+    return request.param, load_model(path, dtype="float32", quantization=quant, device="cpu",
+                                     attn_backend=CpuAttention()).model
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, model) -> list[int]:
+    """Counts the fused stack's runs (the stack is built on the first step)."""
+    runs: list[int] = []
+    model._lean_stack = None
+    real = lean._build
+
+    class Counting:
+        def __init__(self, inner: _core.LeanStack) -> None:
+            self.inner = inner
+
+        def run(self, *args) -> None:
+            runs.append(1)
+            self.inner.run(*args)
+
+    def build(m):
+        built = real(m)
+        return None if built is None else Counting(built)
+
+    monkeypatch.setattr(lean, "_build", build)
+    return runs
+
+
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
+def test_the_fused_step_equals_the_per_layer_step_and_the_forward(quantized, cache, monkeypatch) -> None:
+    name, model = quantized
+    runs = _spy(monkeypatch, model)
+    got = decode_batch(model, cache, True, monkeypatch)
+    assert runs == [1], f"{name}: the fused stack did not run"
+    monkeypatch.setattr(lean, "FUSE_LAYERS", False)
+    per_layer = decode_batch(model, cache, True, monkeypatch)
+    assert runs == [1]
+    assert_same_step(got, per_layer)
+    assert_same_step(got, decode_batch(model, cache, False, monkeypatch))
+
+
+def test_models_it_does_not_implement_keep_the_per_layer_step(tmp_path) -> None:
+    dense = load_model(make_tiny_model(tmp_path / "d", arch="llama"), dtype="float32", quantization="none",
+                       device="cpu", attn_backend=CpuAttention()).model
+    assert lean.stack(dense) is None  # DenseLinear weights
+    olmo2 = make_family_model(tmp_path / "o", "olmo2", **FAMILY_VARIANTS["olmo2"][1])
+    post_norms = load_model(olmo2, dtype="float32", quantization="int8", device="cpu",
+                            attn_backend=CpuAttention()).model
+    assert lean.stack(post_norms) is None  # post-norms, no pre-norms: the adds are not fused
+
+
+def test_bad_arguments_are_value_errors(quantized) -> None:
+    _, model = quantized
+    layer = model.layers[0]
+    norm = layer.input_norm.data.numpy()
+    mats = {"qkv": layer.qkv.matrix, "o": layer.o.matrix, "gate_up": layer.gate_up.matrix,
+            "down": layer.down.matrix}
+    args = dict(input_norm=norm, post_norm=norm, scale=0.1, num_heads=layer.num_heads, eps=1e-5, **mats)
+    with pytest.raises(ValueError, match="activation"):
+        _core.LeanLayer(**args, activation="relu")
+    with pytest.raises(ValueError, match="input_norm"):
+        _core.LeanLayer(**{**args, "input_norm": norm.astype(np.float64)})
+    cfg = model.config
+    stack = _core.LeanStack([_core.LeanLayer(**args)], cfg.hidden_size)
+    cache = np.zeros((4, 4, cfg.num_kv_heads, cfg.head_dim), np.float32)
+    one = (np.zeros((1, 1), np.int32), np.ones(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), [])
+    for h, caches, param in [(np.zeros((1, cfg.hidden_size), np.float32), [], "caches"),
+                             (np.zeros((1, cfg.hidden_size + 1), np.float32), [(cache, cache.copy())], "h")]:
+        with pytest.raises(ValueError) as err:
+            stack.run(h, caches, *one)
+        assert err.value.param == param
+    bad = _core.LeanStack([_core.LeanLayer(**{**args, "o": layer.qkv.matrix})], cfg.hidden_size)
+    k, v = cache.copy(), cache.copy()
+    with pytest.raises(ValueError) as err:
+        bad.run(np.ones((1, cfg.hidden_size), np.float32), [(k, v)], *one)
+    assert err.value.param == "o"
+    assert not k.any() and not v.any(), "a rejected step wrote the cache"
