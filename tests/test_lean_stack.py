@@ -43,13 +43,13 @@ def _spy(monkeypatch: pytest.MonkeyPatch, model) -> list[int]:
         def __init__(self, inner: _core.LeanStack) -> None:
             self.inner = inner
 
-        def run(self, *args) -> None:
+        def run(self, *args) -> list[int]:
             runs.append(1)
-            self.inner.run(*args)
+            return self.inner.run(*args)
 
     def build(m):
         built = real(m)
-        return None if built is None else Counting(built)
+        return None if built is None else lean.Stack(Counting(built.core), built.moe)  # type: ignore[arg-type]
 
     monkeypatch.setattr(lean, "_build", build)
     return runs
@@ -104,3 +104,59 @@ def test_bad_arguments_are_value_errors(quantized) -> None:
         bad.run(np.ones((1, cfg.hidden_size), np.float32), [(k, v)], *one)
     assert err.value.param == "o"
     assert not k.any() and not v.any(), "a rejected step wrote the cache"
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "topk_softmax"])
+@pytest.mark.parametrize(("renormalize", "scaling"), [(False, 1.0), (True, 1.0), (True, 2.5)])
+def test_the_core_router_chooses_as_route_py(scoring, renormalize, scaling) -> None:
+    from ironlm.model.moe.route import RouteSpec, route
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 48, generator=gen), torch.randn(48, 16, generator=gen) * 0.5
+    bias = torch.randn(16, generator=gen)
+    spec = RouteSpec(num_experts=16, top_k=4, scoring=scoring, renormalize=renormalize, scaling=scaling)
+    want_w, want_ids = route(x @ w, spec, bias)
+    got_w, got_ids = _core.moe_route(x.numpy(), w.numpy(), 4, scoring, renormalize, 0.0, scaling, bias.numpy())
+    assert np.array_equal(got_ids, want_ids.numpy())
+    np.testing.assert_allclose(got_w, want_w.numpy(), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError) as err:
+        _core.moe_route(x.numpy(), w.numpy(), 4, "relu")
+    assert err.value.param == "scoring"
+
+
+@pytest.fixture(scope="module", params=["mixtral", "olmoe", "qwen3_moe"])
+def moe(request, tmp_path_factory):
+    from tiny_moe import make_moe_model
+
+    path = make_moe_model(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, load_model(path, dtype="float32", quantization="int8", device="cpu",
+                                     attn_backend=CpuAttention()).model
+
+
+def test_moe_layers_run_in_the_stack(moe, monkeypatch) -> None:
+    """MoE layers in the fused step: logits and cache rows equal the per-layer step's and the ordinary forward's bit
+    for bit (every path routes on the core), and the experts' streamed bytes are counted on their blocks as the
+    per-layer step counts them."""
+    name, model = moe
+    blocks = [layer.moe for layer in model.layers if layer.moe is not None]
+    assert blocks and all(b.core is not None for b in blocks)
+    runs = _spy(monkeypatch, model)
+    before = [b.streamed for b in blocks]
+    got = decode_batch(model, torch.float32, True, monkeypatch)
+    assert runs == [1], f"{name}: the fused stack did not run"
+    fused_bytes = [b.streamed - s for b, s in zip(blocks, before, strict=True)]
+    monkeypatch.setattr(lean, "FUSE_LAYERS", False)
+    want = decode_batch(model, torch.float32, True, monkeypatch)
+    assert [b.streamed - s - f for b, s, f in zip(blocks, before, fused_bytes, strict=True)] == fused_bytes
+    assert all(f > 0 for f in fused_bytes)
+    assert_same_step(got, want)
+    assert_same_step(got, decode_batch(model, torch.float32, False, monkeypatch))
+
+
+def test_moe_blocks_it_does_not_implement_keep_the_per_layer_step(tmp_path) -> None:
+    from tiny_moe import make_moe_model
+
+    shared = load_model(make_moe_model(tmp_path, "qwen2_moe"), dtype="float32", quantization="int8", device="cpu",
+                        attn_backend=CpuAttention()).model
+    assert any(layer.moe is not None and layer.moe.shared is not None for layer in shared.layers)
+    assert lean.stack(shared) is None

@@ -29,6 +29,9 @@ def _block(cfg: MoeConfig, bits: int = 8, group: int = 0, dtype: torch.dtype = t
     spec = QuantSpec(bits=bits, group_size=group)
     block.quantize_(lambda pieces, bias: QuantLinear(
         _core.QuantMatrix.concat([from_float(w.float(), spec) for _, w in pieces]), bias))
+    # The core's experts and the per-expert loop compared under one routing, route.py's: with the core's experts
+    # the block would route on the core (MoeBlock.routes_on_core), whose choice has its own test (test_lean_stack).
+    block.routes_on_core = lambda *_: False  # type: ignore[method-assign]
     return block
 
 

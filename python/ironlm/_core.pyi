@@ -360,10 +360,13 @@ class QuantMatrix:
 @final
 class LeanLayer:
     """One Llama-shaped layer of a ``LeanStack``: its pre-norms ``input_norm`` and ``post_norm`` (float32
-    ``[hidden]`` views, read at each step), the ``qkv`` / ``o`` / ``gate_up`` / ``down`` matrices (handles, not
-    copies) with optional float32 biases, optional q and k norm weights, the index of its rotary table in
-    ``LeanStack.run``'s ``tables`` (None: NoPE), its sliding ``window``, logit ``softcap``, attention ``scale``,
-    query heads, the norms' ``eps`` and the MLP's activation (``"silu"`` or ``"gelu_tanh"``)."""
+    ``[hidden]`` views, read at each step), the ``qkv`` and ``o`` matrices (handles, not copies), the MLP's
+    ``gate_up`` and ``down`` matrices or its ``moe`` = (experts, router ``[hidden, experts]``, router bias or None,
+    (scoring, top_k, renormalize, renorm_eps, scaling)) with scoring ``"softmax"``, ``"sigmoid"`` or
+    ``"topk_softmax"`` (every expert held: no expert parallelism), optional float32 biases of qkv, o, gate_up and
+    down, optional q and k norm weights, the index of its rotary table in ``LeanStack.run``'s ``tables`` (None:
+    NoPE), its sliding ``window``, logit ``softcap``, attention ``scale``, query heads, the norms' ``eps`` and a dense
+    MLP's activation (``"silu"`` or ``"gelu_tanh"``)."""
 
     def __new__(
         cls,
@@ -372,8 +375,15 @@ class LeanLayer:
         post_norm: npt.NDArray[np.float32],
         qkv: QuantMatrix,
         o: QuantMatrix,
-        gate_up: QuantMatrix,
-        down: QuantMatrix,
+        gate_up: QuantMatrix | None = None,
+        down: QuantMatrix | None = None,
+        moe: tuple[
+            MoeExperts,
+            npt.NDArray[np.float32],
+            npt.NDArray[np.float32] | None,
+            tuple[str, int, bool, float, float],
+        ]
+        | None = None,
         biases: tuple[
             npt.NDArray[np.float32] | None,
             npt.NDArray[np.float32] | None,
@@ -395,8 +405,9 @@ class LeanLayer:
 class LeanStack:
     """A model's layers as one decode step per call (float32 activations, block-quantized weights): per layer the
     pre-norm, q|k|v, ``decode_attention_qkv``'s qk-norm, RoPE, cache write and paged attention, o with the residual
-    add, the MLP's norm, gate_up, the gated activation and down with the residual add; the kernels the per-layer
-    lean step calls, in its order and with its bits, the GIL released once."""
+    add, the MLP's norm, then gate_up, the gated activation and down with the residual add (the kernels the
+    per-layer lean step calls, in its order and with its bits), or the router, the top-k choice and
+    ``MoeExperts``' kernel added to the residual; the GIL released once."""
 
     def __new__(cls, layers: Sequence[LeanLayer], hidden: int) -> Self: ...
     def __len__(self) -> int: ...
@@ -411,11 +422,26 @@ class LeanStack:
         tables: Sequence[npt.NDArray[np.float32]],
         threads: int = 1,
         cache_dtype: str = "float32",
-    ) -> None:
+    ) -> list[int]:
         """Every layer over the residual stream ``h`` ``[t, hidden]`` in place; layer ``i`` writes the step's K/V
         rows into ``caches[i] = (k, v)`` (``[blocks, block_size, Hkv, D]`` of ``cache_dtype``, 16-bit ones as int16
         views of their bits) and attends them. ``block_tables`` ``[t, max_blocks]`` and ``seq_lens`` int32,
-        ``slots`` and ``positions`` int64, one row per token; ``tables`` the rotary tables the layers name."""
+        ``slots`` and ``positions`` int64, one row per token; ``tables`` the rotary tables the layers name. Returns
+        the expert weight bytes each layer streamed (0 for a dense MLP)."""
+
+def moe_route(
+    x: npt.NDArray[np.float32],
+    router: npt.NDArray[np.float32],
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    renorm_eps: float = 0.0,
+    scaling: float = 1.0,
+    bias: npt.NDArray[np.float32] | None = None,
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """A MoE router on the core: the logits of rows ``x`` ``[t, hidden]`` against ``router`` ``[hidden, experts]``
+    (``+ bias``), then each row's choice: ``(weights, ids)``, ``[t, top_k]`` each, best first (ties to the lower
+    id); ``scoring`` ``"softmax"``, ``"sigmoid"`` or ``"topk_softmax"``. ``model/moe/route.py`` is the reference."""
 
 @final
 class MoeExperts:

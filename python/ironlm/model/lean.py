@@ -128,8 +128,10 @@ def lean_forward(
     _embed(model, input_ids, ws)
     fused = stack(model)
     if fused is not None:
-        fused.run(ws.h_np, model._kv_np[1], step.block_tables, step.seq_lens, step.slots, step.positions,
-                  step.tables, step.threads, step.cache_dtype)
+        streamed = fused.core.run(ws.h_np, model._kv_np[1], step.block_tables, step.seq_lens, step.slots,
+                                  step.positions, step.tables, step.threads, step.cache_dtype)
+        for i, block in fused.moe:
+            block.streamed += streamed[i]
     else:
         for layer, (k_np, v_np) in zip(model.layers, model._kv_np[1]):
             lean_layer(layer, ws, k_np, v_np, step)
@@ -138,49 +140,67 @@ def lean_forward(
 
 @dataclass
 class Stack:
-    """The model's layers as one `_core.LeanStack`, or None where some layer is not that plain shape."""
+    """The model's layers as one `_core.LeanStack`, and its MoE blocks by layer index (their `streamed` counters
+    take the bytes each step's experts read)."""
 
-    core: _core.LeanStack | None
+    core: _core.LeanStack
+    moe: list[tuple[int, Any]]
 
 
-def stack(model: Any) -> _core.LeanStack | None:
+def stack(model: Any) -> Stack | None:
     """Every layer as one core call a step (`_core.LeanStack`: the kernels `lean_layer` calls, in its order, with
     the GIL released once), built on first use: where the model runs float32 activations and every layer is a
-    pre-norm block with both residual adds fused, no MoE, no tensor parallelism and its four linears block-quantized
-    (`QuantLinear`, a GGUF's or load-time quantized weights: the CPU default). At one sequence of the default model
-    the Python between `lean_layer`'s calls was ~1 ms of a 4.3 ms step (2-core Zen 4). None: `lean_layer` runs."""
+    pre-norm block with both residual adds fused, no tensor parallelism, its linears block-quantized (`QuantLinear`,
+    a GGUF's or load-time quantized weights: the CPU default) and its MLP dense or a MoE block on the core's experts
+    without a shared expert whose router runs on the core (`MoeBlock.routes_on_core`: Mixtral, OLMoE, Qwen3-MoE).
+    Every row gets the bits `lean_layer` gives it. At one sequence of the default model the Python between
+    `lean_layer`'s calls was ~1 ms of a 4.3 ms step (2-core Zen 4). None: `lean_layer` runs."""
     if not FUSE_LAYERS:
         return None
     if model._lean_stack is None:
-        model._lean_stack = Stack(_build(model))
-    return model._lean_stack.core
+        model._lean_stack = _build(model) or False
+    return model._lean_stack or None
 
 
 # Whether `stack` may fuse the layers (tests and benches/profile_w.py set it False to time or compare lean_layer).
 FUSE_LAYERS = True
 
 
-def _build(model: Any) -> _core.LeanStack | None:
+def _build(model: Any) -> Stack | None:
     from ironlm.model.linear import QuantLinear
 
     if model.dtype != torch.float32 or model.tp is not None:
         return None
-    layers = []
-    for layer in model.layers:
-        lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        if (layer.moe is not None or layer.tp is not None or layer.mla is not None or layer.qk_norm_ranks
+    layers, moe = [], []
+    for i, layer in enumerate(model.layers):
+        if (layer.tp is not None or layer.mla is not None or layer.qk_norm_ranks
                 or not (layer.fuse_attn_residual and layer.fuse_mlp_residual and layer.owns_residual)
                 or layer.input_norm is None or layer.post_norm is None
-                or not all(isinstance(lin, QuantLinear) for lin in lins)):
+                or not all(isinstance(lin, QuantLinear) for lin in (layer.qkv, layer.o))):
             return None
+        mlp: dict[str, Any]
+        if layer.moe is None:
+            if not all(isinstance(lin, QuantLinear) for lin in (layer.gate_up, layer.down)):
+                return None
+            mlp = {"gate_up": layer.gate_up.matrix, "down": layer.down.matrix, "activation": layer.activation}
+            biases = tuple(lin._bias_np for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        else:
+            block, spec = layer.moe, layer.moe.spec
+            if (not block.routes_on_core(torch.device("cpu"), model.dtype) or block.shared is not None or block.fused
+                    or block.cfg.local_experts is not None):
+                return None
+            bias = None if block.router_bias is None else as_numpy(block.router_bias.data)
+            route = (spec.scoring, spec.top_k, spec.renormalize, spec.renorm_eps, spec.scaling)
+            mlp = {"moe": (block.core, as_numpy(block.router_weight.data), bias, route)}
+            biases = (layer.qkv._bias_np, layer.o._bias_np, None, None)
+            moe.append((i, block))
         views = layer._lean_views = layer._lean_views or _views(layer)
         assert views.input is not None and views.pre_mlp is not None
         layers.append(_core.LeanLayer(
-            input_norm=views.input, post_norm=views.pre_mlp, qkv=lins[0].matrix, o=lins[1].matrix,
-            gate_up=lins[2].matrix, down=lins[3].matrix, biases=tuple(lin._bias_np for lin in lins), qk_norm=views.qk,
-            rotary=layer.rotary, window=layer.window, softcap=layer.softcap, scale=layer.scale,
-            num_heads=layer.num_heads, eps=layer.eps, activation=layer.activation))
-    return _core.LeanStack(layers, model.config.hidden_size)
+            input_norm=views.input, post_norm=views.pre_mlp, qkv=layer.qkv.matrix, o=layer.o.matrix, biases=biases,
+            qk_norm=views.qk, rotary=layer.rotary, window=layer.window, softcap=layer.softcap, scale=layer.scale,
+            num_heads=layer.num_heads, eps=layer.eps, **mlp))
+    return Stack(_core.LeanStack(layers, model.config.hidden_size), moe)
 
 
 def _embed(model: Any, input_ids: torch.Tensor, ws: LeanBuffers) -> None:

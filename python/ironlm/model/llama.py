@@ -316,7 +316,7 @@ class DecoderLM(nn.Module):
         self._loaded: set[str] = set()
         self._lean: dict[int, lean.LeanBuffers] = {}
         self._kv_np: tuple[list, list[tuple[np.ndarray, np.ndarray]]] | None = None
-        self._lean_stack: lean.Stack | None = None  # every layer as one core call (lean.stack), built on first use
+        self._lean_stack: lean.Stack | bool | None = None  # every layer as one core call (lean.stack); False: not this model
         self.eval()
 
     @staticmethod

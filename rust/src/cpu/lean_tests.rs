@@ -58,8 +58,15 @@ impl Model {
             post_norm: &self.norms[i].1,
             qkv,
             o,
-            gate_up,
-            down,
+            mlp: Mlp::Dense {
+                gate_up,
+                down,
+                act: if i == 1 {
+                    GatedAct::GeluTanh
+                } else {
+                    GatedAct::Silu
+                },
+            },
             bias: std::array::from_fn(|j| self.biases[i][j].as_deref()),
             qk_norm: self.qk[i].as_ref().map(|(q, k)| (&q[..], &k[..])),
             rope_table: (i != 2).then_some(&self.table[..]),
@@ -68,11 +75,6 @@ impl Model {
             scale: 0.25,
             num_q_heads: HQ,
             eps: 1e-5,
-            act: if i == 1 {
-                GatedAct::GeluTanh
-            } else {
-                GatedAct::Silu
-            },
         }
     }
 }
@@ -126,12 +128,15 @@ fn by_parts<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h:
         l.o.matmul(&attn, t, h, &opts(l.bias[1], true)).unwrap();
         ops::rms_norm(h, Some(l.post_norm), l.eps, &mut x, HIDDEN, th).unwrap();
         let mut gu = vec![0.0; t * 2 * INTER];
-        l.gate_up
+        let Mlp::Dense { gate_up, down, act } = l.mlp else {
+            unreachable!("a dense test model")
+        };
+        gate_up
             .matmul(&x, t, &mut gu, &opts(l.bias[2], false))
             .unwrap();
-        let mut act = vec![0.0; t * INTER];
-        ops::act_and_mul(&gu, &mut act, INTER, th, l.act).unwrap();
-        l.down.matmul(&act, t, h, &opts(l.bias[3], true)).unwrap();
+        let mut a = vec![0.0; t * INTER];
+        ops::act_and_mul(&gu, &mut a, INTER, th, act).unwrap();
+        down.matmul(&a, t, h, &opts(l.bias[3], true)).unwrap();
     }
 }
 
@@ -148,8 +153,8 @@ fn fused<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h: &m
             head_dim: D,
         })
         .collect();
-    let mut scratch = vec![];
-    run(&layers, &mut cs, step, h, HIDDEN, &mut scratch).unwrap();
+    let streamed = run(&layers, &mut cs, step, h, HIDDEN, &mut Scratch::default()).unwrap();
+    assert_eq!(streamed, vec![0; layers.len()]);
 }
 
 /// Two sequences (contexts 7 and 10, the last row of each new) and a third row of the first
@@ -237,7 +242,15 @@ fn a_mismatched_layer_fails_before_any_cache_is_written() {
         threads: 1,
     };
     let mut h = rng.floats(HIDDEN);
-    let err = run(&layers, &mut cs, &step, &mut h, HIDDEN, &mut vec![]).unwrap_err();
+    let err = run(
+        &layers,
+        &mut cs,
+        &step,
+        &mut h,
+        HIDDEN,
+        &mut Scratch::default(),
+    )
+    .unwrap_err();
     assert!(
         matches!(err, CoreError::InvalidArgument { name: "o", .. }),
         "{err}"

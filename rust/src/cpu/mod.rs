@@ -12,3 +12,4 @@ pub mod ops;
 pub mod parallel;
 pub mod prefill;
 pub mod quant;
+pub mod route;

@@ -7,11 +7,13 @@ use std::sync::Mutex;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use super::moe::PyMoeExperts;
 use super::ops::{dtype_arg, ro, rw, with_elem, Ro, Rw};
 use super::quant::PyQuantMatrix;
 use super::value_error;
-use crate::cpu::lean::{run, Cache, Layer, Step};
+use crate::cpu::lean::{run, Cache, Layer, Mlp, Moe, Scratch, Step};
 use crate::cpu::ops::GatedAct;
+use crate::cpu::route::{Route, Scoring};
 
 /// The optional biases of qkv, o, gate_up and down.
 type Biases<'py> = (
@@ -25,7 +27,9 @@ type Biases<'py> = (
 pub struct PyLeanLayer {
     input_norm: Py<PyAny>,
     post_norm: Py<PyAny>,
-    mats: [Py<PyQuantMatrix>; 4],
+    qkv: Py<PyQuantMatrix>,
+    o: Py<PyQuantMatrix>,
+    mlp: PyMlp,
     biases: [Option<Py<PyArray1<f32>>>; 4],
     qk_norm: Option<(Py<PyAny>, Py<PyAny>)>,
     rotary: Option<usize>,
@@ -34,18 +38,43 @@ pub struct PyLeanLayer {
     scale: f32,
     num_heads: usize,
     eps: f32,
-    act: GatedAct,
 }
+
+enum PyMlp {
+    Dense {
+        gate_up: Py<PyQuantMatrix>,
+        down: Py<PyQuantMatrix>,
+        act: GatedAct,
+    },
+    Moe {
+        experts: Py<PyMoeExperts>,
+        router: Py<PyAny>,
+        router_bias: Option<Py<PyAny>>,
+        route: Route,
+    },
+}
+
+/// A MoE MLP's arguments: the core's experts, the router `[hidden, experts]` and its optional
+/// bias (float32), and the routing: `scoring` ("softmax", "sigmoid", "topk_softmax"), `top_k`,
+/// `renormalize`, `renorm_eps`, `scaling`.
+type MoeArgs<'py> = (
+    Bound<'py, PyMoeExperts>,
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
+    (String, usize, bool, f32, f32),
+);
 
 #[pymethods]
 impl PyLeanLayer {
     /// One layer: `input_norm`, `post_norm` (float32 `[hidden]` arrays, read at each step),
-    /// `qkv` / `o` / `gate_up` / `down` matrices, their optional float32 biases, the optional
+    /// `qkv` / `o` matrices, the MLP's `gate_up` / `down` matrices or its `moe` = (experts,
+    /// router, router bias, (scoring, top_k, renormalize, renorm_eps, scaling)), the four
+    /// optional float32 biases (a MoE layer's experts hold their own), the optional
     /// q and k norm weights, the index of its rotary table in `LeanStack.run`'s `tables` (None:
     /// NoPE), its sliding `window`, logit `softcap`, attention `scale`, query heads, the norms'
     /// `eps` and the MLP's activation ("silu" or "gelu_tanh").
     #[new]
-    #[pyo3(signature = (*, input_norm, post_norm, qkv, o, gate_up, down, biases = None,
+    #[pyo3(signature = (*, input_norm, post_norm, qkv, o, gate_up = None, down = None, moe = None, biases = None,
                         qk_norm = None, rotary = None, window = None, softcap = None, scale, num_heads, eps,
                         activation = "silu"))]
     #[allow(clippy::too_many_arguments)]
@@ -54,8 +83,9 @@ impl PyLeanLayer {
         post_norm: &Bound<'_, PyAny>,
         qkv: Bound<'_, PyQuantMatrix>,
         o: Bound<'_, PyQuantMatrix>,
-        gate_up: Bound<'_, PyQuantMatrix>,
-        down: Bound<'_, PyQuantMatrix>,
+        gate_up: Option<Bound<'_, PyQuantMatrix>>,
+        down: Option<Bound<'_, PyQuantMatrix>>,
+        moe: Option<MoeArgs<'_>>,
         biases: Option<Biases<'_>>,
         qk_norm: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
         rotary: Option<usize>,
@@ -72,6 +102,62 @@ impl PyLeanLayer {
             _ => {
                 let r = format!("{activation:?} is none of \"silu\", \"gelu_tanh\"");
                 return Err(value_error("activation", r));
+            }
+        };
+        let mlp = match (gate_up, down, moe) {
+            (Some(gate_up), Some(down), None) => PyMlp::Dense {
+                gate_up: gate_up.unbind(),
+                down: down.unbind(),
+                act,
+            },
+            (None, None, Some((experts, router, router_bias, spec))) => {
+                let (scoring, top_k, renormalize, renorm_eps, scaling) = spec;
+                let scoring = match scoring.as_str() {
+                    "softmax" => Scoring::Softmax,
+                    "sigmoid" => Scoring::Sigmoid,
+                    "topk_softmax" => Scoring::TopkSoftmax,
+                    other => {
+                        let r = format!("{other:?} is none of softmax, sigmoid, topk_softmax");
+                        return Err(value_error("moe", r));
+                    }
+                };
+                let ex = experts.get();
+                if ex.first() != 0 || ex.num_local() != ex.num_experts() {
+                    return Err(value_error(
+                        "moe",
+                        "needs every expert (no expert parallelism)",
+                    ));
+                }
+                if top_k == 0 || top_k > ex.num_experts() {
+                    let r = format!("top_k {top_k} of {} experts", ex.num_experts());
+                    return Err(value_error("moe", r));
+                }
+                for (name, a) in [
+                    ("router", Some(&router)),
+                    ("router_bias", router_bias.as_ref()),
+                ] {
+                    if let Some(a) = a {
+                        ro(a, name, super::ops::DType::F32)?.slice::<f32>(name)?;
+                    }
+                }
+                PyMlp::Moe {
+                    experts: experts.unbind(),
+                    router: router.unbind(),
+                    router_bias: router_bias.map(Bound::unbind),
+                    route: Route {
+                        scoring,
+                        top_k,
+                        renormalize,
+                        renorm_eps,
+                        scaling,
+                    },
+                }
+            }
+            _ => {
+                return Err(value_error(
+                    "moe",
+                    "a layer has gate_up and down, or moe, not both",
+                ))
             }
         };
         if window == Some(0) {
@@ -95,7 +181,9 @@ impl PyLeanLayer {
         Ok(PyLeanLayer {
             input_norm: input_norm.clone().unbind(),
             post_norm: post_norm.clone().unbind(),
-            mats: [qkv, o, gate_up, down].map(Bound::unbind),
+            qkv: qkv.unbind(),
+            o: o.unbind(),
+            mlp,
             biases: match biases {
                 Some((a, b, c, d)) => [a, b, c, d].map(|x| x.map(Bound::unbind)),
                 None => [None, None, None, None],
@@ -107,7 +195,6 @@ impl PyLeanLayer {
             scale,
             num_heads,
             eps,
-            act,
         })
     }
 }
@@ -117,7 +204,7 @@ pub struct PyLeanStack {
     layers: Vec<Py<PyLeanLayer>>,
     hidden: usize,
     /// The step's intermediate rows, grown to the largest step seen and reused.
-    scratch: Mutex<Vec<f32>>,
+    scratch: Mutex<Scratch>,
 }
 
 /// A layer's arrays, borrowed for one step.
@@ -125,6 +212,7 @@ struct Held<'py> {
     norms: [Ro<'py>; 2],
     biases: Vec<Option<PyReadonlyArray1<'py, f32>>>,
     qk: Option<[Ro<'py>; 2]>,
+    router: Option<[Option<Ro<'py>>; 2]>,
 }
 
 #[pymethods]
@@ -137,7 +225,7 @@ impl PyLeanStack {
         Ok(PyLeanStack {
             layers: layers.into_iter().map(Bound::unbind).collect(),
             hidden,
-            scratch: Mutex::new(Vec::new()),
+            scratch: Mutex::new(Scratch::default()),
         })
     }
 
@@ -166,7 +254,7 @@ impl PyLeanStack {
         tables: Vec<Bound<'_, PyAny>>,
         threads: usize,
         cache_dtype: &str,
-    ) -> PyResult<()> {
+    ) -> PyResult<Vec<usize>> {
         let f32t = super::ops::DType::F32;
         let ct = dtype_arg(cache_dtype)?;
         if caches.len() != self.layers.len() {
@@ -198,7 +286,26 @@ impl PyLeanStack {
                     ]),
                     None => None,
                 };
-                Ok(Held { norms, biases, qk })
+                let router = match &l.mlp {
+                    PyMlp::Moe {
+                        router,
+                        router_bias,
+                        ..
+                    } => Some([
+                        Some(ro(router.bind(py), "router", f32t)?),
+                        match router_bias {
+                            Some(b) => Some(ro(b.bind(py), "router_bias", f32t)?),
+                            None => None,
+                        },
+                    ]),
+                    PyMlp::Dense { .. } => None,
+                };
+                Ok(Held {
+                    norms,
+                    biases,
+                    qk,
+                    router,
+                })
             })
             .collect::<PyResult<_>>()?;
         let mut kv: Vec<(Rw, Rw)> = caches
@@ -242,13 +349,29 @@ impl PyLeanStack {
                 Some([q, k]) => Some((q.slice::<f32>("q_norm")?, k.slice::<f32>("k_norm")?)),
                 None => None,
             };
+            let mlp = match (&l.mlp, &held.router) {
+                (PyMlp::Dense { gate_up, down, act }, _) => Mlp::Dense {
+                    gate_up: &gate_up.get().inner,
+                    down: &down.get().inner,
+                    act: *act,
+                },
+                (PyMlp::Moe { experts, route, .. }, Some([Some(router), bias])) => Mlp::Moe(Moe {
+                    router: router.slice::<f32>("router")?,
+                    router_bias: bias
+                        .as_ref()
+                        .map(|b| b.slice::<f32>("router_bias"))
+                        .transpose()?,
+                    route: *route,
+                    experts: experts.get().experts()?,
+                }),
+                (PyMlp::Moe { .. }, _) => unreachable!("a MoE layer's router is held above"),
+            };
             ls.push(Layer {
                 input_norm: held.norms[0].slice::<f32>("input_norm")?,
                 post_norm: held.norms[1].slice::<f32>("post_norm")?,
-                qkv: &l.mats[0].get().inner,
-                o: &l.mats[1].get().inner,
-                gate_up: &l.mats[2].get().inner,
-                down: &l.mats[3].get().inner,
+                qkv: &l.qkv.get().inner,
+                o: &l.o.get().inner,
+                mlp,
                 bias: [bias(0)?, bias(1)?, bias(2)?, bias(3)?],
                 qk_norm,
                 rope_table,
@@ -257,7 +380,6 @@ impl PyLeanStack {
                 scale: l.scale,
                 num_q_heads: l.num_heads,
                 eps: l.eps,
-                act: l.act,
             });
         }
         let hidden = self.hidden;
@@ -279,11 +401,11 @@ impl PyLeanStack {
                     head_dim: kshape[3],
                 });
             }
-            py.detach(|| {
+            let streamed = py.detach(|| {
                 let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
                 run(&ls, &mut cs, &step, hs, hidden, &mut scratch)
             })?;
-        });
-        Ok(())
+            Ok(streamed)
+        })
     }
 }

@@ -298,6 +298,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<dense::PyPackedBf16>()?;
     m.add_class::<dense::PyPackedF32>()?;
     m.add_class::<moe::PyMoeExperts>()?;
+    m.add_function(wrap_pyfunction!(moe::moe_route, m)?)?;
     m.add_class::<lean::PyLeanLayer>()?;
     m.add_class::<lean::PyLeanStack>()?;
     #[cfg(feature = "test-bindings")]

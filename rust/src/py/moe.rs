@@ -2,7 +2,7 @@
 //! hold (handles, not copies), run in one call per step with the GIL released
 //! (`crate::cpu::quant::Experts`).
 
-use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::quant::{f32_2d, isa_arg, PyQuantMatrix};
@@ -22,7 +22,7 @@ pub struct PyMoeExperts {
 }
 
 impl PyMoeExperts {
-    fn experts(&self) -> PyResult<Experts<'_>> {
+    pub(super) fn experts(&self) -> PyResult<Experts<'_>> {
         fn mats(v: &[Py<PyQuantMatrix>]) -> Vec<&QMatrix> {
             v.iter().map(|m| &m.get().inner).collect()
         }
@@ -184,17 +184,17 @@ impl PyMoeExperts {
 
     /// Experts held (a rank's share under expert parallelism).
     #[getter]
-    fn num_local(&self) -> usize {
+    pub(super) fn num_local(&self) -> usize {
         self.gate_up.len()
     }
 
     #[getter]
-    fn first(&self) -> usize {
+    pub(super) fn first(&self) -> usize {
         self.first
     }
 
     #[getter]
-    fn num_experts(&self) -> usize {
+    pub(super) fn num_experts(&self) -> usize {
         self.num_experts
     }
 
@@ -226,4 +226,84 @@ impl PyMoeExperts {
             self.act
         )
     }
+}
+
+/// `moe_route`'s `(weights, ids)`.
+type Routed<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<i64>>);
+
+/// A MoE router on the core (`crate::cpu::route`): the logits of rows `x` `[t, hidden]` against
+/// `router` `[hidden, experts]` (+ `bias` `[experts]`), all float32 and C-contiguous, then each
+/// row's choice: `(weights float32, ids int64)`, `[t, top_k]` each, best first. `scoring`
+/// "softmax", "sigmoid" or "topk_softmax". model/moe/route.py is the reference.
+#[pyfunction]
+#[pyo3(signature = (x, router, top_k, scoring = "softmax", renormalize = false, renorm_eps = 0.0,
+                    scaling = 1.0, bias = None))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_route<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    router: &Bound<'py, PyAny>,
+    top_k: usize,
+    scoring: &str,
+    renormalize: bool,
+    renorm_eps: f32,
+    scaling: f32,
+    bias: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Routed<'py>> {
+    use crate::cpu::route::{route_rows, Route, Scoring};
+    let scoring = match scoring {
+        "softmax" => Scoring::Softmax,
+        "sigmoid" => Scoring::Sigmoid,
+        "topk_softmax" => Scoring::TopkSoftmax,
+        other => {
+            let r = format!("{other:?} is none of softmax, sigmoid, topk_softmax");
+            return Err(value_error("scoring", r));
+        }
+    };
+    let x = f32_2d(x, "x")?;
+    let router = f32_2d(router, "router")?;
+    let (t, hidden, e) = (x.shape()[0], x.shape()[1], router.shape()[1]);
+    if router.shape()[0] != hidden {
+        let r = format!("has {} rows, x has {hidden} columns", router.shape()[0]);
+        return Err(value_error("router", r));
+    }
+    let bias = match bias {
+        Some(b) => Some(
+            b.cast::<PyArray1<f32>>()
+                .map_err(|_| value_error("bias", "expected a 1-D float32 array"))?
+                .readonly(),
+        ),
+        None => None,
+    };
+    let route = Route {
+        scoring,
+        top_k,
+        renormalize,
+        renorm_eps,
+        scaling,
+    };
+    let (mut ids, mut weights) = (vec![0i64; t * top_k], vec![0.0f32; t * top_k]);
+    let mut logits = vec![0.0f32; t * e];
+    {
+        let (xr, rr) = (x.readonly(), router.readonly());
+        let xs = xr.as_slice().map_err(|e| value_error("x", e))?;
+        let rs = rr.as_slice().map_err(|e| value_error("router", e))?;
+        let bs = match &bias {
+            Some(b) => Some(b.as_slice().map_err(|e| value_error("bias", e))?),
+            None => None,
+        };
+        route_rows(
+            &route,
+            xs,
+            rs,
+            bs,
+            hidden,
+            &mut logits,
+            &mut ids,
+            &mut weights,
+        )?;
+    }
+    let w = PyArray1::from_vec(py, weights).reshape([t, top_k])?;
+    let i = PyArray1::from_vec(py, ids).reshape([t, top_k])?;
+    Ok((w, i))
 }

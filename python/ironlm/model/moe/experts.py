@@ -162,8 +162,11 @@ class MoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (normed) -> the MLP branch [T, hidden] (the caller adds the residual)."""
-        logits = torch.mm(x, self.router_weight)
-        weights, ids = route(logits, self.spec, self.router_bias, self.correction)
+        if self.routes_on_core(x.device, x.dtype):
+            weights, ids = self._core_route(x)
+        else:
+            logits = torch.mm(x, self.router_weight)
+            weights, ids = route(logits, self.spec, self.router_bias, self.correction)
         out = self.run_experts(x, weights, ids)
         if self.shared is not None:
             s = self.shared(x)
@@ -171,6 +174,21 @@ class MoeBlock(nn.Module):
                 s = s * torch.sigmoid(torch.mm(x, self.shared_gate_weight))
             out += s
         return out
+
+    def routes_on_core(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the router runs on the core (`_core.moe_route`, cpu/route.rs): where the routed experts run on
+        the core's kernel in float32 and the routing has no expert groups or correction bias. The fused lean step
+        (lean.stack) calls the same routine inside its one call, so a row routes alike whichever path its step
+        takes; route.py stays the reference (the tests hold the two together) and runs everywhere else."""
+        return (self.core is not None and device.type == "cpu" and dtype == torch.float32
+                and self.router_weight.dtype == torch.float32 and not self.spec.grouped and self.correction is None)
+
+    def _core_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        bias = None if self.router_bias is None else self.router_bias.detach().numpy()
+        weights, ids = _core.moe_route(x.contiguous().numpy(), self.router_weight.detach().numpy(), s.top_k,
+                                       s.scoring, s.renormalize, s.renorm_eps, s.scaling, bias)
+        return torch.from_numpy(weights), torch.from_numpy(ids)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert[ids[t, j]](x[t]) for each token t, over this block's experts only (all of
