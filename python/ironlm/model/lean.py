@@ -169,6 +169,7 @@ FUSE_LAYERS = True
 def _build(model: Any) -> Stack | None:
     from ironlm.model.linear import QuantLinear
 
+    # QuantLinear itself, not a subclass: GPTQ act-order's (prequant/actorder.py) permutes x before its matmul.
     if model.dtype != torch.float32 or model.tp is not None:
         return None
     layers, moe = [], []
@@ -176,11 +177,11 @@ def _build(model: Any) -> Stack | None:
         if (layer.tp is not None or layer.mla is not None or layer.qk_norm_ranks
                 or not (layer.fuse_attn_residual and layer.fuse_mlp_residual and layer.owns_residual)
                 or layer.input_norm is None or layer.post_norm is None
-                or not all(isinstance(lin, QuantLinear) for lin in (layer.qkv, layer.o))):
+                or not all(type(lin) is QuantLinear for lin in (layer.qkv, layer.o))):
             return None
         mlp: dict[str, Any]
         if layer.moe is None:
-            if not all(isinstance(lin, QuantLinear) for lin in (layer.gate_up, layer.down)):
+            if not all(type(lin) is QuantLinear for lin in (layer.gate_up, layer.down)):
                 return None
             mlp = {"gate_up": layer.gate_up.matrix, "down": layer.down.matrix, "activation": layer.activation}
             biases = tuple(lin._bias_np for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
