@@ -1,8 +1,9 @@
 """The fused lean step (`_core.LeanStack`: every layer of a decode step in one core call): it is taken where every
-layer is a plain pre-norm block over block-quantized weights, and there it equals both the per-layer lean step
-(`lean_layer`, the same kernels called one by one) and the ordinary forward bit for bit: logits and every cache row,
-under float32 and bfloat16 caches, over biases (Qwen2), per-head qk-norm (Qwen3), NoPE and sliding layers (SmolLM3).
-Models it does not implement (dense weights, post-norms) keep the per-layer step; bad arguments are ValueErrors."""
+layer is a plain pre-norm block over block-quantized weights (MoE blocks included) or over dense weights with the
+core's packed copies, and there it equals both the per-layer lean step (`lean_layer`, the same kernels called one by
+one) and the ordinary forward bit for bit: logits and every cache row, under float32 and bfloat16 caches, over
+biases (Qwen2), per-head qk-norm (Qwen3), NoPE and sliding layers (SmolLM3). Models it does not implement
+(post-norms, shared experts) keep the per-layer step; bad arguments are ValueErrors."""
 
 from __future__ import annotations
 
@@ -47,9 +48,15 @@ def _spy(monkeypatch: pytest.MonkeyPatch, model) -> list[int]:
             runs.append(1)
             return self.inner.run(*args)
 
+        @property
+        def dtype(self) -> str:
+            return self.inner.dtype
+
     def build(m):
         built = real(m)
-        return None if built is None else lean.Stack(Counting(built.core), built.moe)  # type: ignore[arg-type]
+        if built is None:
+            return None
+        return lean.Stack(Counting(built.core), built.moe, built.max_rows, built.dense)  # type: ignore[arg-type]
 
     monkeypatch.setattr(lean, "_build", build)
     return runs
@@ -68,10 +75,49 @@ def test_the_fused_step_equals_the_per_layer_step_and_the_forward(quantized, cac
     assert_same_step(got, decode_batch(model, cache, False, monkeypatch))
 
 
+@pytest.mark.skipif(not _core.PackedBf16.available(), reason="the packed bf16 kernel needs AVX-512 BF16")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_dense_bf16_layers_run_on_their_packed_copies(arch, tmp_path, monkeypatch) -> None:
+    """An HF checkpoint in bf16: every linear on the core's packed copy (DenseLinear.core_packed), the same bits as
+    the per-layer step and the ordinary forward."""
+    model = load_model(make_tiny_model(tmp_path, arch=arch), dtype="bfloat16", quantization="none", device="cpu",
+                       attn_backend=CpuAttention()).model
+    runs = _spy(monkeypatch, model)
+    got = decode_batch(model, torch.bfloat16, True, monkeypatch)
+    assert runs == [1]
+    built = lean.stack(model)
+    assert built is not None and built.dense and built.core.inner.dtype == "bfloat16"
+    monkeypatch.setattr(lean, "FUSE_LAYERS", False)
+    assert_same_step(got, decode_batch(model, torch.bfloat16, True, monkeypatch))
+    assert_same_step(got, decode_batch(model, torch.bfloat16, False, monkeypatch))
+
+
+def test_dense_f32_layers_take_the_stack_for_one_or_two_rows(tmp_path, monkeypatch) -> None:
+    """float32 dense weights: their packed copies serve 1-2 rows (CORE_MAX_ROWS), so a 3-row step stays per layer,
+    and a one-stream generation gives the same tokens and logprobs with the stack as without."""
+    from ironlm import LLM, SamplingParams
+    from ironlm.model.linear import CORE_MAX_ROWS
+
+    llm = LLM(str(make_tiny_model(tmp_path, arch="llama")), dtype="float32", quantization="none",
+              kv_cache_memory="64MiB", max_model_len=256, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    runs = _spy(monkeypatch, model)
+    decode_batch(model, torch.float32, True, monkeypatch)
+    assert runs == [] and lean.stack(model) is not None and lean.stack(model).max_rows == CORE_MAX_ROWS
+
+    def one() -> tuple[list[int], list[float]]:
+        out = llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 7]}],
+                           SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), [next(iter(d.values())).logprob for d in out.logprobs]
+
+    fused = one()
+    assert len(runs) >= 11
+    monkeypatch.setattr(lean, "FUSE_LAYERS", False)
+    assert one() == fused
+
+
 def test_models_it_does_not_implement_keep_the_per_layer_step(tmp_path) -> None:
-    dense = load_model(make_tiny_model(tmp_path / "d", arch="llama"), dtype="float32", quantization="none",
-                       device="cpu", attn_backend=CpuAttention()).model
-    assert lean.stack(dense) is None  # DenseLinear weights
     olmo2 = make_family_model(tmp_path / "o", "olmo2", **FAMILY_VARIANTS["olmo2"][1])
     post_norms = load_model(olmo2, dtype="float32", quantization="int8", device="cpu",
                             attn_backend=CpuAttention()).model

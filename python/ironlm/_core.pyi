@@ -360,8 +360,9 @@ class QuantMatrix:
 @final
 class LeanLayer:
     """One Llama-shaped layer of a ``LeanStack``: its pre-norms ``input_norm`` and ``post_norm`` (float32
-    ``[hidden]`` views, read at each step), the ``qkv`` and ``o`` matrices (handles, not copies), the MLP's
-    ``gate_up`` and ``down`` matrices or its ``moe`` = (experts, router ``[hidden, experts]``, router bias or None,
+    ``[hidden]`` views, or the bf16 bits of a bf16 stack's, read at each step), the ``qkv`` and ``o`` weights
+    (handles, not copies: every one a ``QuantMatrix`` or ``PackedF32``, float32 rows, or every one a
+    ``PackedBf16``, bf16 rows), the MLP's ``gate_up`` and ``down`` or its ``moe`` (float32 rows only) = (experts, router ``[hidden, experts]``, router bias or None,
     (scoring, top_k, renormalize, renorm_eps, scaling)) with scoring ``"softmax"``, ``"sigmoid"`` or
     ``"topk_softmax"`` (every expert held: no expert parallelism), optional float32 biases of qkv, o, gate_up and
     down, optional q and k norm weights, the index of its rotary table in ``LeanStack.run``'s ``tables`` (None:
@@ -371,12 +372,12 @@ class LeanLayer:
     def __new__(
         cls,
         *,
-        input_norm: npt.NDArray[np.float32],
-        post_norm: npt.NDArray[np.float32],
-        qkv: QuantMatrix,
-        o: QuantMatrix,
-        gate_up: QuantMatrix | None = None,
-        down: QuantMatrix | None = None,
+        input_norm: _Floats,
+        post_norm: _Floats,
+        qkv: QuantMatrix | PackedBf16 | PackedF32,
+        o: QuantMatrix | PackedBf16 | PackedF32,
+        gate_up: QuantMatrix | PackedBf16 | PackedF32 | None = None,
+        down: QuantMatrix | PackedBf16 | PackedF32 | None = None,
         moe: tuple[
             MoeExperts,
             npt.NDArray[np.float32],
@@ -391,7 +392,7 @@ class LeanLayer:
             npt.NDArray[np.float32] | None,
         ]
         | None = None,
-        qk_norm: tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None = None,
+        qk_norm: tuple[_Floats, _Floats] | None = None,
         rotary: int | None = None,
         window: int | None = None,
         softcap: float | None = None,
@@ -403,7 +404,8 @@ class LeanLayer:
 
 @final
 class LeanStack:
-    """A model's layers as one decode step per call (float32 activations, block-quantized weights): per layer the
+    """A model's layers as one decode step per call (float32 rows over block-quantized or packed f32 weights, or
+    bf16 rows over packed bf16 weights): per layer the
     pre-norm, q|k|v, ``decode_attention_qkv``'s qk-norm, RoPE, cache write and paged attention, o with the residual
     add, the MLP's norm, then gate_up, the gated activation and down with the residual add (the kernels the
     per-layer lean step calls, in its order and with its bits), or the router, the top-k choice and
@@ -411,15 +413,18 @@ class LeanStack:
 
     def __new__(cls, layers: Sequence[LeanLayer], hidden: int) -> Self: ...
     def __len__(self) -> int: ...
+    @property
+    def dtype(self) -> str:
+        """The rows every layer takes: ``"float32"`` or ``"bfloat16"`` (over ``PackedBf16`` weights)."""
     def run(
         self,
-        h: npt.NDArray[np.float32],
+        h: _Floats,
         caches: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
         block_tables: npt.NDArray[np.int32],
         seq_lens: npt.NDArray[np.int32],
         slots: npt.NDArray[np.int64],
         positions: npt.NDArray[np.int64],
-        tables: Sequence[npt.NDArray[np.float32]],
+        tables: Sequence[_Floats],
         threads: int = 1,
         cache_dtype: str = "float32",
     ) -> list[int]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ironlm import _core
+from ironlm import _core, invariant
 from ironlm.core_views import CORE_DTYPES, as_numpy
 from ironlm.model.config import ModelConfig
 from ironlm.model.layers import CoreRope
@@ -127,7 +127,7 @@ def lean_forward(
                     plan.slots, ropes[0].positions, [r.table for r in ropes])
     _embed(model, input_ids, ws)
     fused = stack(model)
-    if fused is not None:
+    if fused is not None and t <= fused.max_rows and not (fused.dense and invariant.enabled()):
         streamed = fused.core.run(ws.h_np, model._kv_np[1], step.block_tables, step.seq_lens, step.slots,
                                   step.positions, step.tables, step.threads, step.cache_dtype)
         for i, block in fused.moe:
@@ -140,21 +140,26 @@ def lean_forward(
 
 @dataclass
 class Stack:
-    """The model's layers as one `_core.LeanStack`, and its MoE blocks by layer index (their `streamed` counters
-    take the bytes each step's experts read)."""
+    """The model's layers as one `_core.LeanStack`; its MoE blocks by layer index (their `streamed` counters take
+    the bytes each step's experts read); the most rows a step may have to take it (dense weights: the rows their
+    packed copies serve, see linear.PACKED_MAX_ROWS) and whether its weights are dense (batch-invariant mode sends
+    those to other kernels, so the stack steps aside there)."""
 
     core: _core.LeanStack
     moe: list[tuple[int, Any]]
+    max_rows: int = LEAN_MAX_TOKENS
+    dense: bool = False
 
 
 def stack(model: Any) -> Stack | None:
     """Every layer as one core call a step (`_core.LeanStack`: the kernels `lean_layer` calls, in its order, with
-    the GIL released once), built on first use: where the model runs float32 activations and every layer is a
-    pre-norm block with both residual adds fused, no tensor parallelism, its linears block-quantized (`QuantLinear`,
-    a GGUF's or load-time quantized weights: the CPU default) and its MLP dense or a MoE block on the core's experts
-    without a shared expert whose router runs on the core (`MoeBlock.routes_on_core`: Mixtral, OLMoE, Qwen3-MoE).
-    Every row gets the bits `lean_layer` gives it. At one sequence of the default model the Python between
-    `lean_layer`'s calls was ~1 ms of a 4.3 ms step (2-core Zen 4). None: `lean_layer` runs."""
+    the GIL released once), built on first use: where every layer is a pre-norm block with both residual adds fused
+    and no tensor parallelism, and either (float32 rows) its linears block-quantized (`QuantLinear`, a GGUF's or
+    load-time quantized weights: the CPU default) and its MLP dense or a MoE block without a shared expert whose
+    router runs on the core (`MoeBlock.routes_on_core`: Mixtral, OLMoE, Qwen3-MoE), or (bf16 or f32 rows) every
+    linear dense with the core's packed copy (`DenseLinear.core_packed`: HF checkpoints). Every row gets the bits
+    `lean_layer` gives it. At one sequence of the default GGUF the Python between `lean_layer`'s calls was ~1 ms of a
+    4.3 ms step (2-core Zen 4). None: `lean_layer` runs."""
     if not FUSE_LAYERS:
         return None
     if model._lean_stack is None:
@@ -167,41 +172,62 @@ FUSE_LAYERS = True
 
 
 def _build(model: Any) -> Stack | None:
-    from ironlm.model.linear import QuantLinear
+    from ironlm.model.linear import DenseLinear, QuantLinear
 
-    # QuantLinear itself, not a subclass: GPTQ act-order's (prequant/actorder.py) permutes x before its matmul.
-    if model.dtype != torch.float32 or model.tp is not None:
+    if model.tp is not None or model.dtype not in (torch.float32, torch.bfloat16):
         return None
-    layers, moe = [], []
+    # Every linear QuantLinear itself (not a subclass: GPTQ act-order's permutes x first), or every one dense.
+    first = model.layers[0].qkv if model.layers else None
+    dense = type(first) is DenseLinear
+    if not dense and model.dtype != torch.float32:
+        return None
+
+    def proj(lin: Any) -> tuple[Any, np.ndarray | None] | None:
+        if not dense and type(lin) is QuantLinear:
+            return lin.matrix, lin._bias_np
+        if dense and type(lin) is DenseLinear and lin.packed_rows():
+            packed = lin.core_packed()
+            return None if packed is None else (packed, lin.packed_bias())
+        return None
+
+    layers, moe, rows = [], [], LEAN_MAX_TOKENS
     for i, layer in enumerate(model.layers):
         if (layer.tp is not None or layer.mla is not None or layer.qk_norm_ranks
                 or not (layer.fuse_attn_residual and layer.fuse_mlp_residual and layer.owns_residual)
-                or layer.input_norm is None or layer.post_norm is None
-                or not all(type(lin) is QuantLinear for lin in (layer.qkv, layer.o))):
+                or layer.input_norm is None or layer.post_norm is None):
             return None
+        attn = [proj(layer.qkv), proj(layer.o)]
         mlp: dict[str, Any]
         if layer.moe is None:
-            if not all(type(lin) is QuantLinear for lin in (layer.gate_up, layer.down)):
+            mlp_projs = [proj(layer.gate_up), proj(layer.down)]
+            if None in attn + mlp_projs:
                 return None
-            mlp = {"gate_up": layer.gate_up.matrix, "down": layer.down.matrix, "activation": layer.activation}
-            biases = tuple(lin._bias_np for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            (qkv, qkv_b), (o, o_b), (gate_up, gu_b), (down, down_b) = attn + mlp_projs  # type: ignore[misc]
+            mlp = {"gate_up": gate_up, "down": down, "activation": layer.activation}
+            biases = (qkv_b, o_b, gu_b, down_b)
         else:
-            block, spec = layer.moe, layer.moe.spec
-            if (not block.routes_on_core(torch.device("cpu"), model.dtype) or block.shared is not None or block.fused
-                    or block.cfg.local_experts is not None):
+            block = layer.moe
+            if (dense or None in attn or not block.routes_on_core(torch.device("cpu"), model.dtype)
+                    or block.shared is not None or block.fused or block.cfg.local_experts is not None):
                 return None
+            (qkv, qkv_b), (o, o_b) = attn  # type: ignore[misc]
+            spec = block.spec
             bias = None if block.router_bias is None else as_numpy(block.router_bias.data)
             route = (spec.scoring, spec.top_k, spec.renormalize, spec.renorm_eps, spec.scaling)
             mlp = {"moe": (block.core, as_numpy(block.router_weight.data), bias, route)}
-            biases = (layer.qkv._bias_np, layer.o._bias_np, None, None)
+            biases = (qkv_b, o_b, None, None)
             moe.append((i, block))
+        if dense:
+            rows = min(rows, layer.qkv.packed_rows())
         views = layer._lean_views = layer._lean_views or _views(layer)
         assert views.input is not None and views.pre_mlp is not None
         layers.append(_core.LeanLayer(
-            input_norm=views.input, post_norm=views.pre_mlp, qkv=layer.qkv.matrix, o=layer.o.matrix, biases=biases,
-            qk_norm=views.qk, rotary=layer.rotary, window=layer.window, softcap=layer.softcap, scale=layer.scale,
+            input_norm=views.input, post_norm=views.pre_mlp, qkv=qkv, o=o, biases=biases, qk_norm=views.qk,
+            rotary=layer.rotary, window=layer.window, softcap=layer.softcap, scale=layer.scale,
             num_heads=layer.num_heads, eps=layer.eps, **mlp))
-    return Stack(_core.LeanStack(layers, model.config.hidden_size), moe)
+    if not layers:
+        return None
+    return Stack(_core.LeanStack(layers, model.config.hidden_size), moe, rows, dense)
 
 
 def _embed(model: Any, input_ids: torch.Tensor, ws: LeanBuffers) -> None:

@@ -144,13 +144,26 @@ class DenseLinear:
         of 1 to PACKED_MAX_ROWS rows (bf16) or 1 to CORE_MAX_ROWS rows (f32), see PACKED_MAX_ROWS."""
         if x.device.type != "cpu" or x.dtype != self.weight.dtype or invariant.enabled():
             return None
-        rows = PACKED_MAX_ROWS if x.dtype == torch.bfloat16 else CORE_MAX_ROWS if x.dtype == torch.float32 else 0
-        if not 0 < x.shape[0] <= rows:
+        if not 0 < x.shape[0] <= self.packed_rows():
             return None
+        return self.core_packed()
+
+    def packed_rows(self) -> int:
+        """The most rows a call sends to the core's packed copy (see PACKED_MAX_ROWS); 0 for other dtypes."""
+        dtype = self.weight.dtype
+        return PACKED_MAX_ROWS if dtype == torch.bfloat16 else CORE_MAX_ROWS if dtype == torch.float32 else 0
+
+    def core_packed(self) -> _core.PackedBf16 | _core.PackedF32 | None:
+        """The core's packed copy of the weight (built on first use, again if the parameter's storage was swapped),
+        or None where `_pack_core` makes none; its f32 bias is `packed_bias()`."""
         ptr = self.weight.data_ptr()
-        if self._pairs is None or self._pairs[0] != ptr:  # (re)built if the parameter's storage was swapped
+        if self._pairs is None or self._pairs[0] != ptr:
             self._pairs = (ptr, _pack_core(self.weight), self._bias_f32())
         return self._pairs[1]
+
+    def packed_bias(self) -> np.ndarray | None:
+        """The f32 bias the packed calls take (after `core_packed`)."""
+        return None if self._pairs is None else self._pairs[2]
 
     def _run_paired(self, packed: _core.PackedBf16 | _core.PackedF32, x: torch.Tensor, out: torch.Tensor,
                     accumulate: bool, x_np: np.ndarray | None = None, out_np: np.ndarray | None = None

@@ -1,5 +1,5 @@
-//! A whole decode step of a stack of Llama-shaped layers over block-quantized weights, in one
-//! call: per layer the pre-norm, the fused q|k|v matmul, `decode_from_qkv` (qk-norm, RoPE, the
+//! A whole decode step of a stack of Llama-shaped layers, in one call, over block-quantized
+//! weights (f32 rows) or the packed dense copies of `dense/` (bf16 or f32 rows, [`Proj`]): per layer the pre-norm, the fused q|k|v matmul, `decode_from_qkv` (qk-norm, RoPE, the
 //! cache write and paged attention), o with the residual add, the MLP's norm, then gate_up, the
 //! gated activation and down with the residual add, or for a MoE layer the router, the top-k
 //! choice (`route.rs`) and the routed experts (`quant::Experts`) added to the residual.
@@ -9,27 +9,103 @@
 //! cost about a quarter of a step of the default model. Every op here is the very kernel that
 //! step calls with the same arguments, so a row gets the same bits either way (tests).
 
+use std::any::TypeId;
+
 use crate::cpu::attention::DecodeShape;
 use crate::cpu::decode::{decode_from_qkv, QkNorm, QkvStep};
-use crate::cpu::elem::Elem;
+use crate::cpu::dense::{PackedBf16, PackedF32};
+use crate::cpu::elem::{Bf16, Elem};
 use crate::cpu::ops::{self, GatedAct};
 use crate::cpu::quant::{Experts, MatmulOpts, QMatrix, Routing};
 use crate::cpu::route::{route_rows, Route};
 use crate::error::{CoreError, CoreResult};
 
+/// A projection the stack runs on activations `T`: `out [m, outputs] (+)= x [m, inputs] @ W^T
+/// (+ bias)`, the bits of the same call from Python.
+pub trait Proj<T>: Sync {
+    /// `(inputs, outputs)`.
+    fn dims(&self) -> (usize, usize);
+    fn apply(
+        &self,
+        x: &[T],
+        m: usize,
+        out: &mut [T],
+        accumulate: bool,
+        bias: Option<&[f32]>,
+        threads: usize,
+    ) -> CoreResult<()>;
+}
+
+impl Proj<f32> for QMatrix {
+    fn dims(&self) -> (usize, usize) {
+        (self.cols(), self.rows())
+    }
+    fn apply(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        accumulate: bool,
+        bias: Option<&[f32]>,
+        threads: usize,
+    ) -> CoreResult<()> {
+        let opts = MatmulOpts {
+            accumulate,
+            bias,
+            threads,
+            isa: None,
+        };
+        self.matmul(x, m, out, &opts)
+    }
+}
+
+impl Proj<Bf16> for PackedBf16 {
+    fn dims(&self) -> (usize, usize) {
+        (self.k(), self.n())
+    }
+    fn apply(
+        &self,
+        x: &[Bf16],
+        m: usize,
+        out: &mut [Bf16],
+        accumulate: bool,
+        bias: Option<&[f32]>,
+        threads: usize,
+    ) -> CoreResult<()> {
+        self.matmul(x, m, out, accumulate, bias, threads)
+    }
+}
+
+impl Proj<f32> for PackedF32 {
+    fn dims(&self) -> (usize, usize) {
+        (self.k(), self.n())
+    }
+    fn apply(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        accumulate: bool,
+        bias: Option<&[f32]>,
+        threads: usize,
+    ) -> CoreResult<()> {
+        self.matmul(x, m, out, accumulate, bias, threads)
+    }
+}
+
 /// One layer's weights and attention options (the operands `lean_layer` passes its kernels).
-pub struct Layer<'a> {
-    pub input_norm: &'a [f32],
-    pub post_norm: &'a [f32],
-    pub qkv: &'a QMatrix,
-    pub o: &'a QMatrix,
-    pub mlp: Mlp<'a>,
+pub struct Layer<'a, T: Elem> {
+    pub input_norm: &'a [T],
+    pub post_norm: &'a [T],
+    pub qkv: &'a dyn Proj<T>,
+    pub o: &'a dyn Proj<T>,
+    pub mlp: Mlp<'a, T>,
     /// The biases of qkv, o, gate_up and down (a dense MLP's), each optional.
     pub bias: [Option<&'a [f32]>; 4],
     /// q and k norm weights (per head, or the projections' whole widths).
-    pub qk_norm: Option<(&'a [f32], &'a [f32])>,
+    pub qk_norm: Option<(&'a [T], &'a [T])>,
     /// The rotary cos|sin table `[P, D]`; None = a NoPE layer.
-    pub rope_table: Option<&'a [f32]>,
+    pub rope_table: Option<&'a [T]>,
     pub window: Option<usize>,
     pub softcap: Option<f32>,
     pub scale: f32,
@@ -37,11 +113,11 @@ pub struct Layer<'a> {
     pub eps: f32,
 }
 
-/// A layer's MLP: dense (`down(act(gate_up(x)))`) or a mixture of experts.
-pub enum Mlp<'a> {
+/// A layer's MLP: dense (`down(act(gate_up(x)))`) or a mixture of experts (f32 rows only).
+pub enum Mlp<'a, T: Elem> {
     Dense {
-        gate_up: &'a QMatrix,
-        down: &'a QMatrix,
+        gate_up: &'a dyn Proj<T>,
+        down: &'a dyn Proj<T>,
         act: GatedAct,
     },
     Moe(Moe<'a>),
@@ -57,10 +133,27 @@ pub struct Moe<'a> {
 }
 
 /// The step's intermediate rows, grown as needed and reused across calls.
-#[derive(Default)]
-pub struct Scratch {
-    f: Vec<f32>,
+pub struct Scratch<T> {
+    f: Vec<T>,
+    moe: Vec<f32>,
     ids: Vec<i64>,
+}
+
+impl<T> Default for Scratch<T> {
+    fn default() -> Self {
+        Scratch {
+            f: Vec::new(),
+            moe: Vec::new(),
+            ids: Vec::new(),
+        }
+    }
+}
+
+/// `x` as f32 when `T` is f32 (a MoE layer's rows), else None.
+fn as_f32<T: Elem>(x: &mut [T]) -> Option<&mut [f32]> {
+    // SAFETY: T is f32 (the TypeId check), so this reinterprets nothing.
+    (TypeId::of::<T>() == TypeId::of::<f32>())
+        .then(|| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) })
 }
 
 /// A layer's paged caches `[num_blocks, block_size, Hkv, D]`.
@@ -90,21 +183,22 @@ struct Widths {
     inter: usize,
 }
 
-fn widths(l: &Layer, c: &Cache<impl Elem>, hidden: usize) -> CoreResult<Widths> {
+fn widths<T: Elem>(l: &Layer<T>, c: &Cache<impl Elem>, hidden: usize) -> CoreResult<Widths> {
     let (hq, hkv, d) = (l.num_q_heads, c.kv_heads, c.head_dim);
     let q = hq * d;
-    let mut shapes = vec![
-        ("qkv", l.qkv, (q + 2 * hkv * d, hidden)),
-        ("o", l.o, (hidden, q)),
-    ];
+    check_proj("qkv", l.qkv, q + 2 * hkv * d, hidden)?;
+    check_proj("o", l.o, hidden, q)?;
     let inter = match &l.mlp {
         Mlp::Dense { gate_up, down, .. } => {
-            let inter = gate_up.rows() / 2;
-            shapes.push(("gate_up", gate_up, (2 * inter, hidden)));
-            shapes.push(("down", down, (hidden, inter)));
+            let inter = gate_up.dims().1 / 2;
+            check_proj("gate_up", *gate_up, 2 * inter, hidden)?;
+            check_proj("down", *down, hidden, inter)?;
             check_bias("gate_up_bias", l.bias[2], 2 * inter)?;
             check_bias("down_bias", l.bias[3], hidden)?;
             inter
+        }
+        Mlp::Moe(_) if TypeId::of::<T>() != TypeId::of::<f32>() => {
+            return Err(CoreError::invalid("moe", "MoE layers take float32 rows"));
         }
         Mlp::Moe(m) => {
             let e = m.router.len() / hidden.max(1);
@@ -126,16 +220,6 @@ fn widths(l: &Layer, c: &Cache<impl Elem>, hidden: usize) -> CoreResult<Widths> 
             0
         }
     };
-    for (name, m, (rows, cols)) in shapes {
-        if (m.rows(), m.cols()) != (rows, cols) || rows == 0 {
-            let r = format!(
-                "is [{}, {}], the layer needs [{rows}, {cols}]",
-                m.rows(),
-                m.cols()
-            );
-            return Err(CoreError::invalid(name, r));
-        }
-    }
     check_bias("qkv_bias", l.bias[0], q + 2 * hkv * d)?;
     check_bias("o_bias", l.bias[1], hidden)?;
     for (name, w) in [("input_norm", l.input_norm), ("post_norm", l.post_norm)] {
@@ -151,6 +235,16 @@ fn widths(l: &Layer, c: &Cache<impl Elem>, hidden: usize) -> CoreResult<Widths> 
     })
 }
 
+/// `p` maps `cols` inputs to `rows` outputs (QMatrix's `[rows, cols]`), or an error naming it.
+fn check_proj<T>(name: &'static str, p: &dyn Proj<T>, rows: usize, cols: usize) -> CoreResult<()> {
+    let (inputs, outputs) = p.dims();
+    if (outputs, inputs) != (rows, cols) || rows == 0 {
+        let r = format!("is [{outputs}, {inputs}], the layer needs [{rows}, {cols}]");
+        return Err(CoreError::invalid(name, r));
+    }
+    Ok(())
+}
+
 fn check_bias(name: &'static str, b: Option<&[f32]>, n: usize) -> CoreResult<()> {
     match b {
         Some(b) if b.len() != n => {
@@ -163,13 +257,13 @@ fn check_bias(name: &'static str, b: Option<&[f32]>, n: usize) -> CoreResult<()>
 
 /// Run every layer over the residual stream `h` `[t, hidden]` in place, layer `i` on
 /// `caches[i]`. Returns the expert weight bytes each layer streamed (0 for a dense MLP).
-pub fn run<C: Elem>(
-    layers: &[Layer],
+pub fn run<T: Elem, C: Elem>(
+    layers: &[Layer<T>],
     caches: &mut [Cache<C>],
     step: &Step,
-    h: &mut [f32],
+    h: &mut [T],
     hidden: usize,
-    scratch: &mut Scratch,
+    scratch: &mut Scratch<T>,
 ) -> CoreResult<Vec<usize>> {
     if layers.len() != caches.len() {
         let r = format!("{} caches for {} layers", caches.len(), layers.len());
@@ -194,18 +288,21 @@ pub fn run<C: Elem>(
         .zip(caches.iter())
         .map(|(l, c)| widths(l, c, hidden))
         .collect::<CoreResult<Vec<_>>>()?;
-    let moe_need = |l: &Layer| match &l.mlp {
+    let moe_need = |l: &Layer<T>| match &l.mlp {
         Mlp::Moe(m) => t * (hidden + m.router.len() / hidden + m.route.top_k),
         Mlp::Dense { .. } => 0,
     };
     let need = ws
         .iter()
-        .zip(layers)
-        .map(|(w, l)| t * (hidden + w.qkv + w.q + 3 * w.inter) + moe_need(l))
+        .map(|w| t * (hidden + w.qkv + w.q + 3 * w.inter))
         .max()
         .unwrap_or(0);
     if scratch.f.len() < need {
-        scratch.f.resize(need, 0.0);
+        scratch.f.resize(need, T::store(0.0));
+    }
+    let moe_len = layers.iter().map(moe_need).max().unwrap_or(0);
+    if scratch.moe.len() < moe_len {
+        scratch.moe.resize(moe_len, 0.0);
     }
     let mut streamed = Vec::with_capacity(layers.len());
     for ((l, c), w) in layers.iter().zip(caches.iter_mut()).zip(&ws) {
@@ -218,18 +315,26 @@ pub fn run<C: Elem>(
             Mlp::Dense { gate_up, down, act } => {
                 let (gu, rest) = rest.split_at_mut(t * 2 * w.inter);
                 let a = &mut rest[..t * w.inter];
-                let opts = |bias, accumulate| MatmulOpts {
-                    accumulate,
-                    bias,
-                    threads: step.threads,
-                    isa: None,
-                };
-                gate_up.matmul(x, t, gu, &opts(l.bias[2], false))?;
+                gate_up.apply(x, t, gu, false, l.bias[2], step.threads)?;
                 ops::act_and_mul(gu, a, w.inter, step.threads, *act)?;
-                down.matmul(a, t, h, &opts(l.bias[3], true))?;
+                down.apply(a, t, h, true, l.bias[3], step.threads)?;
                 0
             }
-            Mlp::Moe(m) => moe(m, x, h, hidden, t, step.threads, rest, &mut scratch.ids)?,
+            Mlp::Moe(m) => {
+                let (Some(x), Some(h)) = (as_f32(x), as_f32(h)) else {
+                    unreachable!("`widths` refused a MoE layer on rows other than f32")
+                };
+                moe(
+                    m,
+                    x,
+                    h,
+                    hidden,
+                    t,
+                    step.threads,
+                    &mut scratch.moe,
+                    &mut scratch.ids,
+                )?
+            }
         });
     }
     Ok(streamed)
@@ -275,24 +380,18 @@ fn moe(
 }
 
 /// The attention half: `x` = input-normed `h`, q|k|v, attention into `attn`, `h += o(attn)`.
-fn attention<C: Elem>(
-    l: &Layer,
+fn attention<T: Elem, C: Elem>(
+    l: &Layer<T>,
     c: &mut Cache<C>,
     step: &Step,
-    h: &mut [f32],
+    h: &mut [T],
     hidden: usize,
     t: usize,
-    [x, qkv, attn]: [&mut [f32]; 3],
+    [x, qkv, attn]: [&mut [T]; 3],
 ) -> CoreResult<()> {
     let threads = step.threads;
-    let opts = |bias, accumulate| MatmulOpts {
-        accumulate,
-        bias,
-        threads,
-        isa: None,
-    };
     ops::rms_norm(h, Some(l.input_norm), l.eps, x, hidden, threads)?;
-    l.qkv.matmul(x, t, qkv, &opts(l.bias[0], false))?;
+    l.qkv.apply(x, t, qkv, false, l.bias[0], threads)?;
     let qk_step = QkvStep {
         qkv,
         positions: step.positions,
@@ -320,7 +419,7 @@ fn attention<C: Elem>(
         kv_stride: c.kv_heads * c.head_dim,
     };
     decode_from_qkv(&qk_step, shape, c.k, c.v, attn, threads)?;
-    l.o.matmul(attn, t, h, &opts(l.bias[1], true))
+    l.o.apply(attn, t, h, true, l.bias[1], threads)
 }
 
 #[cfg(test)]

@@ -51,7 +51,7 @@ fn model(rng: &mut Rng, layers: usize) -> Model {
 }
 
 impl Model {
-    fn layer(&self, i: usize) -> Layer<'_> {
+    fn layer(&self, i: usize) -> Layer<'_, f32> {
         let [qkv, o, gate_up, down] = &self.mats[i];
         Layer {
             input_norm: &self.norms[i].0,
@@ -94,7 +94,8 @@ fn by_parts<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h:
         let mut x = vec![0.0; t * HIDDEN];
         ops::rms_norm(h, Some(l.input_norm), l.eps, &mut x, HIDDEN, th).unwrap();
         let mut qkv = vec![0.0; t * (HQ + 2 * HKV) * D];
-        l.qkv
+        let [qkv_w, o_w, gate_up, down] = &m.mats[i];
+        qkv_w
             .matmul(&x, t, &mut qkv, &opts(l.bias[0], false))
             .unwrap();
         let qs = QkvStep {
@@ -125,10 +126,10 @@ fn by_parts<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h:
         };
         let mut attn = vec![0.0; t * HQ * D];
         decode_from_qkv(&qs, shape, k, v, &mut attn, th).unwrap();
-        l.o.matmul(&attn, t, h, &opts(l.bias[1], true)).unwrap();
+        o_w.matmul(&attn, t, h, &opts(l.bias[1], true)).unwrap();
         ops::rms_norm(h, Some(l.post_norm), l.eps, &mut x, HIDDEN, th).unwrap();
         let mut gu = vec![0.0; t * 2 * INTER];
-        let Mlp::Dense { gate_up, down, act } = l.mlp else {
+        let Mlp::Dense { act, .. } = l.mlp else {
             unreachable!("a dense test model")
         };
         gate_up
@@ -141,7 +142,7 @@ fn by_parts<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h:
 }
 
 fn fused<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h: &mut [f32]) {
-    let layers: Vec<Layer> = (0..caches.len()).map(|i| m.layer(i)).collect();
+    let layers: Vec<Layer<f32>> = (0..caches.len()).map(|i| m.layer(i)).collect();
     let mut cs: Vec<Cache<C>> = caches
         .iter_mut()
         .map(|(k, v)| Cache {
@@ -217,7 +218,7 @@ fn the_fused_step_has_the_bits_of_its_parts() {
 fn a_mismatched_layer_fails_before_any_cache_is_written() {
     let mut rng = Rng(3);
     let m = model(&mut rng, 2);
-    let mut layers: Vec<Layer> = (0..2).map(|i| m.layer(i)).collect();
+    let mut layers: Vec<Layer<f32>> = (0..2).map(|i| m.layer(i)).collect();
     let wrong = QMatrix::quantize(&rng.floats(64 * 32), 64, 32, 8, 32).unwrap();
     layers[1].o = &wrong;
     let n = BLOCKS * BS * HKV * D;

@@ -126,7 +126,7 @@ macro_rules! packed_class {
         $(#[$doc])*
         #[pyclass(name = $name, module = "ironlm._core", frozen)]
         pub(crate) struct $py {
-            inner: $inner,
+            pub(super) inner: $inner,
         }
 
         #[pymethods]

@@ -1,17 +1,20 @@
-//! `LeanLayer` and `LeanStack`: a model's Llama-shaped layers over the `QuantMatrix` objects its
-//! linears hold and numpy views of its norms (handles, not copies), run as one decode step per
-//! call with the GIL released (`crate::cpu::lean`).
+//! `LeanLayer` and `LeanStack`: a model's Llama-shaped layers over the weight objects its linears
+//! hold (`QuantMatrix`, or the packed dense copies `PackedBf16` / `PackedF32`) and numpy views of
+//! its norms (handles, not copies), run as one decode step per call with the GIL released
+//! (`crate::cpu::lean`).
 
 use std::sync::Mutex;
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use super::dense::{PyPackedBf16, PyPackedF32};
 use super::moe::PyMoeExperts;
-use super::ops::{dtype_arg, ro, rw, with_elem, Ro, Rw};
+use super::ops::{dtype_arg, ro, rw, with_elem, DType, Ro, Rw};
 use super::quant::PyQuantMatrix;
 use super::value_error;
-use crate::cpu::lean::{run, Cache, Layer, Mlp, Moe, Scratch, Step};
+use crate::cpu::elem::{Bf16, Elem, F16};
+use crate::cpu::lean::{run, Cache, Layer, Mlp, Moe, Proj, Scratch, Step};
 use crate::cpu::ops::GatedAct;
 use crate::cpu::route::{Route, Scoring};
 
@@ -27,9 +30,11 @@ type Biases<'py> = (
 pub struct PyLeanLayer {
     input_norm: Py<PyAny>,
     post_norm: Py<PyAny>,
-    qkv: Py<PyQuantMatrix>,
-    o: Py<PyQuantMatrix>,
+    qkv: PyProj,
+    o: PyProj,
     mlp: PyMlp,
+    /// The rows its projections take: float32, or bfloat16 for `PackedBf16` weights.
+    dtype: DType,
     biases: [Option<Py<PyArray1<f32>>>; 4],
     qk_norm: Option<(Py<PyAny>, Py<PyAny>)>,
     rotary: Option<usize>,
@@ -40,10 +45,77 @@ pub struct PyLeanLayer {
     eps: f32,
 }
 
+/// A projection's weights: block-quantized (f32 rows) or a packed dense copy (its own type's rows).
+enum PyProj {
+    Quant(Py<PyQuantMatrix>),
+    Bf16(Py<PyPackedBf16>),
+    F32(Py<PyPackedF32>),
+}
+
+impl PyProj {
+    fn new(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        if let Ok(m) = obj.cast::<PyQuantMatrix>() {
+            return Ok(PyProj::Quant(m.clone().unbind()));
+        }
+        if let Ok(m) = obj.cast::<PyPackedBf16>() {
+            return Ok(PyProj::Bf16(m.clone().unbind()));
+        }
+        if let Ok(m) = obj.cast::<PyPackedF32>() {
+            return Ok(PyProj::F32(m.clone().unbind()));
+        }
+        Err(value_error(
+            name,
+            "expected a QuantMatrix, PackedBf16 or PackedF32",
+        ))
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            PyProj::Bf16(_) => DType::Bf16,
+            _ => DType::F32,
+        }
+    }
+}
+
+/// The row types a stack runs: each takes its projections and has its scratch.
+trait Rows: Elem {
+    const DT: DType;
+    /// `p` as a projection on these rows (`LeanStack::new` checked that every one is).
+    fn proj(p: &PyProj) -> &dyn Proj<Self>;
+    fn scratch(stack: &PyLeanStack) -> &Mutex<Scratch<Self>>;
+}
+
+impl Rows for f32 {
+    const DT: DType = DType::F32;
+    fn proj(p: &PyProj) -> &dyn Proj<f32> {
+        match p {
+            PyProj::Quant(m) => &m.get().inner,
+            PyProj::F32(m) => &m.get().inner,
+            PyProj::Bf16(_) => unreachable!("a bf16 projection in a float32 stack"),
+        }
+    }
+    fn scratch(stack: &PyLeanStack) -> &Mutex<Scratch<f32>> {
+        &stack.scratch.0
+    }
+}
+
+impl Rows for Bf16 {
+    const DT: DType = DType::Bf16;
+    fn proj(p: &PyProj) -> &dyn Proj<Bf16> {
+        match p {
+            PyProj::Bf16(m) => &m.get().inner,
+            _ => unreachable!("a float32 projection in a bf16 stack"),
+        }
+    }
+    fn scratch(stack: &PyLeanStack) -> &Mutex<Scratch<Bf16>> {
+        &stack.scratch.1
+    }
+}
+
 enum PyMlp {
     Dense {
-        gate_up: Py<PyQuantMatrix>,
-        down: Py<PyQuantMatrix>,
+        gate_up: PyProj,
+        down: PyProj,
         act: GatedAct,
     },
     Moe {
@@ -81,10 +153,10 @@ impl PyLeanLayer {
     fn new(
         input_norm: &Bound<'_, PyAny>,
         post_norm: &Bound<'_, PyAny>,
-        qkv: Bound<'_, PyQuantMatrix>,
-        o: Bound<'_, PyQuantMatrix>,
-        gate_up: Option<Bound<'_, PyQuantMatrix>>,
-        down: Option<Bound<'_, PyQuantMatrix>>,
+        qkv: &Bound<'_, PyAny>,
+        o: &Bound<'_, PyAny>,
+        gate_up: Option<&Bound<'_, PyAny>>,
+        down: Option<&Bound<'_, PyAny>>,
         moe: Option<MoeArgs<'_>>,
         biases: Option<Biases<'_>>,
         qk_norm: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
@@ -106,8 +178,8 @@ impl PyLeanLayer {
         };
         let mlp = match (gate_up, down, moe) {
             (Some(gate_up), Some(down), None) => PyMlp::Dense {
-                gate_up: gate_up.unbind(),
-                down: down.unbind(),
+                gate_up: PyProj::new(gate_up, "gate_up")?,
+                down: PyProj::new(down, "down")?,
                 act,
             },
             (None, None, Some((experts, router, router_bias, spec))) => {
@@ -166,24 +238,37 @@ impl PyLeanLayer {
         if num_heads == 0 {
             return Err(value_error("num_heads", "must be >= 1"));
         }
+        let (qkv, o) = (PyProj::new(qkv, "qkv")?, PyProj::new(o, "o")?);
+        let dtype = qkv.dtype();
+        let kinds = match &mlp {
+            PyMlp::Dense { gate_up, down, .. } => vec![o.dtype(), gate_up.dtype(), down.dtype()],
+            PyMlp::Moe { .. } => vec![o.dtype(), DType::F32],
+        };
+        if kinds.iter().any(|&d| d != dtype) {
+            return Err(value_error(
+                "qkv",
+                "the layer's projections take rows of different types",
+            ));
+        }
         // Checked now as well as at each step, so a wrong array fails where the stack is built.
-        let f32s = [Some(input_norm), Some(post_norm)]
+        let arrays = [Some(input_norm), Some(post_norm)]
             .into_iter()
             .chain(qk_norm.iter().flat_map(|(q, k)| [Some(q), Some(k)]));
         for (name, a) in ["input_norm", "post_norm", "q_norm", "k_norm"]
             .iter()
-            .zip(f32s)
+            .zip(arrays)
         {
             if let Some(a) = a {
-                ro(a, name, super::ops::DType::F32)?.slice::<f32>(name)?;
+                with_elem!(dtype, T => ro(a, name, dtype)?.slice::<T>(name).map(|_| ())?);
             }
         }
         Ok(PyLeanLayer {
             input_norm: input_norm.clone().unbind(),
             post_norm: post_norm.clone().unbind(),
-            qkv: qkv.unbind(),
-            o: o.unbind(),
+            qkv,
+            o,
             mlp,
+            dtype,
             biases: match biases {
                 Some((a, b, c, d)) => [a, b, c, d].map(|x| x.map(Bound::unbind)),
                 None => [None, None, None, None],
@@ -203,8 +288,10 @@ impl PyLeanLayer {
 pub struct PyLeanStack {
     layers: Vec<Py<PyLeanLayer>>,
     hidden: usize,
-    /// The step's intermediate rows, grown to the largest step seen and reused.
-    scratch: Mutex<Scratch>,
+    /// The rows every layer takes (float32, or bfloat16 over `PackedBf16` weights).
+    dtype: DType,
+    /// The step's intermediate rows by row type, grown to the largest step seen and reused.
+    scratch: (Mutex<Scratch<f32>>, Mutex<Scratch<Bf16>>),
 }
 
 /// A layer's arrays, borrowed for one step.
@@ -215,6 +302,14 @@ struct Held<'py> {
     router: Option<[Option<Ro<'py>>; 2]>,
 }
 
+/// The plan's arrays of one step.
+struct Plan<'py> {
+    block_tables: PyReadonlyArray2<'py, i32>,
+    seq_lens: PyReadonlyArray1<'py, i32>,
+    slots: PyReadonlyArray1<'py, i64>,
+    positions: PyReadonlyArray1<'py, i64>,
+}
+
 #[pymethods]
 impl PyLeanStack {
     #[new]
@@ -222,10 +317,15 @@ impl PyLeanStack {
         if hidden == 0 {
             return Err(value_error("hidden", "must be >= 1"));
         }
+        let dtype = layers.first().map_or(DType::F32, |l| l.get().dtype);
+        if layers.iter().any(|l| l.get().dtype != dtype) {
+            return Err(value_error("layers", "take rows of different types"));
+        }
         Ok(PyLeanStack {
             layers: layers.into_iter().map(Bound::unbind).collect(),
             hidden,
-            scratch: Mutex::new(Scratch::default()),
+            dtype,
+            scratch: Default::default(),
         })
     }
 
@@ -233,12 +333,22 @@ impl PyLeanStack {
         self.layers.len()
     }
 
-    /// Every layer over the residual stream `h` (float32 `[t, hidden]`, in place): layer `i`
-    /// writes this step's K/V rows into `caches[i] = (k, v)` (`[blocks, block_size, Hkv, D]`
-    /// of `cache_dtype`, 16-bit ones as int16 views of their bits) and attends them. The plan's
-    /// `block_tables` `[t, max_blocks]` and `seq_lens` `[t]` (int32), `slots` and `positions`
-    /// `[t]` (int64), one row per token as `decode_attention_qkv` takes them; `tables` the
-    /// float32 rotary tables the layers' `rotary` indices name.
+    /// The rows the stack takes: "float32" or "bfloat16".
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        match self.dtype {
+            DType::Bf16 => "bfloat16",
+            _ => "float32",
+        }
+    }
+
+    /// Every layer over the residual stream `h` (`[t, hidden]` of the stack's `dtype`, bf16 as
+    /// int16 bits; in place): layer `i` writes this step's K/V rows into `caches[i] = (k, v)`
+    /// (`[blocks, block_size, Hkv, D]` of `cache_dtype`, 16-bit ones as int16 views of their
+    /// bits) and attends them. The plan's `block_tables` `[t, max_blocks]` and `seq_lens` `[t]`
+    /// (int32), `slots` and `positions` `[t]` (int64), one row per token as
+    /// `decode_attention_qkv` takes them; `tables` the rotary tables (the stack's dtype) the
+    /// layers' `rotary` indices name. Returns the expert weight bytes each layer streamed.
     #[pyo3(signature = (h, caches, block_tables, seq_lens, slots, positions, tables, threads = 1,
                         cache_dtype = "float32"))]
     #[allow(clippy::too_many_arguments)]
@@ -255,24 +365,58 @@ impl PyLeanStack {
         threads: usize,
         cache_dtype: &str,
     ) -> PyResult<Vec<usize>> {
-        let f32t = super::ops::DType::F32;
         let ct = dtype_arg(cache_dtype)?;
         if caches.len() != self.layers.len() {
             let r = format!("{} pairs for {} layers", caches.len(), self.layers.len());
             return Err(value_error("caches", r));
         }
-        let mut hw = rw(h, "h", f32t)?;
+        let plan = Plan {
+            block_tables,
+            seq_lens,
+            slots,
+            positions,
+        };
+        let args = (h, &caches[..], &plan, &tables[..], threads.max(1), ct);
+        match (self.dtype, ct) {
+            (DType::F32, DType::F32) => self.step::<f32, f32>(py, args),
+            (DType::F32, DType::Bf16) => self.step::<f32, Bf16>(py, args),
+            (DType::F32, DType::F16) => self.step::<f32, F16>(py, args),
+            (DType::Bf16, DType::Bf16) => self.step::<Bf16, Bf16>(py, args),
+            _ => Err(value_error(
+                "cache_dtype",
+                format!("{cache_dtype} caches under {} rows", self.dtype()),
+            )),
+        }
+    }
+}
+
+/// `run`'s arguments past the caches' type: h, the caches, the plan, the tables, threads, and
+/// the caches' dtype.
+type StepArgs<'a, 'py> = (
+    &'a Bound<'py, PyAny>,
+    &'a [(Bound<'py, PyAny>, Bound<'py, PyAny>)],
+    &'a Plan<'py>,
+    &'a [Bound<'py, PyAny>],
+    usize,
+    DType,
+);
+
+impl PyLeanStack {
+    fn step<T: Rows, C: Elem>(&self, py: Python<'_>, args: StepArgs) -> PyResult<Vec<usize>> {
+        let (h, caches, plan, tables, threads, ct) = args;
+        let (dt, f32t) = (T::DT, DType::F32);
+        let mut hw = rw(h, "h", dt)?;
         let tables: Vec<Ro> = tables
             .iter()
-            .map(|t| ro(t, "tables", f32t))
+            .map(|t| ro(t, "tables", dt))
             .collect::<PyResult<_>>()?;
         let layers: Vec<&PyLeanLayer> = self.layers.iter().map(|l| l.get()).collect();
         let held: Vec<Held> = layers
             .iter()
             .map(|l| {
                 let norms = [
-                    ro(l.input_norm.bind(py), "input_norm", f32t)?,
-                    ro(l.post_norm.bind(py), "post_norm", f32t)?,
+                    ro(l.input_norm.bind(py), "input_norm", dt)?,
+                    ro(l.post_norm.bind(py), "post_norm", dt)?,
                 ];
                 let biases = l
                     .biases
@@ -280,10 +424,9 @@ impl PyLeanStack {
                     .map(|b| b.as_ref().map(|b| b.bind(py).readonly()))
                     .collect();
                 let qk = match &l.qk_norm {
-                    Some((q, k)) => Some([
-                        ro(q.bind(py), "q_norm", f32t)?,
-                        ro(k.bind(py), "k_norm", f32t)?,
-                    ]),
+                    Some((q, k)) => {
+                        Some([ro(q.bind(py), "q_norm", dt)?, ro(k.bind(py), "k_norm", dt)?])
+                    }
                     None => None,
                 };
                 let router = match &l.mlp {
@@ -314,16 +457,23 @@ impl PyLeanStack {
             .collect::<PyResult<_>>()?;
         let contiguous = |name: &str| value_error(name, "must be C-contiguous");
         let step = Step {
-            positions: positions.as_slice().map_err(|_| contiguous("positions"))?,
-            slots: slots.as_slice().map_err(|_| contiguous("slots"))?,
-            block_tables: block_tables
+            positions: plan
+                .positions
+                .as_slice()
+                .map_err(|_| contiguous("positions"))?,
+            slots: plan.slots.as_slice().map_err(|_| contiguous("slots"))?,
+            block_tables: plan
+                .block_tables
                 .as_slice()
                 .map_err(|_| contiguous("block_tables"))?,
-            max_blocks: block_tables.shape()[1],
-            seq_lens: seq_lens.as_slice().map_err(|_| contiguous("seq_lens"))?,
-            threads: threads.max(1),
+            max_blocks: plan.block_tables.shape()[1],
+            seq_lens: plan
+                .seq_lens
+                .as_slice()
+                .map_err(|_| contiguous("seq_lens"))?,
+            threads,
         };
-        let (hs, hshape) = hw.slice::<f32>("h")?;
+        let (hs, hshape) = hw.slice::<T>("h")?;
         if hshape.len() != 2 || hshape[1] != self.hidden {
             let r = format!("shape {hshape:?}, expected [t, {}]", self.hidden);
             return Err(value_error("h", r));
@@ -336,7 +486,7 @@ impl PyLeanStack {
                     let t = tables.get(i).ok_or_else(|| {
                         value_error("tables", format!("has no table {i} for a layer's rotary"))
                     })?;
-                    Some(t.slice::<f32>("tables")?)
+                    Some(t.slice::<T>("tables")?)
                 }
             };
             let bias = |i: usize| -> PyResult<Option<&[f32]>> {
@@ -346,13 +496,13 @@ impl PyLeanStack {
                     .transpose()
             };
             let qk_norm = match &held.qk {
-                Some([q, k]) => Some((q.slice::<f32>("q_norm")?, k.slice::<f32>("k_norm")?)),
+                Some([q, k]) => Some((q.slice::<T>("q_norm")?, k.slice::<T>("k_norm")?)),
                 None => None,
             };
             let mlp = match (&l.mlp, &held.router) {
                 (PyMlp::Dense { gate_up, down, act }, _) => Mlp::Dense {
-                    gate_up: &gate_up.get().inner,
-                    down: &down.get().inner,
+                    gate_up: T::proj(gate_up),
+                    down: T::proj(down),
                     act: *act,
                 },
                 (PyMlp::Moe { experts, route, .. }, Some([Some(router), bias])) => Mlp::Moe(Moe {
@@ -367,10 +517,10 @@ impl PyLeanStack {
                 (PyMlp::Moe { .. }, _) => unreachable!("a MoE layer's router is held above"),
             };
             ls.push(Layer {
-                input_norm: held.norms[0].slice::<f32>("input_norm")?,
-                post_norm: held.norms[1].slice::<f32>("post_norm")?,
-                qkv: &l.qkv.get().inner,
-                o: &l.o.get().inner,
+                input_norm: held.norms[0].slice::<T>("input_norm")?,
+                post_norm: held.norms[1].slice::<T>("post_norm")?,
+                qkv: T::proj(&l.qkv),
+                o: T::proj(&l.o),
                 mlp,
                 bias: [bias(0)?, bias(1)?, bias(2)?, bias(3)?],
                 qk_norm,
@@ -382,30 +532,28 @@ impl PyLeanStack {
                 eps: l.eps,
             });
         }
-        let hidden = self.hidden;
-        with_elem!(ct, C => {
-            let mut cs = Vec::with_capacity(kv.len());
-            for (k, v) in kv.iter_mut() {
-                let (ks, kshape) = k.slice::<C>("k_cache")?;
-                let (vs, vshape) = v.slice::<C>("v_cache")?;
-                if kshape.len() != 4 || vshape != kshape {
-                    let r = format!("k_cache {kshape:?} and v_cache {vshape:?} must be one 4-D shape");
-                    return Err(value_error("caches", r));
-                }
-                cs.push(Cache {
-                    k: ks,
-                    v: vs,
-                    num_blocks: kshape[0],
-                    block_size: kshape[1],
-                    kv_heads: kshape[2],
-                    head_dim: kshape[3],
-                });
+        let mut cs = Vec::with_capacity(kv.len());
+        for (k, v) in kv.iter_mut() {
+            let (ks, kshape) = k.slice::<C>("k_cache")?;
+            let (vs, vshape) = v.slice::<C>("v_cache")?;
+            if kshape.len() != 4 || vshape != kshape {
+                let r = format!("k_cache {kshape:?} and v_cache {vshape:?} must be one 4-D shape");
+                return Err(value_error("caches", r));
             }
-            let streamed = py.detach(|| {
-                let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-                run(&ls, &mut cs, &step, hs, hidden, &mut scratch)
-            })?;
-            Ok(streamed)
-        })
+            cs.push(Cache {
+                k: ks,
+                v: vs,
+                num_blocks: kshape[0],
+                block_size: kshape[1],
+                kv_heads: kshape[2],
+                head_dim: kshape[3],
+            });
+        }
+        let hidden = self.hidden;
+        let scratch = T::scratch(self);
+        Ok(py.detach(|| {
+            let mut scratch = scratch.lock().unwrap_or_else(|e| e.into_inner());
+            run(&ls, &mut cs, &step, hs, hidden, &mut scratch)
+        })?)
     }
 }
