@@ -59,39 +59,30 @@ impl Proj<f32> for QMatrix {
     }
 }
 
-impl Proj<Bf16> for PackedBf16 {
-    fn dims(&self) -> (usize, usize) {
-        (self.k(), self.n())
-    }
-    fn apply(
-        &self,
-        x: &[Bf16],
-        m: usize,
-        out: &mut [Bf16],
-        accumulate: bool,
-        bias: Option<&[f32]>,
-        threads: usize,
-    ) -> CoreResult<()> {
-        self.matmul(x, m, out, accumulate, bias, threads)
-    }
+/// The packed dense copies: their own `matmul` on rows of their element type.
+macro_rules! packed_proj {
+    ($packed:ty, $t:ty) => {
+        impl Proj<$t> for $packed {
+            fn dims(&self) -> (usize, usize) {
+                (self.k(), self.n())
+            }
+            fn apply(
+                &self,
+                x: &[$t],
+                m: usize,
+                out: &mut [$t],
+                accumulate: bool,
+                bias: Option<&[f32]>,
+                threads: usize,
+            ) -> CoreResult<()> {
+                self.matmul(x, m, out, accumulate, bias, threads)
+            }
+        }
+    };
 }
 
-impl Proj<f32> for PackedF32 {
-    fn dims(&self) -> (usize, usize) {
-        (self.k(), self.n())
-    }
-    fn apply(
-        &self,
-        x: &[f32],
-        m: usize,
-        out: &mut [f32],
-        accumulate: bool,
-        bias: Option<&[f32]>,
-        threads: usize,
-    ) -> CoreResult<()> {
-        self.matmul(x, m, out, accumulate, bias, threads)
-    }
-}
+packed_proj!(PackedBf16, Bf16);
+packed_proj!(PackedF32, f32);
 
 /// One layer's weights and attention options (the operands `lean_layer` passes its kernels).
 pub struct Layer<'a, T: Elem> {

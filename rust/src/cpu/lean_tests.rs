@@ -141,9 +141,9 @@ fn by_parts<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h:
     }
 }
 
-fn fused<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h: &mut [f32]) {
-    let layers: Vec<Layer<f32>> = (0..caches.len()).map(|i| m.layer(i)).collect();
-    let mut cs: Vec<Cache<C>> = caches
+/// The test caches as the stack's views.
+fn views<C: Elem>(caches: &mut [(Vec<C>, Vec<C>)]) -> Vec<Cache<'_, C>> {
+    caches
         .iter_mut()
         .map(|(k, v)| Cache {
             k,
@@ -153,7 +153,12 @@ fn fused<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h: &m
             kv_heads: HKV,
             head_dim: D,
         })
-        .collect();
+        .collect()
+}
+
+fn fused<C: Elem>(m: &Model, caches: &mut [(Vec<C>, Vec<C>)], step: &Step, h: &mut [f32]) {
+    let layers: Vec<Layer<f32>> = (0..caches.len()).map(|i| m.layer(i)).collect();
+    let mut cs = views(caches);
     let streamed = run(&layers, &mut cs, step, h, HIDDEN, &mut Scratch::default()).unwrap();
     assert_eq!(streamed, vec![0; layers.len()]);
 }
@@ -223,17 +228,7 @@ fn a_mismatched_layer_fails_before_any_cache_is_written() {
     layers[1].o = &wrong;
     let n = BLOCKS * BS * HKV * D;
     let mut kv: Vec<(Vec<f32>, Vec<f32>)> = (0..2).map(|_| (vec![0.0; n], vec![0.0; n])).collect();
-    let mut cs: Vec<Cache<f32>> = kv
-        .iter_mut()
-        .map(|(k, v)| Cache {
-            k,
-            v,
-            num_blocks: BLOCKS,
-            block_size: BS,
-            kv_heads: HKV,
-            head_dim: D,
-        })
-        .collect();
+    let mut cs = views(&mut kv);
     let step = Step {
         positions: &[0],
         slots: &[0],

@@ -16,7 +16,7 @@ use super::value_error;
 use crate::cpu::elem::{Bf16, Elem, F16};
 use crate::cpu::lean::{run, Cache, Layer, Mlp, Moe, Proj, Scratch, Step};
 use crate::cpu::ops::GatedAct;
-use crate::cpu::route::{Route, Scoring};
+use crate::cpu::route::Route;
 
 /// The optional biases of qkv, o, gate_up and down.
 type Biases<'py> = (
@@ -184,15 +184,7 @@ impl PyLeanLayer {
             },
             (None, None, Some((experts, router, router_bias, spec))) => {
                 let (scoring, top_k, renormalize, renorm_eps, scaling) = spec;
-                let scoring = match scoring.as_str() {
-                    "softmax" => Scoring::Softmax,
-                    "sigmoid" => Scoring::Sigmoid,
-                    "topk_softmax" => Scoring::TopkSoftmax,
-                    other => {
-                        let r = format!("{other:?} is none of softmax, sigmoid, topk_softmax");
-                        return Err(value_error("moe", r));
-                    }
-                };
+                let scoring = super::moe::scoring_arg("moe", &scoring)?;
                 let ex = experts.get();
                 if ex.first() != 0 || ex.num_local() != ex.num_experts() {
                     return Err(value_error(

@@ -2,7 +2,7 @@
 //! hold (handles, not copies), run in one call per step with the GIL released
 //! (`crate::cpu::quant::Experts`).
 
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::quant::{f32_2d, isa_arg, PyQuantMatrix};
@@ -228,6 +228,21 @@ impl PyMoeExperts {
     }
 }
 
+/// A router's `scoring` argument ("softmax", "sigmoid", "topk_softmax"), or a `ValueError`
+/// naming `name`.
+pub(super) fn scoring_arg(name: &str, scoring: &str) -> PyResult<crate::cpu::route::Scoring> {
+    use crate::cpu::route::Scoring;
+    match scoring {
+        "softmax" => Ok(Scoring::Softmax),
+        "sigmoid" => Ok(Scoring::Sigmoid),
+        "topk_softmax" => Ok(Scoring::TopkSoftmax),
+        other => {
+            let r = format!("{other:?} is none of softmax, sigmoid, topk_softmax");
+            Err(value_error(name, r))
+        }
+    }
+}
+
 /// `moe_route`'s `(weights, ids)`.
 type Routed<'py> = (Bound<'py, PyArray2<f32>>, Bound<'py, PyArray2<i64>>);
 
@@ -248,18 +263,10 @@ pub(crate) fn moe_route<'py>(
     renormalize: bool,
     renorm_eps: f32,
     scaling: f32,
-    bias: Option<&Bound<'py, PyAny>>,
+    bias: Option<PyReadonlyArray1<'py, f32>>,
 ) -> PyResult<Routed<'py>> {
-    use crate::cpu::route::{route_rows, Route, Scoring};
-    let scoring = match scoring {
-        "softmax" => Scoring::Softmax,
-        "sigmoid" => Scoring::Sigmoid,
-        "topk_softmax" => Scoring::TopkSoftmax,
-        other => {
-            let r = format!("{other:?} is none of softmax, sigmoid, topk_softmax");
-            return Err(value_error("scoring", r));
-        }
-    };
+    use crate::cpu::route::{route_rows, Route};
+    let scoring = scoring_arg("scoring", scoring)?;
     let x = f32_2d(x, "x")?;
     let router = f32_2d(router, "router")?;
     let (t, hidden, e) = (x.shape()[0], x.shape()[1], router.shape()[1]);
@@ -267,14 +274,6 @@ pub(crate) fn moe_route<'py>(
         let r = format!("has {} rows, x has {hidden} columns", router.shape()[0]);
         return Err(value_error("router", r));
     }
-    let bias = match bias {
-        Some(b) => Some(
-            b.cast::<PyArray1<f32>>()
-                .map_err(|_| value_error("bias", "expected a 1-D float32 array"))?
-                .readonly(),
-        ),
-        None => None,
-    };
     let route = Route {
         scoring,
         top_k,
