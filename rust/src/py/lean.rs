@@ -168,14 +168,7 @@ impl PyLeanLayer {
         eps: f32,
         activation: &str,
     ) -> PyResult<Self> {
-        let act = match activation {
-            "silu" => GatedAct::Silu,
-            "gelu_tanh" => GatedAct::GeluTanh,
-            _ => {
-                let r = format!("{activation:?} is none of \"silu\", \"gelu_tanh\"");
-                return Err(value_error("activation", r));
-            }
-        };
+        let act = super::moe::gated_act_arg(activation)?;
         let mlp = match (gate_up, down, moe) {
             (Some(gate_up), Some(down), None) => PyMlp::Dense {
                 gate_up: PyProj::new(gate_up, "gate_up")?,

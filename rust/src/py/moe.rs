@@ -79,14 +79,7 @@ impl PyMoeExperts {
         first: i64,
         num_experts: Option<i64>,
     ) -> PyResult<Self> {
-        let gated = match activation {
-            "silu" => GatedAct::Silu,
-            "gelu_tanh" => GatedAct::GeluTanh,
-            _ => {
-                let r = format!("{activation:?} is none of \"silu\", \"gelu_tanh\"");
-                return Err(value_error("activation", r));
-            }
-        };
+        let gated = gated_act_arg(activation)?;
         let act = match clamp {
             None => MoeAct::Gated(gated),
             Some((alpha, limit)) if gated == GatedAct::Silu => {
@@ -225,6 +218,18 @@ impl PyMoeExperts {
             self.intermediate(),
             self.act
         )
+    }
+}
+
+/// An MLP's `activation` argument ("silu" or "gelu_tanh"), or a `ValueError` naming it.
+pub(super) fn gated_act_arg(activation: &str) -> PyResult<GatedAct> {
+    match activation {
+        "silu" => Ok(GatedAct::Silu),
+        "gelu_tanh" => Ok(GatedAct::GeluTanh),
+        _ => {
+            let r = format!("{activation:?} is none of \"silu\", \"gelu_tanh\"");
+            Err(value_error("activation", r))
+        }
     }
 }
 
