@@ -190,7 +190,7 @@ def _build(model: Any) -> Stack | None:
             return None if packed is None else (packed, lin.packed_bias())
         return None
 
-    layers, moe, rows = [], [], LEAN_MAX_TOKENS
+    layers, moe = [], []
     for i, layer in enumerate(model.layers):
         if (layer.tp is not None or layer.mla is not None or layer.qk_norm_ranks
                 or not (layer.fuse_attn_residual and layer.fuse_mlp_residual and layer.owns_residual)
@@ -217,8 +217,6 @@ def _build(model: Any) -> Stack | None:
             mlp = {"moe": (block.core, as_numpy(block.router_weight.data), bias, route)}
             biases = (qkv_b, o_b, None, None)
             moe.append((i, block))
-        if dense:
-            rows = min(rows, layer.qkv.packed_rows())
         views = layer._lean_views = layer._lean_views or _views(layer)
         assert views.input is not None and views.pre_mlp is not None
         layers.append(_core.LeanLayer(
@@ -227,6 +225,8 @@ def _build(model: Any) -> Stack | None:
             num_heads=layer.num_heads, eps=layer.eps, **mlp))
     if not layers:
         return None
+    # Every dense linear has the model's dtype: the first one's row limit is all of theirs.
+    rows = model.layers[0].qkv.packed_rows() if dense else LEAN_MAX_TOKENS
     return Stack(_core.LeanStack(layers, model.config.hidden_size), moe, rows, dense)
 
 

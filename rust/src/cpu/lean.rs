@@ -1,8 +1,9 @@
 //! A whole decode step of a stack of Llama-shaped layers, in one call, over block-quantized
-//! weights (f32 rows) or the packed dense copies of `dense/` (bf16 or f32 rows, [`Proj`]): per layer the pre-norm, the fused q|k|v matmul, `decode_from_qkv` (qk-norm, RoPE, the
-//! cache write and paged attention), o with the residual add, the MLP's norm, then gate_up, the
-//! gated activation and down with the residual add, or for a MoE layer the router, the top-k
-//! choice (`route.rs`) and the routed experts (`quant::Experts`) added to the residual.
+//! weights (f32 rows) or the packed dense copies of `dense/` (bf16 or f32 rows, [`Proj`]): per
+//! layer the pre-norm, the fused q|k|v matmul, `decode_from_qkv` (qk-norm, RoPE, the cache write
+//! and paged attention), o with the residual add, the MLP's norm, then gate_up, the gated
+//! activation and down with the residual add, or for a MoE layer the router, the top-k choice
+//! (`route.rs`) and the routed experts (`quant::Experts`) added to the residual.
 //!
 //! The Python lean step (`model/lean.py`) makes the same calls one by one; at one sequence the
 //! Python between them (argument parsing, attribute lookups, numpy borrows: ~8 calls a layer)

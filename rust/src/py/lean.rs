@@ -284,7 +284,8 @@ struct Held<'py> {
     norms: [Ro<'py>; 2],
     biases: Vec<Option<PyReadonlyArray1<'py, f32>>>,
     qk: Option<[Ro<'py>; 2]>,
-    router: Option<[Option<Ro<'py>>; 2]>,
+    /// A MoE layer's router and its optional bias.
+    router: Option<(Ro<'py>, Option<Ro<'py>>)>,
 }
 
 /// The plan's arrays of one step.
@@ -419,13 +420,13 @@ impl PyLeanStack {
                         router,
                         router_bias,
                         ..
-                    } => Some([
-                        Some(ro(router.bind(py), "router", f32t)?),
+                    } => Some((
+                        ro(router.bind(py), "router", f32t)?,
                         match router_bias {
                             Some(b) => Some(ro(b.bind(py), "router_bias", f32t)?),
                             None => None,
                         },
-                    ]),
+                    )),
                     PyMlp::Dense { .. } => None,
                 };
                 Ok(Held {
@@ -490,7 +491,7 @@ impl PyLeanStack {
                     down: T::proj(down),
                     act: *act,
                 },
-                (PyMlp::Moe { experts, route, .. }, Some([Some(router), bias])) => Mlp::Moe(Moe {
+                (PyMlp::Moe { experts, route, .. }, Some((router, bias))) => Mlp::Moe(Moe {
                     router: router.slice::<f32>("router")?,
                     router_bias: bias
                         .as_ref()

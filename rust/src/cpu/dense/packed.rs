@@ -12,8 +12,13 @@
 //! order from a zero accumulator, a zero weight and activation past an odd `K`, then the same
 //! [`Sink`]), so both give the same bits for every row whatever `M` or the thread split.
 
+use std::ops::Range;
+
 use super::{Bf16, Job, Shape, Sink};
 use crate::error::{CoreError, CoreResult};
+
+/// A packed kernel's body: one part's column groups of a job into its sink.
+pub(super) type GroupTile<'a, T> = dyn Fn(&Job<T>, &Sink<T>, Range<usize>) + Sync + 'a;
 
 /// Output columns per group (one 512-bit vector of f32 lanes).
 pub(super) const COLS: usize = 16;
@@ -96,6 +101,47 @@ impl<E: Lane> Packed<E> {
     pub(super) fn group_len(&self) -> usize {
         self.padded_k() * COLS
     }
+
+    /// What every packed `matmul` checks first: the operands' sizes (`x [m, k]`, `out [m, n]`,
+    /// `bias [n]`), then the CPU (`runs`, else an error saying what it `needs`). `Ok(false)`: an
+    /// empty product, nothing to do.
+    pub(super) fn admit(
+        &self,
+        x: usize,
+        out: usize,
+        bias: Option<&[f32]>,
+        m: usize,
+        runs: bool,
+        needs: &'static str,
+    ) -> CoreResult<bool> {
+        super::check_call(x, out, bias, m, self.k, self.n)?;
+        if !runs {
+            return Err(CoreError::invalid("isa", needs));
+        }
+        Ok(m > 0 && self.n > 0)
+    }
+
+    /// `tile(job, sink, groups)` over this weight's column groups on up to `threads` parts, each
+    /// part's results (plus `bias`, added to `out` with `accumulate`) into its own columns of
+    /// `out`.
+    pub(super) fn split<T: Sync>(
+        &self,
+        job: &Job<T>,
+        out: &mut [T],
+        bias: Option<&[f32]>,
+        accumulate: bool,
+        threads: usize,
+        tile: &GroupTile<T>,
+    ) {
+        let sink = Sink {
+            out: out.as_mut_ptr(),
+            n: self.n,
+            bias,
+            accumulate,
+        };
+        let sink = &sink;
+        super::run_groups(threads, self.n.div_ceil(COLS), &|gs| tile(job, sink, gs));
+    }
 }
 
 impl Packed<u16> {
@@ -115,15 +161,11 @@ impl Packed<u16> {
         bias: Option<&[f32]>,
         threads: usize,
     ) -> CoreResult<()> {
-        let (k, n) = (self.k, self.n);
-        super::check_call(x.len(), out.len(), bias, m, k, n)?;
-        if !Self::available() {
-            let r = "the packed bf16 kernel needs AVX-512 BF16";
-            return Err(CoreError::invalid("isa", r));
-        }
-        if m == 0 || n == 0 {
+        let needs = "the packed bf16 kernel needs AVX-512 BF16";
+        if !self.admit(x.len(), out.len(), bias, m, Self::available(), needs)? {
             return Ok(());
         }
+        let (k, n) = (self.k, self.n);
         // The activations' bits, rows padded with a zero to whole pairs.
         let kp = self.padded_k();
         let mut xb = vec![0u16; m * kp];
@@ -139,14 +181,7 @@ impl Packed<u16> {
             kp,
             shape: Shape { m, k, n },
         };
-        let sink = Sink {
-            out: out.as_mut_ptr(),
-            n,
-            bias,
-            accumulate,
-        };
-        let (job, sink) = (&job, &sink);
-        super::run_groups(threads, n.div_ceil(COLS), &|gs| {
+        self.split(&job, out, bias, accumulate, threads, &|job, sink, gs| {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX-512 BF16 checked above; the part owns groups `gs`, whose columns no
             // other part writes.

@@ -8,8 +8,8 @@
 //! `k` in order, then the same [`Sink`]), so both give the same bits on a given SIMD width.
 
 use super::packed::{Packed, COLS};
-use super::{Job, Shape, Sink};
-use crate::error::{CoreError, CoreResult};
+use super::{Job, Shape};
+use crate::error::CoreResult;
 
 /// f32 weights in 16-column groups, `k` in order.
 pub type PackedF32 = Packed<f32>;
@@ -47,17 +47,11 @@ impl Packed<f32> {
         threads: usize,
         wide: bool,
     ) -> CoreResult<()> {
-        let (k, n) = (self.k, self.n);
-        super::check_call(x.len(), out.len(), bias, m, k, n)?;
-        if !Self::available() {
-            return Err(CoreError::invalid(
-                "isa",
-                "the packed f32 kernel needs AVX2 and FMA",
-            ));
-        }
-        if m == 0 || n == 0 {
+        let needs = "the packed f32 kernel needs AVX2 and FMA";
+        if !self.admit(x.len(), out.len(), bias, m, Self::available(), needs)? {
             return Ok(());
         }
+        let (k, n) = (self.k, self.n);
         let job: Job<f32> = Job {
             w: &[],
             xf: x,
@@ -65,14 +59,7 @@ impl Packed<f32> {
             kp: k,
             shape: Shape { m, k, n },
         };
-        let sink = Sink {
-            out: out.as_mut_ptr(),
-            n,
-            bias,
-            accumulate,
-        };
-        let (job, sink) = (&job, &sink);
-        super::run_groups(threads, n.div_ceil(COLS), &|gs| {
+        self.split(&job, out, bias, accumulate, threads, &|job, sink, gs| {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 + FMA checked above (AVX-512F with `wide`); the part owns groups
             // `gs`, whose columns no other part writes.
