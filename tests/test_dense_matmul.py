@@ -98,8 +98,9 @@ def test_dense_linear_routes_small_batches_to_the_core() -> None:
     assert lin.accumulate(small, out.copy_(resid)) is out  # the core adds in place
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
     big = torch.randn(CORE_MAX_ROWS + 1, 64, generator=g).bfloat16()
-    f32 = DenseLinear(w.float(), bias.float())  # f32 beyond CORE_MAX_ROWS: torch's GEMM (bf16: test below)
-    assert torch.equal(f32(big.float()), torch.addmm(bias.float(), big.float(), w.float()))
+    f32 = DenseLinear(w.float(), bias.float())  # f32 beyond its packed rows: torch's GEMM (bf16: test below)
+    beyond = torch.randn(linear.packed_f32_rows() + 1, 64, generator=g)
+    assert torch.equal(f32(beyond), torch.addmm(bias.float(), beyond, w.float()))
     assert f32._packed is None
     wide = torch.randn(64, CORE_MAX_COLS + 1, generator=g).bfloat16()
     head = DenseLinear(wide)
@@ -195,15 +196,20 @@ def test_pair_packed_tiles_give_every_row_its_one_row_bits() -> None:
 
 
 @pytest.mark.skipif(not _core.PackedF32.available(), reason="the packed f32 tiles need AVX2 and FMA")
-def test_one_and_two_f32_rows_run_on_the_packed_copy_with_the_kernel_bits() -> None:
-    """f32 calls of 1-2 rows (narrow layers and the wide LM head alike) run on `_core.PackedF32`, with the bits of
-    `dense_matmul`'s f32 path (call, residual, into, accumulate); 3 rows keep torch's GEMM."""
+@pytest.mark.parametrize("limit", [CORE_MAX_ROWS, linear.PACKED_MAX_ROWS])
+def test_f32_rows_up_to_the_limit_run_on_the_packed_copy_with_the_kernel_bits(
+        limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """f32 calls of 1 to `packed_f32_rows()` rows (CORE_MAX_ROWS on AVX-512 CPUs, PACKED_MAX_ROWS on AVX2 ones: both
+    limits here) run on `_core.PackedF32` (narrow layers and the wide LM head alike), with the bits of
+    `dense_matmul`'s f32 path (call, residual, into, accumulate; every row its one-row bits); a row more keeps
+    torch's GEMM."""
+    monkeypatch.setattr(linear, "packed_f32_rows", lambda: limit)
     g = torch.Generator().manual_seed(9)
     for k, n in ((131, 75), (64, CORE_MAX_COLS + 1)):
         w = torch.randn(k, n, generator=g)
         bias = torch.randn(n, generator=g)
         lin = DenseLinear(w, bias)
-        for m in (1, CORE_MAX_ROWS):
+        for m in sorted({1, CORE_MAX_ROWS, 7, limit} - set(range(limit + 1, 8))):
             x = torch.randn(m, k, generator=g)
             resid = torch.randn(m, n, generator=g)
             want = run(x, w, torch.empty(m, n), bias=bias, threads=1)
@@ -212,9 +218,10 @@ def test_one_and_two_f32_rows_run_on_the_packed_copy_with_the_kernel_bits() -> N
             buf, acc = torch.empty(m, n), resid.clone()
             assert lin.into(x, buf) is buf and torch.equal(buf, want)
             assert lin.accumulate(x, acc) is acc and torch.equal(acc, want_res)
+            assert torch.equal(want[-1:], run(x[-1:], w, torch.empty(1, n), bias=bias, threads=1))
         assert lin._pairs is not None and isinstance(lin._pairs[1], _core.PackedF32)
-        three = torch.randn(CORE_MAX_ROWS + 1, k, generator=g)
-        assert torch.equal(lin(three), torch.addmm(bias, three, w))
+        past = torch.randn(limit + 1, k, generator=g)
+        assert torch.equal(lin(past), torch.addmm(bias, past, w))
     packed = _core.PackedF32(w.numpy())
     assert (packed.k, packed.n, packed.nbytes) == (64, CORE_MAX_COLS + 1, 64 * 4112 * 4)
     with pytest.raises(InvalidArgumentError, match="^out") as e:

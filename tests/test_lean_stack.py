@@ -13,7 +13,8 @@ import torch
 
 from ironlm import _core
 from ironlm.attention import CpuAttention
-from ironlm.model import lean, load_model
+from ironlm.model import lean, linear, load_model
+from ironlm.model.linear import CORE_MAX_ROWS, PACKED_MAX_ROWS
 from lean_batch import assert_same_step, decode_batch
 from tiny_families import FAMILY_VARIANTS, make_family_model
 from tiny_models import make_tiny_model
@@ -93,18 +94,26 @@ def test_dense_bf16_layers_run_on_their_packed_copies(arch, tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(not _core.PackedF32.available(), reason="the packed f32 kernel needs AVX2 and FMA")
-def test_dense_f32_layers_take_the_stack_for_one_or_two_rows(tmp_path, monkeypatch) -> None:
-    """float32 dense weights: their packed copies serve 1-2 rows (CORE_MAX_ROWS), so a 3-row step stays per layer,
-    and a one-stream generation gives the same tokens and logprobs with the stack as without."""
+@pytest.mark.parametrize("limit", [CORE_MAX_ROWS, PACKED_MAX_ROWS])
+def test_dense_f32_layers_take_the_stack_up_to_their_packed_rows(tmp_path, monkeypatch, limit: int) -> None:
+    """float32 dense weights: their packed copies serve 1 to `packed_f32_rows()` rows (CORE_MAX_ROWS on AVX-512
+    CPUs, PACKED_MAX_ROWS on AVX2 ones: both limits here), the stack's row limit; a 3-row step takes the stack within
+    it, with the bits of the per-layer step and the ordinary forward, and stays per layer past it; a one-stream
+    generation gives the same tokens and logprobs with the stack as without."""
     from ironlm import LLM, SamplingParams
-    from ironlm.model.linear import CORE_MAX_ROWS
 
+    monkeypatch.setattr(linear, "packed_f32_rows", lambda: limit)
     llm = LLM(str(make_tiny_model(tmp_path, arch="llama")), dtype="float32", quantization="none",
               kv_cache_memory="64MiB", max_model_len=256, enable_prefix_caching=False)
     model = llm.engine.runner.model
-    runs = _spy(monkeypatch, model)
-    decode_batch(model, torch.float32, True, monkeypatch)
-    assert runs == [] and lean.stack(model) is not None and lean.stack(model).max_rows == CORE_MAX_ROWS
+    runs, max_tokens = _spy(monkeypatch, model), lean.LEAN_MAX_TOKENS
+    got = decode_batch(model, torch.float32, True, monkeypatch)
+    assert len(runs) == (limit >= 3) and lean.stack(model) is not None and lean.stack(model).max_rows == limit
+    monkeypatch.setattr(lean, "FUSE_LAYERS", False)
+    assert_same_step(got, decode_batch(model, torch.float32, True, monkeypatch))
+    assert_same_step(got, decode_batch(model, torch.float32, False, monkeypatch))
+    monkeypatch.setattr(lean, "FUSE_LAYERS", True)
+    monkeypatch.setattr(lean, "LEAN_MAX_TOKENS", max_tokens)
 
     def one() -> tuple[list[int], list[float]]:
         out = llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 7]}],

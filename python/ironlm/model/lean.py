@@ -14,7 +14,8 @@ and its proposals): the plan gives each row its own position and context, the co
 before it attends, and every op here is row-wise or a matmul whose rows do not interact. With quantized linears
 (the CPU default) the core's kernels give a row the same bits at any M, so a verified row gets the bits that row
 would get alone and speculative greedy output equals plain greedy output; dense weights go through torch's GEMM
-above `CORE_MAX_ROWS` rows, which may round a row differently at another M (exact there in batch-invariant mode).
+above the rows their packed copies serve (`DenseLinear.packed_rows`), which may round a row differently at another
+M (exact there in batch-invariant mode).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ as `addmm`'s input); quantized ones are an `ironlm._core.QuantMatrix` (`[out, in
 kernel quantizes the activations to int8 and adds into the residual in place.
 
 bf16 CPU batches of up to PACKED_MAX_ROWS rows (decode) run on the core's vdpbf16ps tiles over a pair-ordered copy
-of the weight (`_core.PackedBf16`, on CPUs with AVX-512 BF16), one- and two-row f32 calls on a copy in 16-column
-groups (`_core.PackedF32`); one- and two-row calls into narrow f32 / bf16 / f16 weights otherwise run on the core's
+of the weight (`_core.PackedBf16`, on CPUs with AVX-512 BF16), f32 calls of up to `packed_f32_rows()` rows on a copy
+in 16-column groups (`_core.PackedF32`); one- and two-row calls into narrow f32 / bf16 / f16 weights otherwise run on the core's
 dense kernels (`_core.dense_matmul`), which read the weights where torch keeps them and stream them once per call,
 where they measured faster than torch's GEMM; larger bf16 CPU batches run oneDNN on a prepacked copy of the weight
 (PACK_MAX_BYTES); everything else keeps torch's.
@@ -68,6 +68,14 @@ _packed_bytes = 0
 # and torch's 12-22, a token's matmuls 30.7 -> 14.7 ms. The copies have PACK_MAX_BYTES of their own.
 PACKED_MAX_ROWS = 64
 _packed_core_bytes = 0
+
+
+@functools.cache
+def packed_f32_rows() -> int:
+    """The most rows an f32 call sends to the core's packed copy: PACKED_MAX_ROWS where its kernel runs on 256-bit
+    vectors (AVX2 + FMA, no AVX-512F), whose 6-row tiles beat torch's GEMM at every decode size measured (see
+    PACKED_MAX_ROWS); CORE_MAX_ROWS on AVX-512 CPUs, where only its one- and two-row calls were measured."""
+    return CORE_MAX_ROWS if "avx512f" in _core.cpu_features() else PACKED_MAX_ROWS
 
 
 @functools.cache
@@ -141,7 +149,7 @@ class DenseLinear:
 
     def _paired(self, x: torch.Tensor) -> _core.PackedBf16 | _core.PackedF32 | None:
         """The core's packed weight when this call goes to its packed tiles: a CPU batch outside batch-invariant mode
-        of 1 to PACKED_MAX_ROWS rows (bf16) or 1 to CORE_MAX_ROWS rows (f32), see PACKED_MAX_ROWS."""
+        of 1 to `packed_rows()` rows, see PACKED_MAX_ROWS."""
         if x.device.type != "cpu" or x.dtype != self.weight.dtype or invariant.enabled():
             return None
         if not 0 < x.shape[0] <= self.packed_rows():
@@ -151,7 +159,7 @@ class DenseLinear:
     def packed_rows(self) -> int:
         """The most rows a call sends to the core's packed copy (see PACKED_MAX_ROWS); 0 for other dtypes."""
         dtype = self.weight.dtype
-        return PACKED_MAX_ROWS if dtype == torch.bfloat16 else CORE_MAX_ROWS if dtype == torch.float32 else 0
+        return PACKED_MAX_ROWS if dtype == torch.bfloat16 else packed_f32_rows() if dtype == torch.float32 else 0
 
     def core_packed(self) -> _core.PackedBf16 | _core.PackedF32 | None:
         """The core's packed copy of the weight (built on first use, again if the parameter's storage was swapped),

@@ -1,6 +1,6 @@
-//! An f32 `[K, N]` weight repacked once in 16-column groups (`[groups][K][16]`), for the one- and
-//! two-row decode calls of CPUs without AVX-512 BF16 (where `dtype=auto` keeps dense models in
-//! f32, and the `bf16` pair-packed tiles of [`super::PackedBf16`] do not run).
+//! An f32 `[K, N]` weight repacked once in 16-column groups (`[groups][K][16]`), for the decode
+//! calls (one row to a few dozen) of CPUs without AVX-512 BF16 (where `dtype=auto` keeps dense
+//! models in f32, and the `bf16` pair-packed tiles of [`super::PackedBf16`] do not run).
 //!
 //! The `Kn` kernel reads a row slice of the weight `N` floats apart at every `k` (strides of a
 //! page or more): the prefetcher follows one sequential stream per group here instead. The
@@ -81,7 +81,11 @@ mod x86 {
     use super::{PackedF32, COLS};
     use crate::cpu::dense::{Job, Sink};
 
-    /// Rows in tiles of 4 (then 2, 1), groups two at a time.
+    /// 512-bit: rows in tiles of 4 (then 2, 1), groups two at a time. 256-bit: one and two rows
+    /// take two groups at a time (two weight streams for a bandwidth-bound GEMV); from three rows
+    /// on the product is FMA-bound, and a tile of 6 rows x 1 group (12 accumulators, 2 weight
+    /// vectors and a broadcast: 15 of the 16 ymm registers) keeps every value in a register,
+    /// where 4 rows x 2 groups (16 accumulators) spilled to the stack at every `k`.
     pub(super) unsafe fn run(
         w: &PackedF32,
         j: &Job<f32>,
@@ -90,15 +94,21 @@ mod x86 {
         wide: bool,
     ) {
         let m = j.shape.m;
+        let tall = !wide && m > 2;
         let mut g = gs.start;
         while g < gs.end {
-            let ng = (gs.end - g).min(2);
+            let ng = if tall { 1 } else { (gs.end - g).min(2) };
             let mut r0 = 0;
             while r0 < m {
-                let mr = match m - r0 {
-                    4.. => 4,
-                    2..=3 => 2,
-                    _ => 1,
+                let left = m - r0;
+                let mr = if tall {
+                    left.min(6)
+                } else {
+                    match left {
+                        4.. => 4,
+                        2..=3 => 2,
+                        _ => 1,
+                    }
                 };
                 macro_rules! go {
                     ($mr:literal) => {
@@ -115,7 +125,10 @@ mod x86 {
                     };
                 }
                 match mr {
+                    6 => go!(6),
+                    5 => go!(5),
                     4 => go!(4),
+                    3 => go!(3),
                     2 => go!(2),
                     _ => go!(1),
                 }
@@ -234,7 +247,7 @@ mod tests {
         for (k, n) in [(64, 48), (33, 17), (576, 960), (7, 5), (130, 100)] {
             let w = rng.floats(k * n);
             let packed = PackedF32::pack(&w, k, n).unwrap();
-            for m in [1, 2, 3, 5, 9] {
+            for m in [1, 2, 3, 5, 7, 9, 13] {
                 let x = rng.floats(m * k);
                 let bias = rng.floats(n);
                 for (accumulate, with_bias) in [(false, false), (true, true), (false, true)] {
