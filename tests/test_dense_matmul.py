@@ -196,10 +196,10 @@ def test_pair_packed_tiles_give_every_row_its_one_row_bits() -> None:
 
 
 @pytest.mark.skipif(not _core.PackedF32.available(), reason="the packed f32 tiles need AVX2 and FMA")
-@pytest.mark.parametrize("limit", [CORE_MAX_ROWS, linear.PACKED_MAX_ROWS])
+@pytest.mark.parametrize("limit", [CORE_MAX_ROWS, linear.PACKED_F32_MAX_ROWS])
 def test_f32_rows_up_to_the_limit_run_on_the_packed_copy_with_the_kernel_bits(
         limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """f32 calls of 1 to `packed_f32_rows()` rows (CORE_MAX_ROWS on AVX-512 CPUs, PACKED_MAX_ROWS on AVX2 ones: both
+    """f32 calls of 1 to `packed_f32_rows()` rows (CORE_MAX_ROWS on AVX-512 CPUs, PACKED_F32_MAX_ROWS on AVX2 ones: both
     limits here) run on `_core.PackedF32` (narrow layers and the wide LM head alike), with the bits of
     `dense_matmul`'s f32 path (call, residual, into, accumulate; every row its one-row bits); a row more keeps
     torch's GEMM."""

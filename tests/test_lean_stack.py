@@ -14,7 +14,7 @@ import torch
 from ironlm import _core
 from ironlm.attention import CpuAttention
 from ironlm.model import lean, linear, load_model
-from ironlm.model.linear import CORE_MAX_ROWS, PACKED_MAX_ROWS
+from ironlm.model.linear import CORE_MAX_ROWS, PACKED_F32_MAX_ROWS
 from lean_batch import assert_same_step, decode_batch
 from tiny_families import FAMILY_VARIANTS, make_family_model
 from tiny_models import make_tiny_model
@@ -94,10 +94,10 @@ def test_dense_bf16_layers_run_on_their_packed_copies(arch, tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(not _core.PackedF32.available(), reason="the packed f32 kernel needs AVX2 and FMA")
-@pytest.mark.parametrize("limit", [CORE_MAX_ROWS, PACKED_MAX_ROWS])
+@pytest.mark.parametrize("limit", [CORE_MAX_ROWS, PACKED_F32_MAX_ROWS])
 def test_dense_f32_layers_take_the_stack_up_to_their_packed_rows(tmp_path, monkeypatch, limit: int) -> None:
     """float32 dense weights: their packed copies serve 1 to `packed_f32_rows()` rows (CORE_MAX_ROWS on AVX-512
-    CPUs, PACKED_MAX_ROWS on AVX2 ones: both limits here), the stack's row limit; a 3-row step takes the stack within
+    CPUs, PACKED_F32_MAX_ROWS on AVX2 ones: both limits here), the stack's row limit; a 3-row step takes the stack within
     it, with the bits of the per-layer step and the ordinary forward, and stays per layer past it; a one-stream
     generation gives the same tokens and logprobs with the stack as without."""
     from ironlm import LLM, SamplingParams

@@ -85,7 +85,8 @@ mod x86 {
     /// take two groups at a time (two weight streams for a bandwidth-bound GEMV); from three rows
     /// on the product is FMA-bound, and a tile of 6 rows x 1 group (12 accumulators, 2 weight
     /// vectors and a broadcast: 15 of the 16 ymm registers) keeps every value in a register,
-    /// where 4 rows x 2 groups (16 accumulators) spilled to the stack at every `k`.
+    /// where 4 rows x 2 groups (16 accumulators) spilled to the stack at every `k`; the rows are
+    /// split into even tiles, as a one-row tile runs at a GEMV's pace.
     pub(super) unsafe fn run(
         w: &PackedF32,
         j: &Job<f32>,
@@ -102,7 +103,8 @@ mod x86 {
             while r0 < m {
                 let left = m - r0;
                 let mr = if tall {
-                    left.min(6)
+                    // the rows left in even tiles of at most 6 (19 rows: 5, 5, 5, 4, not 6, 6, 6, 1)
+                    left.div_ceil(left.div_ceil(6))
                 } else {
                     match left {
                         4.. => 4,
