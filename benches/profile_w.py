@@ -114,14 +114,19 @@ def _install(ledger: Ledger, names: dict[int, str]) -> None:
 
 class _Switch:
     """Turns the issue-20 paths in `names` off (pack: oneDNN's prepacked f32 / bf16 GEMMs; attn: bf16 prefill attention,
-    the fp32 upcast instead) and back on, between runs of one process."""
+    the fp32 upcast instead; f32rows: f32 calls above CORE_MAX_ROWS rows on the core's packed copy, torch's GEMM
+    instead) and back on, between runs of one process. The caller drops the model's fused stack after each `set`
+    (its row limit is fixed when it is built)."""
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
         self._onednn = linear.DenseLinear._onednn
         self._prefill = cpu_backend._prefill_one
+        self._f32_rows = linear.packed_f32_rows
 
     def set(self, on: bool) -> None:
+        if "f32rows" in self.names:
+            linear.packed_f32_rows = self._f32_rows if on else (lambda: linear.CORE_MAX_ROWS)  # type: ignore[assignment]
         if "pack" in self.names:
             linear.DenseLinear._onednn = self._onednn if on else (lambda lin, x: None)  # type: ignore[method-assign]
         if "attn" in self.names:
@@ -175,7 +180,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a loaded machine's "
                    "OpenMP barrier stalls out of the per-op figures")
     p.add_argument("--off", default="", help="comma list of issue-20 paths to turn off for an A/B: pack (oneDNN "
-                   "prepacked f32 / bf16 GEMMs), attn (bf16 prefill attention; fp32 upcast instead)")
+                   "prepacked f32 / bf16 GEMMs), attn (bf16 prefill attention; fp32 upcast instead), f32rows (f32 calls above "
+                   "two rows on torch's GEMM, not the core's packed copy)")
     p.add_argument("--output-len", type=int, help="every request's output length (e.g. 1: the prefill alone)")
     p.add_argument("--ab", type=int, metavar="ROUNDS", help="no profile: alternate --off's paths off and on for "
                    "ROUNDS rounds in one process and print each side's median wall time")
@@ -215,6 +221,7 @@ def main() -> None:
         for _ in range(args.ab):
             for on in (False, True):
                 switch.set(on)
+                model._lean_stack = None
                 llm.engine.scheduler.reset_prefix_cache()
                 times[on].append(run(reqs))
         med = {k: statistics.median(v) for k, v in times.items()}
