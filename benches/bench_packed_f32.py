@@ -3,7 +3,7 @@ on) against torch.mm at SmolLM2-135M's shapes, side by side in one process.
 
     flock /tmp/ironlm-bench.lock .venv/bin/python benches/bench_packed_f32.py [--rows 19,34,64,512] [--rounds 3]
 
-Per shape and M: the best of 7 calls of each (weights in cache: the compute rate, not the bandwidth), µs and
+Per shape and M: the best of 7 calls of each (after one warm-up call) (weights in cache: the compute rate, not the bandwidth), µs and
 GFLOP/s, and torch's time / ours. Then a layer's four GEMMs summed, the two alternating for --rounds rounds over
 --layer-rows, and the median ratio per M (the VM's speed drifts between minutes, so only the alternating figure is
 a ratio). Prints the CPU model and flags and the threads.
@@ -13,33 +13,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
+from bench_dense_decode import best
 from ironlm import _core
 from ironlm.bench.report import machine_info
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152)}
 
 
-def best(call: Callable[[], object], reps: int = 7) -> float:
-    call()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def pair(packed: _core.PackedF32, weight: torch.Tensor, m: int, threads: int, reps: int) -> tuple[float, float]:
     """(ours, torch.mm's) best time of an `[m, k]` call into this weight."""
     x, out = torch.randn(m, weight.shape[0]), torch.empty(m, weight.shape[1])
     x_np, out_np = x.numpy(), out.numpy()
-    ours = best(lambda: packed.matmul(x_np, out_np, False, None, threads), reps)
-    return ours, best(lambda: torch.mm(x, weight, out=out), reps)
+    ours = best([lambda: packed.matmul(x_np, out_np, False, None, threads)], reps)
+    return ours, best([lambda: torch.mm(x, weight, out=out)], reps)
 
 
 def main() -> None:

@@ -112,27 +112,24 @@ mod x86 {
                         _ => 1,
                     }
                 };
+                // Only the tiles each path picks are instantiated: `mr` is 1, 2 or 4 outside
+                // `tall` (and 1 or 2 on the 256-bit path, whose rows are then at most 2).
                 macro_rules! go {
-                    ($mr:literal) => {
-                        // SAFETY: the caller's contract; rows r0..r0 + MR and groups g..g + ng
-                        // exist.
-                        unsafe {
-                            match (wide, ng) {
-                                (true, 2) => tile512::<$mr, 2>(w, j, sink, r0, g),
-                                (true, _) => tile512::<$mr, 1>(w, j, sink, r0, g),
-                                (false, 2) => tile256::<$mr, 2>(w, j, sink, r0, g),
-                                (false, _) => tile256::<$mr, 1>(w, j, sink, r0, g),
-                            }
+                    ($tile:ident, $ng:literal; $($mr:literal)*) => {
+                        match mr {
+                            $($mr => $tile::<$mr, $ng>(w, j, sink, r0, g),)*
+                            _ => unreachable!("no {}-row tile here", mr),
                         }
                     };
                 }
-                match mr {
-                    6 => go!(6),
-                    5 => go!(5),
-                    4 => go!(4),
-                    3 => go!(3),
-                    2 => go!(2),
-                    _ => go!(1),
+                // SAFETY: the caller's contract; rows r0..r0 + mr and groups g..g + ng exist.
+                unsafe {
+                    match (wide, ng) {
+                        (true, 2) => go!(tile512, 2; 4 2 1),
+                        (true, _) => go!(tile512, 1; 4 2 1),
+                        (false, 2) => go!(tile256, 2; 2 1),
+                        (false, _) => go!(tile256, 1; 6 5 4 3 2 1),
+                    }
                 }
                 r0 += mr;
             }
