@@ -150,6 +150,36 @@ fn q6k_matmul_matches_the_dequantized_weights_within_the_activation_bound() {
     }
 }
 
+/// Every `q` at 63 and every activation at ±127 (as quantized) puts the largest sums through
+/// the AVX2 body's i16 lanes, which add two chunks' `vpmaddubsw` pairs before the sub-scales
+/// (|Σ| = 4 · 63 · 127 = 32004 < 2^15): a wrapped lane would be off by 65536 · sc · d.
+#[test]
+fn q6k_extreme_quants_and_activations_stay_within_the_bound() {
+    let (n, k, m) = (17, 2 * SUPER, 2);
+    let mut raw = Vec::new();
+    for s in 0..n * k / SUPER {
+        let mut blk = vec![0xFFu8; RAW_BYTES]; // q = 15 | 3 << 4 = 63 everywhere
+        for (i, sc) in blk[192..208].iter_mut().enumerate() {
+            *sc = if (i + s) % 3 == 0 { 0x80 } else { 127 }; // -128 and 127
+        }
+        blk[208..].copy_from_slice(&0x1400u16.to_le_bytes()); // d = 2^-10
+        raw.extend(blk);
+    }
+    let w = QMatrix::from_ggml(&raw, ggml::Q6_K, n, k).unwrap();
+    // Row 0 all +1, row 1 all -1: every activation quantizes to +127 or -127.
+    let x: Vec<f32> = (0..m * k).map(|i| if i < k { 1.0 } else { -1.0 }).collect();
+    let (want, bound) = reference(&reference_weights(&raw), n, k, &x, m);
+    for isa in isas() {
+        let mut out = vec![0.0; m * n];
+        let opts = MatmulOpts {
+            isa: Some(isa),
+            ..Default::default()
+        };
+        w.matmul(&x, m, &mut out, &opts).unwrap();
+        assert_within_bound(&out, &want, &bound, None, None, &|| format!("{isa:?}"));
+    }
+}
+
 #[test]
 fn q6k_rows_do_not_depend_on_the_rows_beside_them() {
     let mut rng = Rng(47);

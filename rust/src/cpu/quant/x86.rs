@@ -489,19 +489,29 @@ unsafe fn avx2_q4<const HALF: bool, const MR: usize>(
         let blk = blocks.add(b * bb);
         super::prefetch::ahead(blk, ahead, bb);
         let c0 = b * BLOCK;
-        for h in 0..2 {
-            let mut pairs = [_mm256_setzero_si256(); MR];
-            for j in 0..4 {
-                let v = _mm256_loadu_si256(blk.add(j * 64 + 32 * h) as *const __m256i);
-                let lo = _mm256_and_si256(v, nibble);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
-                for r in 0..MR {
-                    let p = &mut pairs[r];
-                    *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(lo, x4_256(x[r], c0 + 4 * j)));
-                    let xh = x4_256(x[r], c0 + 16 + 4 * j);
-                    *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(hi, xh));
+        // Both halves of each chunk at once (rows 0..8 and 8..16 of the group): one broadcast of
+        // x serves two `vpmaddubsw`, where a half at a time broadcast once per multiply. Each
+        // half's i16 sums take the same terms in the same order, so the bits are unchanged;
+        // 1.03-1.06x at 2 threads on a 2-core Zen 1, every shape and M (alternating, one process).
+        let mut pairs = [[_mm256_setzero_si256(); 2]; MR];
+        for j in 0..4 {
+            let v = [0, 1].map(|h| _mm256_loadu_si256(blk.add(j * 64 + 32 * h) as *const __m256i));
+            let lo = v.map(|v| _mm256_and_si256(v, nibble));
+            for r in 0..MR {
+                let x = x4_256(x[r], c0 + 4 * j);
+                for h in 0..2 {
+                    pairs[r][h] = _mm256_add_epi16(pairs[r][h], _mm256_maddubs_epi16(lo[h], x));
                 }
             }
+            let hi = v.map(|v| _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble));
+            for r in 0..MR {
+                let x = x4_256(x[r], c0 + 16 + 4 * j);
+                for h in 0..2 {
+                    pairs[r][h] = _mm256_add_epi16(pairs[r][h], _mm256_maddubs_epi16(hi[h], x));
+                }
+            }
+        }
+        for h in 0..2 {
             let at = if HALF { 16 * h } else { 32 * h };
             let scale = load8(blk.add(qb + at), HALF);
             let min = if sym {
@@ -511,7 +521,7 @@ unsafe fn avx2_q4<const HALF: bool, const MR: usize>(
             };
             for r in 0..MR {
                 let ia = base[r] + b;
-                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r], ones));
+                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r][h], ones));
                 let xs = _mm256_set1_ps(a.scale[ia]);
                 acc[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(scale, xs), acc[r][h]);
                 acc[r][h] = _mm256_fmadd_ps(min, _mm256_set1_ps(a.sum[ia]), acc[r][h]);
