@@ -490,7 +490,7 @@ unsafe fn avx2_q4<const HALF: bool, const MR: usize>(
         super::prefetch::ahead(blk, ahead, bb);
         let c0 = b * BLOCK;
         // Both halves of each chunk at once (rows 0..8 and 8..16 of the group): one broadcast of
-        // x serves two `vpmaddubsw`, where a half at a time broadcast once per multiply. Each
+        // x serves two `vpmaddubsw` (a half at a time took one broadcast per multiply). Each
         // half's i16 sums take the same terms in the same order, so the bits are unchanged;
         // 1.03-1.06x at 2 threads on a 2-core Zen 1, every shape and M (alternating, one process).
         let mut pairs = [[_mm256_setzero_si256(); 2]; MR];
