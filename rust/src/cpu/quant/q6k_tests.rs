@@ -5,7 +5,7 @@
 
 use super::ggml::{self, f16_to_f32};
 use super::q6k::{RAW_BYTES, SUPER};
-use super::tests::{assert_within_bound, isas, reference_block, reference_matmul};
+use super::tests::{assert_within_bound, isas, matmul_on, reference_block, reference_matmul};
 use super::{DequantOut, Isa, MatmulOpts, QKind, QMatrix, BLOCK};
 use crate::test_rng::Rng;
 
@@ -170,12 +170,7 @@ fn q6k_extreme_quants_and_activations_stay_within_the_bound() {
     let x: Vec<f32> = (0..m * k).map(|i| if i < k { 1.0 } else { -1.0 }).collect();
     let (want, bound) = reference(&reference_weights(&raw), n, k, &x, m);
     for isa in isas() {
-        let mut out = vec![0.0; m * n];
-        let opts = MatmulOpts {
-            isa: Some(isa),
-            ..Default::default()
-        };
-        w.matmul(&x, m, &mut out, &opts).unwrap();
+        let out = matmul_on(&w, &x, m, n, isa);
         assert_within_bound(&out, &want, &bound, None, None, &|| format!("{isa:?}"));
     }
 }
@@ -295,12 +290,7 @@ fn q6k_non_finite_activations_give_nan_rows() {
     let mut x = rng.floats(m * k);
     x[k + 7] = f32::NAN;
     for isa in isas() {
-        let mut out = vec![0.0; m * n];
-        let opts = MatmulOpts {
-            isa: Some(isa),
-            ..Default::default()
-        };
-        w.matmul(&x, m, &mut out, &opts).unwrap();
+        let out = matmul_on(&w, &x, m, n, isa);
         for i in 0..m {
             let row = &out[i * n..(i + 1) * n];
             assert!(

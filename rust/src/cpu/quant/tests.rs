@@ -729,6 +729,17 @@ fn scales_are_stored_as_f16_exactly_when_they_all_are_f16s() {
     }
 }
 
+/// `w`'s matmul of `m` rows of `x` on path `isa`, default options otherwise.
+pub(super) fn matmul_on(w: &QMatrix, x: &[f32], m: usize, n: usize, isa: Isa) -> Vec<f32> {
+    let mut out = vec![0.0; m * n];
+    let opts = MatmulOpts {
+        isa: Some(isa),
+        ..Default::default()
+    };
+    w.matmul(x, m, &mut out, &opts).unwrap();
+    out
+}
+
 #[test]
 fn non_finite_activations_give_nan_rows_on_every_path() {
     let mut rng = Rng(31);
@@ -738,12 +749,7 @@ fn non_finite_activations_give_nan_rows_on_every_path() {
     x[k + 40] = f32::NAN;
     x[2 * k + 3] = f32::INFINITY;
     for isa in isas() {
-        let mut out = vec![0.0; m * n];
-        let opts = MatmulOpts {
-            isa: Some(isa),
-            ..Default::default()
-        };
-        w.matmul(&x, m, &mut out, &opts).unwrap();
+        let out = matmul_on(&w, &x, m, n, isa);
         for i in 0..m {
             let row = &out[i * n..(i + 1) * n];
             if i == 1 || i == 2 {
