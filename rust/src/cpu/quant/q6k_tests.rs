@@ -183,15 +183,7 @@ fn q6k_rows_do_not_depend_on_the_rows_beside_them() {
     let x: Vec<f32> = rng.floats(17 * k).iter().map(|v| v * 3.0).collect();
     for isa in isas() {
         let alone: Vec<Vec<u32>> = (0..17)
-            .map(|i| {
-                let mut out = vec![0.0; n];
-                let opts = MatmulOpts {
-                    isa: Some(isa),
-                    ..Default::default()
-                };
-                w.matmul(&x[i * k..][..k], 1, &mut out, &opts).unwrap();
-                bits(&out)
-            })
+            .map(|i| bits(&matmul_on(&w, &x[i * k..][..k], 1, n, isa)))
             .collect();
         for m in [2, 3, 4, 5, 7, 8, 9, 17] {
             for threads in [1, 2, 4] {
@@ -223,12 +215,7 @@ fn q6k_bound_is_tight_enough_to_see_a_wrong_sub_scale_or_offset() {
         edit(&mut bad[..RAW_BYTES]); // row 0's super-block
         let w = QMatrix::from_ggml(&bad, ggml::Q6_K, n, k).unwrap();
         isas().into_iter().all(|isa| {
-            let mut out = vec![0.0; m * n];
-            let opts = MatmulOpts {
-                isa: Some(isa),
-                ..Default::default()
-            };
-            w.matmul(&x, m, &mut out, &opts).unwrap();
+            let out = matmul_on(&w, &x, m, n, isa);
             (0..m).any(|i| (out[i * n] as f64 - want[i * n]).abs() > bound[i * n])
         })
     };

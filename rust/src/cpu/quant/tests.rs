@@ -317,6 +317,17 @@ pub(super) fn isas() -> Vec<Isa> {
     Isa::ALL.into_iter().filter(|i| i.available()).collect()
 }
 
+/// `w`'s matmul of `m` rows of `x` on path `isa`, default options otherwise.
+pub(super) fn matmul_on(w: &QMatrix, x: &[f32], m: usize, n: usize, isa: Isa) -> Vec<f32> {
+    let mut out = vec![0.0; m * n];
+    let opts = MatmulOpts {
+        isa: Some(isa),
+        ..Default::default()
+    };
+    w.matmul(x, m, &mut out, &opts).unwrap();
+    out
+}
+
 /// f64 `x @ W^T` and the analytic bound on |kernel - exact|: activation rounding
 /// `|x - xs q| <= xs / 2` times `Σ |w|` per block, plus f32 rounding of the accumulation.
 fn reference(w: &QMatrix, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
@@ -727,17 +738,6 @@ fn scales_are_stored_as_f16_exactly_when_they_all_are_f16s() {
             "type {ty}"
         );
     }
-}
-
-/// `w`'s matmul of `m` rows of `x` on path `isa`, default options otherwise.
-pub(super) fn matmul_on(w: &QMatrix, x: &[f32], m: usize, n: usize, isa: Isa) -> Vec<f32> {
-    let mut out = vec![0.0; m * n];
-    let opts = MatmulOpts {
-        isa: Some(isa),
-        ..Default::default()
-    };
-    w.matmul(x, m, &mut out, &opts).unwrap();
-    out
 }
 
 #[test]
