@@ -452,7 +452,7 @@ def test_tp2_swap_matches_tp1(model):
     rng = random.Random(5)
     prompts = [_tokens(rng, 20) for _ in range(4)]
     expected = _texts(_generate(LLM(model, **SWAP_POOL), prompts, SWAP_PARAMS))
-    tp = LLM(model, tensor_parallel_size=2, distributed_timeout=30, swap_space=0.001, **SWAP_POOL)
+    tp = LLM(model, tensor_parallel_size=2, distributed_timeout=120, swap_space=0.001, **SWAP_POOL)
     try:
         assert tp.engine.runner.tier is not None and tp.engine.stats()["tier_blocks_total"] > 0
         assert _texts(_generate(tp, prompts, SWAP_PARAMS)) == expected

@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): greedy outputs equal TP=1, shards are the right slices, a dead worker
 is reported at once.
 
-Each TP=2 engine spawns a worker process (~30 s to start on a busy 2-core machine), so there is one per model
-variant, module-scoped: GQA (2 KV heads over 2 ranks) with an untied LM head, and MQA (1 KV head, replicated) with
+Each TP=2 engine spawns a worker process (3 s to start on an idle 2-core machine, past 30 s on a busy CI one: two
+runs there failed a 30 s `distributed_timeout`, so the TP tests give it 120 s), so there is one per model variant,
+module-scoped: GQA (2 KV heads over 2 ranks) with an untied LM head, and MQA (1 KV head, replicated) with
 tied embeddings and q/k/v biases (qwen2). The variant engines run prefix caching, chunked prefill (a 32-token
 budget) and preemption (a pool far smaller than the batch needs) at once, and the TP=1 reference runs the same
 config. The last test kills the MQA engine's worker.
@@ -66,7 +67,7 @@ def tp_engines(models):
             for llm in current.values():
                 llm.engine.runner.shutdown()
             current.clear()
-            current[name] = LLM(models[name], tensor_parallel_size=2, distributed_timeout=30, **ENGINE)
+            current[name] = LLM(models[name], tensor_parallel_size=2, distributed_timeout=120, **ENGINE)
         return current[name]
 
     yield get

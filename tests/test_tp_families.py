@@ -58,7 +58,7 @@ def test_tp2_greedy_equals_tp1(name, tmp_path, monkeypatch):
         real(layer, *args)
 
     monkeypatch.setattr(lean, "lean_layer", spy)
-    tp = LLM(path, tensor_parallel_size=2, distributed_timeout=30, **ENGINE)
+    tp = LLM(path, tensor_parallel_size=2, distributed_timeout=120, **ENGINE)
     try:
         assert tp.engine.runner.shard_config.num_heads == tp.engine.model_config.num_heads // 2
         tokens, logprobs = _greedy(tp)
