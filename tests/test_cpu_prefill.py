@@ -201,6 +201,35 @@ def test_core_kernel_rejects_shapes_naming_the_argument() -> None:
     assert e.value.param == "q"
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_core_kernel_takes_f32_rows_as_their_bf16_rounding(kv_dtype: str) -> None:
+    """f32 q (and k, v) are rounded to bf16 as the kernel reads them and an f32 out holds the bf16 result: the bits
+    of the bf16 call on the rounded rows (what the backend cast around the call before), on whatever path this
+    CPU runs. The f32 rows are not bf16 values, so the rounding is exercised."""
+    for n, ctx, (hq, hkv) in [(37, 0, (9, 3)), (130, 21, (6, 2)), (2, 70, (4, 4))]:
+        q, ks, vs = _inputs(n, ctx, hq, hkv, torch.float32, n + ctx)
+        kv = (ks, vs) if kv_dtype == "float32" else (ks.bfloat16(), vs.bfloat16())
+        want = torch.empty(n, hq, 64, dtype=torch.bfloat16)
+        _core.prefill_attention(as_numpy(q.bfloat16()), as_numpy(ks.bfloat16()), as_numpy(vs.bfloat16()), ctx, 0.125,
+                                as_numpy(want), 2)
+        got = torch.full((n, hq, 64), float("nan"))
+        _core.prefill_attention(as_numpy(q), as_numpy(kv[0]), as_numpy(kv[1]), ctx, 0.125, as_numpy(got), 2,
+                                dtype="float32", kv_dtype=kv_dtype)
+        assert torch.equal(got, want.float())
+    out = torch.empty(2, 4, 64)
+    with pytest.raises(InvalidArgumentError) as e:
+        _core.prefill_attention(as_numpy(q), as_numpy(ks), as_numpy(vs), 70, 0.125, as_numpy(out), 1, dtype="float16")
+    assert e.value.param == "dtype"
+    with pytest.raises(InvalidArgumentError) as e:
+        _core.prefill_attention(as_numpy(q), as_numpy(ks), as_numpy(vs), 70, 0.125, as_numpy(out), 1, dtype="float32",
+                                kv_dtype="int8")
+    assert e.value.param == "kv_dtype"
+    with pytest.raises(InvalidArgumentError) as e:  # bf16 bits where kv_dtype says float32
+        _core.prefill_attention(as_numpy(q), as_numpy(ks.bfloat16()), as_numpy(vs.bfloat16()), 70, 0.125,
+                                as_numpy(out), 1, dtype="float32", kv_dtype="float32")
+    assert e.value.param == "k"
+
+
 def test_backend_routes_plain_causal_bf16_chunks_to_the_core_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """The step of the routing test above, plain causal, bf16: both chunks (the one after a cached prefix read
     through the paged cache, and the fresh one) go to the core kernel where this CPU runs its tiles, and the

@@ -142,20 +142,24 @@ def paged_decode_attention(
     length it cannot follow."""
 
 def prefill_attention(
-    q: npt.NDArray[np.int16],
-    k: npt.NDArray[np.int16],
-    v: npt.NDArray[np.int16],
+    q: _Floats,
+    k: _Floats,
+    v: _Floats,
     context_len: int,
     scale: float,
-    out: npt.NDArray[np.int16],
+    out: _Floats,
     threads: int = 1,
+    dtype: str = "bfloat16",
+    kv_dtype: str | None = None,
 ) -> None:
-    """Causal attention of one sequence's bfloat16 prefill chunk (the ``cpu`` backend's prefill).
+    """Causal attention of one sequence's prefill chunk in bfloat16 numerics (the ``cpu`` backend's prefill).
 
     ``out[i, h] = softmax(q[i, h] . K^T * scale) V`` over keys ``0..context_len + i``: q ``[n, Hq, D]``, k
     ``[S, Hkv, D]``, v ``[S, Hkv, Dv]`` with ``S = context_len + n`` keys in position order (rows may be
-    strided, as views into a fused q|k|v row), out ``[n, Hq, Dv]`` C-contiguous; every array holds the int16
-    bits of a bfloat16 tensor. Scores and softmax in f32, the probabilities rounded to bf16 for the weighted
+    strided, as views into a fused q|k|v row), out ``[n, Hq, Dv]`` C-contiguous. q and out are ``dtype``, k
+    and v ``kv_dtype`` (default ``dtype``), each ``"float32"`` or ``"bfloat16"`` (the int16 bits of a
+    bfloat16 tensor); float32 inputs are rounded to bf16 as they are read and a float32 output holds the
+    bf16-rounded result. Scores and softmax in f32, the probabilities rounded to bf16 for the weighted
     sum (f32 accumulation), as SDPA's bf16 path. Runs with the GIL released on up to ``threads`` threads;
     fast only where ``prefill_attention_serves(D, Dv)``. Raises ``InvalidArgumentError`` naming the argument
     for a shape or stride it cannot follow."""

@@ -82,7 +82,10 @@ class CpuAttention(TorchAttention):
         if q.device.type != "cpu" or dtype is None or cache_dtype is None or (
                 q.dtype != k_cache.dtype and q.dtype != torch.float32):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
-        k, v = round_to_cache(k, v, k_cache)
+        if not _tiles(q, v, k_cache, window, softcap, sinks)[1]:
+            # As the cache will hold them. Not needed where f32 chunks take the tiles: the cache writes round
+            # them, and so does the tile kernel as it reads them.
+            k, v = round_to_cache(k, v, k_cache)
         sk = None if sinks is None else _sink_view(sinks)
         if invariant.enabled():
             return self._per_row(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sk, dtype, cache_dtype)
@@ -182,10 +185,9 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     f32 activations over a bf16 cache (a GGUF's quantized weights on a CPU with native bf16: kv_cache_dtype auto)
     take the tiles too, their queries rounded to bf16 as a bf16 model's are: the keys and values are already the
     cache's bf16 values, and the chunk costs 2.3-3.6x less than f32 SDPA (128-2,048 tokens, 9 / 3 heads of 64,
-    2-core Zen 4), what a GGUF prompt's prefill spent most of its attention time on."""
-    wide = q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
-    tiles = ((q.dtype == torch.bfloat16 or wide) and window is None and softcap is None and sinks is None
-             and _core.prefill_attention_serves(q.shape[2], v.shape[2]))
+    2-core Zen 4), what a GGUF prompt's prefill spent most of its attention time on. The kernel reads the f32
+    rows and writes the f32 output itself (the same bits as casting around a bf16 call, without the casts)."""
+    tiles, wide = _tiles(q, v, k_cache, window, softcap, sinks)
     if not tiles and not serves(q.dtype, s.end - s.start, s.seq_len, window, softcap, sinks):
         out.copy_(_prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap, sinks, half=True))
         return
@@ -194,18 +196,25 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     else:
         ks = _gather_blocks(k_cache, s.blocks, "k")[: s.seq_len]
         vs = ks if v_cache is k_cache else _gather_blocks(v_cache, s.blocks, "v")[: s.seq_len]
-    if tiles and wide:  # the chunk's own rows hold bf16 values already (round_to_cache): the casts are exact
-        qb, kb, vb = (t.to(torch.bfloat16) for t in (q[s.start : s.end], ks, vs))
-        ob = torch.empty(out.shape, dtype=torch.bfloat16)
-        _core.prefill_attention(as_numpy(qb), as_numpy(kb), as_numpy(vb), s.context_len, scale, as_numpy(ob),
-                                torch.get_num_threads())
-        out.copy_(ob)
+    if tiles and wide:  # f32 q and out, K/V this chunk's f32 rows or the cache's bf16 ones
+        _core.prefill_attention(as_numpy(q[s.start : s.end]), as_numpy(ks), as_numpy(vs), s.context_len, scale,
+                                as_numpy(out), torch.get_num_threads(), dtype="float32",
+                                kv_dtype=CORE_DTYPES[ks.dtype])
         return
     if tiles:
         _core.prefill_attention(as_numpy(q[s.start : s.end]), as_numpy(ks), as_numpy(vs), s.context_len, scale,
                                 as_numpy(out), torch.get_num_threads())
         return
     attend(q[s.start : s.end], ks, vs, s.context_len, scale, window, softcap, sinks, out=out)
+
+
+def _tiles(q: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, window: int | None, softcap: float | None,
+           sinks: torch.Tensor | None) -> tuple[bool, bool]:
+    """Whether prefill chunks take the core's tiles, and whether as f32 rows over a bf16 cache (then both)."""
+    wide = q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+    tiles = ((q.dtype == torch.bfloat16 or wide) and window is None and softcap is None and sinks is None
+             and _core.prefill_attention_serves(q.shape[2], v.shape[2]))
+    return tiles, tiles and wide
 
 
 def _sink_view(sinks: torch.Tensor) -> np.ndarray:

@@ -296,3 +296,76 @@ fn bad_arguments_are_errors_naming_them() {
     assert!(prefill(&a, &mut out, 2).is_ok());
     assert!(out.iter().all(|x| x.load().is_finite()));
 }
+
+#[test]
+fn f32_rows_give_the_bf16_results_widened() {
+    // f32 q, k or v are rounded to bf16 as they are read, and an f32 output holds the bf16
+    // result: the same bits as the bf16 call on the rounded rows, on every path, for every pair
+    // of types (the f32 rows here are not bf16 values, so the rounding is exercised).
+    let mut rng = Rng(7);
+    for _ in 0..12 {
+        let case = Case::random(&mut rng, &[(64, 64), (32, 16), (128, 128)]);
+        let s = case.shape;
+        let wide = |rng: &mut Rng, n: usize, gain: f32| -> Vec<f32> {
+            rng.floats(n).into_iter().map(|x| x * gain).collect()
+        };
+        let (q32, k32, v32) = (
+            wide(&mut rng, case.q.len(), 4.0),
+            wide(&mut rng, case.k.len(), 1.0),
+            wide(&mut rng, case.v.len(), 1.0),
+        );
+        let round = |x: &[f32]| x.iter().map(|&x| Bf16::store(x)).collect::<Vec<_>>();
+        let rounded = Case {
+            q: round(&q32),
+            k: round(&k32),
+            v: round(&v32),
+            ..case
+        };
+        let b = rounded.args();
+        let n = s.rows * s.num_q_heads * s.v_dim;
+        for path in paths(&s) {
+            let want: Vec<f32> = rounded.run(2, path).iter().map(|x| x.load()).collect();
+            let mut out = vec![f32::NAN; n];
+            let all = PrefillArgs {
+                shape: s,
+                q: &q32[..],
+                q_stride: b.q_stride,
+                k: &k32[..],
+                k_stride: b.k_stride,
+                v: &v32[..],
+                v_stride: b.v_stride,
+                scale: b.scale,
+            };
+            prefill_on(&all, &mut out, 2, path).unwrap();
+            assert!(out == want, "{path:?} f32 q, k, v");
+            let wide_q = PrefillArgs {
+                shape: s,
+                q: &q32[..],
+                q_stride: b.q_stride,
+                k: b.k,
+                k_stride: b.k_stride,
+                v: b.v,
+                v_stride: b.v_stride,
+                scale: b.scale,
+            };
+            prefill_on(&wide_q, &mut out, 2, path).unwrap();
+            assert!(out == want, "{path:?} f32 q over bf16 k, v");
+            let wide_kv = PrefillArgs {
+                shape: s,
+                q: b.q,
+                q_stride: b.q_stride,
+                k: &k32[..],
+                k_stride: b.k_stride,
+                v: &v32[..],
+                v_stride: b.v_stride,
+                scale: b.scale,
+            };
+            let mut half = vec![Bf16(0); n];
+            prefill_on(&wide_kv, &mut half, 2, path).unwrap();
+            assert!(
+                half.iter().map(|x| x.load()).eq(want.iter().copied()),
+                "{path:?} f32 k, v"
+            );
+        }
+    }
+}

@@ -8,9 +8,11 @@
 
 use std::arch::x86_64::*;
 
-use super::{OutPtr, PrefillArgs, Unit};
+use std::any::TypeId;
+
+use super::{bf16_of, OutPtr, PrefillArgs, Unit};
 use crate::cpu::attention::x86::{dot2, exp16};
-use crate::cpu::elem::Bf16;
+use crate::cpu::elem::{Bf16, Elem};
 
 /// Rows of a score block and of a weighted-sum block.
 const QK_ROWS: usize = 8;
@@ -50,7 +52,7 @@ fn pair(lo: Bf16, hi: Bf16) -> u32 {
 }
 
 impl Packed {
-    pub(crate) fn new(args: &PrefillArgs, threads: usize) -> Packed {
+    pub(crate) fn new<Q: Elem, K: Elem>(args: &PrefillArgs<Q, K>, threads: usize) -> Packed {
         let s = args.shape;
         let (hkv, d, dv, keys) = (s.num_kv_heads, s.head_dim, s.v_dim, s.keys());
         let (blocks, pairs, dpn) = (keys.div_ceil(16), keys.div_ceil(2), d / 2);
@@ -64,12 +66,21 @@ impl Packed {
         let v_chunks = pairs.div_ceil(16);
         let k_tasks = hkv * blocks;
         let tasks = k_tasks + hkv * v_chunks;
+        // Rows of f32 keys and values are rounded into these first (one vectorised pass a row).
+        let width = d.max(dv);
         let task = |t: usize| {
+            let (mut b0, mut b1) = (vec![Bf16(0); width], vec![Bf16(0); width]);
             if t < k_tasks {
                 let (h, jb) = (t / blocks, t % blocks);
                 let base = (h * blocks + jb) * dpn * 16;
                 for l in 0..16.min(keys - jb * 16) {
-                    let row = &args.k[(jb * 16 + l) * args.k_stride + h * d..][..d];
+                    // SAFETY: the tiles run only where AVX-512 F/BW are (the caller's contract).
+                    let row = unsafe {
+                        bf16_row(
+                            &args.k[(jb * 16 + l) * args.k_stride + h * d..][..d],
+                            &mut b0,
+                        )
+                    };
                     for dp in 0..dpn {
                         // SAFETY: below `hkv * blocks * dpn * 16`; this task's block only.
                         unsafe { kd.put(base + dp * 16 + l, pair(row[2 * dp], row[2 * dp + 1])) };
@@ -79,9 +90,10 @@ impl Packed {
                 let (h, c) = ((t - k_tasks) / v_chunks, (t - k_tasks) % v_chunks);
                 for jp in c * 16..(c * 16 + 16).min(pairs) {
                     let j = 2 * jp;
-                    let even = &args.v[j * args.v_stride + h * dv..][..dv];
-                    let odd =
-                        (j + 1 < keys).then(|| &args.v[(j + 1) * args.v_stride + h * dv..][..dv]);
+                    let row = |j: usize| &args.v[j * args.v_stride + h * dv..][..dv];
+                    // SAFETY: as for the keys.
+                    let even = unsafe { bf16_row(row(j), &mut b0) };
+                    let odd = (j + 1 < keys).then(|| unsafe { bf16_row(row(j + 1), &mut b1) });
                     let base = (h * pairs + jp) * dv;
                     for x in 0..dv {
                         let hi = odd.map_or(Bf16(0), |o| o[x]);
@@ -97,18 +109,45 @@ impl Packed {
     }
 }
 
-/// One unit into `dst`. `buf` holds at least `2 * rows * keys.next_multiple_of(32)` f32s.
+/// `src` as bf16: itself where it is bf16, else rounded into `buf` (as `bf16_of`).
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW.
+#[inline(always)]
+unsafe fn bf16_row<'a, E: Elem>(src: &'a [E], buf: &'a mut [Bf16]) -> &'a [Bf16] {
+    if TypeId::of::<E>() == TypeId::of::<Bf16>() {
+        // SAFETY: `E` is `Bf16` itself.
+        return unsafe { std::slice::from_raw_parts(src.as_ptr() as *const Bf16, src.len()) };
+    }
+    let dst = &mut buf[..src.len()];
+    // SAFETY: the caller's contract.
+    unsafe { round_into(src, dst) };
+    dst
+}
+
+/// `src` rounded to bf16 into `dst`: a loop LLVM vectorises at 512 bits (a scalar one cost more
+/// than the casts it replaces).
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn round_into<E: Elem>(src: &[E], dst: &mut [Bf16]) {
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = bf16_of(x);
+    }
+}
+
+/// One unit into `dst`. `buf` holds at least `2 * rows * keys.next_multiple_of(32)` f32s;
+/// `qbuf` takes the unit's query rows rounded to bf16 when `Q` is not bf16.
 ///
 /// # Safety
 /// The CPU has AVX-512 F/BW/BF16, the shape's head_dim is a multiple of 32 and v_dim of 16,
 /// `args` passed `validate` against `dst`'s length, and `packed` was built from `args`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(crate) unsafe fn unit(
-    args: &PrefillArgs,
+pub(crate) unsafe fn unit<Q: Elem, K: Elem>(
+    args: &PrefillArgs<Q, K>,
     packed: &Packed,
     u: Unit,
-    dst: OutPtr,
+    dst: OutPtr<Q>,
     buf: &mut [f32],
+    qbuf: &mut Vec<Bf16>,
 ) {
     let s = args.shape;
     let (g, d, dv, hq) = (
@@ -126,9 +165,21 @@ pub(crate) unsafe fn unit(
     let sc = sc.as_mut_ptr();
     // Keys row m sees: its position + 1.
     let limit = |m: usize| s.context_len + u.i0 + m / g + 1;
+    let qoff = |m: usize| (u.i0 + m / g) * args.q_stride + (u.head * g + m % g) * d;
+    let raw_q = TypeId::of::<Q>() == TypeId::of::<Bf16>();
+    if !raw_q {
+        qbuf.resize(rows * d, Bf16(0));
+        for m in 0..rows {
+            // SAFETY: this function's own features.
+            unsafe { round_into(&args.q[qoff(m)..][..d], &mut qbuf[m * d..][..d]) };
+        }
+    }
     let qrow = |m: usize| {
-        let off = (u.i0 + m / g) * args.q_stride + (u.head * g + m % g) * d;
-        args.q[off..].as_ptr() as *const u32
+        if raw_q {
+            args.q[qoff(m)..].as_ptr() as *const u32
+        } else {
+            qbuf[m * d..].as_ptr() as *const u32
+        }
     };
     // SAFETY (all blocks below): rows < `rows`, keys below `limit(rows - 1) <= keys`, rounded
     // up to 16 (scores) or 2 (pairs), stay inside `stride`; packed offsets follow `Packed`'s
@@ -162,7 +213,7 @@ pub(crate) unsafe fn unit(
             let p: [*const u32; PV_ROWS] =
                 std::array::from_fn(|r| pr.add((m0 + r.min(mr - 1)) * stride) as *const u32);
             let w: [f32; PV_ROWS] = std::array::from_fn(|r| inv[m0 + r.min(mr - 1)]);
-            let o: [*mut Bf16; PV_ROWS] = std::array::from_fn(|r| {
+            let o: [*mut Q; PV_ROWS] = std::array::from_fn(|r| {
                 let m = m0 + r.min(mr - 1);
                 dst.0.add(((u.i0 + m / g) * hq + u.head * g + m % g) * dv)
             });
@@ -171,7 +222,7 @@ pub(crate) unsafe fn unit(
                 let nc = ((dv - c) / 16).min(4);
                 macro_rules! pv_rows {
                     ($nc:literal; $($n:literal)*) => {
-                        match mr { $($n => weigh::<$n, $nc>(&p, vp.add(c), dv, np, &w, &o, c),)* _ => unreachable!() }
+                        match mr { $($n => weigh::<$n, $nc, Q>(&p, vp.add(c), dv, np, &w, &o, c),)* _ => unreachable!() }
                     };
                 }
                 match nc {
@@ -268,17 +319,18 @@ unsafe fn softmax(sc: *const f32, len: usize, p: *mut u16, width: usize) -> f32 
 }
 
 /// Output dims `c..c + NC * 16` of `MR` rows: `Σ_j p_j v_j` over key pairs `0..np`, times the
-/// row's `w`, rounded to bf16.
+/// row's `w`, rounded to bf16 (and widened back where `Q` is f32).
 #[inline(always)]
-unsafe fn weigh<const MR: usize, const NC: usize>(
+unsafe fn weigh<const MR: usize, const NC: usize, Q: Elem>(
     p: &[*const u32; PV_ROWS],
     vp: *const u32,
     dv: usize,
     np: usize,
     w: &[f32; PV_ROWS],
-    out: &[*mut Bf16; PV_ROWS],
+    out: &[*mut Q; PV_ROWS],
     c: usize,
 ) {
+    let wide = TypeId::of::<Q>() == TypeId::of::<f32>();
     // SAFETY: the caller's bounds (see `unit`).
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); NC]; MR];
@@ -296,11 +348,16 @@ unsafe fn weigh<const MR: usize, const NC: usize>(
         for (r, acc) in acc.iter().enumerate() {
             let vw = _mm512_set1_ps(w[r]);
             for (i, &a) in acc.iter().enumerate() {
-                let h = _mm512_cvtneps_pbh(_mm512_mul_ps(a, vw));
-                _mm256_storeu_si256(
-                    out[r].add(c + i * 16) as *mut __m256i,
-                    std::mem::transmute::<__m256bh, __m256i>(h),
-                );
+                let h = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(
+                    _mm512_mul_ps(a, vw),
+                ));
+                let o = out[r].add(c + i * 16);
+                if wide {
+                    let f = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+                    _mm512_storeu_si512(o as *mut __m512i, f);
+                } else {
+                    _mm256_storeu_si256(o as *mut __m256i, h);
+                }
             }
         }
     }

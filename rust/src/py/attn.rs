@@ -9,7 +9,7 @@ use super::ops::{dtype_arg, ro, rw, with_elem, DType, Ro, Rw};
 use super::value_error;
 use crate::cpu::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
 use crate::cpu::decode::{decode_from_qkv, QkNorm, QkvStep};
-use crate::cpu::elem::{Bf16, F16};
+use crate::cpu::elem::{Bf16, Elem, F16};
 use crate::cpu::prefill::{prefill, tiles_serve, PrefillArgs, PrefillShape};
 
 /// Run `$body` with `$t` bound to the activations' element type and `$c` to the caches' (one of
@@ -337,13 +337,14 @@ pub(crate) fn parallel_runtime() -> &'static str {
     crate::cpu::parallel::runtime_name()
 }
 
-/// Causal attention of one sequence's bf16 prefill chunk (`crate::cpu::prefill`): `out[i, h] =
+/// Causal attention of one sequence's prefill chunk (`crate::cpu::prefill`): `out[i, h] =
 /// softmax(q[i, h] · K^T * scale) V` over keys `0..=context_len + i`. q `[n, Hq, D]`, k `[S, Hkv,
-/// D]`, v `[S, Hkv, Dv]` (int16 views of bf16 tensors; rows may be strided, as views into a fused
-/// q|k|v projection) with `S = context_len + n` keys in position order; out `[n, Hq, Dv]`
-/// C-contiguous. Runs anywhere; fast where `prefill_attention_serves(D, Dv)`.
+/// D]`, v `[S, Hkv, Dv]` (rows may be strided, as views into a fused q|k|v projection) with `S =
+/// context_len + n` keys in position order; out `[n, Hq, Dv]` C-contiguous. q and out of `dtype`,
+/// k and v of `kv_dtype` (default `dtype`), each float32 or bfloat16 (int16 views of the bits);
+/// bf16 numerics whatever the types. Runs anywhere; fast where `prefill_attention_serves(D, Dv)`.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, context_len, scale, out, threads = 1))]
+#[pyo3(signature = (q, k, v, context_len, scale, out, threads = 1, dtype = "bfloat16", kv_dtype = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prefill_attention(
     py: Python<'_>,
@@ -354,15 +355,53 @@ pub(crate) fn prefill_attention(
     scale: f32,
     out: &Bound<'_, PyAny>,
     threads: usize,
+    dtype: &str,
+    kv_dtype: Option<&str>,
 ) -> PyResult<()> {
-    let dt = DType::Bf16;
-    let (q, k, v) = (ro(q, "q", dt)?, ro(k, "k", dt)?, ro(v, "v", dt)?);
+    let dt = prefill_dtype(dtype, "dtype")?;
+    let kt = match kv_dtype {
+        Some(name) => prefill_dtype(name, "kv_dtype")?,
+        None => dt,
+    };
+    let (q, k, v) = (ro(q, "q", dt)?, ro(k, "k", kt)?, ro(v, "v", kt)?);
     let mut out = rw(out, "out", dt)?;
-    let (qr, kr, vr) = (
-        q.rows::<Bf16>("q")?,
-        k.rows::<Bf16>("k")?,
-        v.rows::<Bf16>("v")?,
-    );
+    match (dt, kt) {
+        (DType::F32, DType::F32) => {
+            prefill_typed::<f32, f32>(py, &q, &k, &v, context_len, scale, &mut out, threads)
+        }
+        (DType::F32, _) => {
+            prefill_typed::<f32, Bf16>(py, &q, &k, &v, context_len, scale, &mut out, threads)
+        }
+        (_, DType::F32) => {
+            prefill_typed::<Bf16, f32>(py, &q, &k, &v, context_len, scale, &mut out, threads)
+        }
+        _ => prefill_typed::<Bf16, Bf16>(py, &q, &k, &v, context_len, scale, &mut out, threads),
+    }
+}
+
+/// float32 or bfloat16: the types `prefill_attention` takes.
+fn prefill_dtype(name: &str, arg: &str) -> PyResult<DType> {
+    match dtype_arg(name) {
+        Ok(DType::F16) | Err(_) => Err(value_error(
+            arg,
+            format!("must be float32 or bfloat16, got {name:?}"),
+        )),
+        Ok(dt) => Ok(dt),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn prefill_typed<Q: Elem, K: Elem>(
+    py: Python<'_>,
+    q: &Ro<'_>,
+    k: &Ro<'_>,
+    v: &Ro<'_>,
+    context_len: usize,
+    scale: f32,
+    out: &mut Rw<'_>,
+    threads: usize,
+) -> PyResult<()> {
+    let (qr, kr, vr) = (q.rows::<Q>("q")?, k.rows::<K>("k")?, v.rows::<K>("v")?);
     let (qs, ks, vs) = (&qr.shape, &kr.shape, &vr.shape);
     if qs.len() != 3 || ks.len() != 3 || vs.len() != 3 {
         let r = format!("q, k and v must be 3-D, got {qs:?}, {ks:?} and {vs:?}");
@@ -372,7 +411,7 @@ pub(crate) fn prefill_attention(
         let r = format!("k {ks:?} and v {vs:?} do not fit q {qs:?} after {context_len} keys");
         return Err(value_error("k", r));
     }
-    let (os, oshape) = out.slice::<Bf16>("out")?;
+    let (os, oshape) = out.slice::<Q>("out")?;
     if oshape != [qs[0], qs[1], vs[2]] {
         let r = format!("shape {oshape:?}, expected {:?}", [qs[0], qs[1], vs[2]]);
         return Err(value_error("out", r));
