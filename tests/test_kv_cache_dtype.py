@@ -8,6 +8,7 @@ twice the tokens for the same bytes.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -233,3 +234,25 @@ def test_f32_prefill_chunks_over_a_bf16_cache_take_the_bf16_tiles(monkeypatch):
     assert got.dtype == torch.float32
     err = (got - want).abs().max().item()
     assert err < 2e-2, err  # bf16 queries and probabilities: measured 7.0e-3 on a Zen 4
+
+
+def test_cpu_pool_planes_are_zeroed_separate_and_start_on_huge_pages():
+    """A CPU pool's planes come from their own anonymous mappings, advised for transparent huge pages (decode reads
+    blocks scattered over the pool), each starting on a 2 MiB boundary, zeroed and touched (resident) as
+    torch.zeros made them; small planes as before."""
+    from ironlm.engine.kv_cache import allocate_kv_caches
+    from ironlm.model.config import ModelConfig
+
+    cfg = ModelConfig(architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=16, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=64)
+    caches = allocate_kv_caches(cfg, 2048, 16, torch.bfloat16, torch.device("cpu"))  # 8 MiB a plane
+    planes = [t for pair in caches for t in pair]
+    assert len({t.data_ptr() for t in planes}) == 6
+    for t in planes:
+        assert t.shape == (2048, 16, 2, 64) and t.dtype == torch.bfloat16 and t.is_contiguous()
+        assert t.data_ptr() % (2 << 20) == 0 or not hasattr(mmap, "MADV_HUGEPAGE")  # Linux only
+        assert not t.any()
+        t[-1, -1, -1, -1] = 1.0  # writable to its last element
+    assert sum(int(t.float().sum()) for t in planes) == 6
+    small = allocate_kv_caches(cfg, 4, 16, torch.float32, torch.device("cpu"))
+    assert all(not t.any() and t.shape == (4, 16, 2, 64) for pair in small for t in pair)
