@@ -326,40 +326,29 @@ fn f32_rows_give_the_bf16_results_widened() {
         for path in paths(&s) {
             let want: Vec<f32> = rounded.run(2, path).iter().map(|x| x.load()).collect();
             let mut out = vec![f32::NAN; n];
-            let all = PrefillArgs {
-                shape: s,
-                q: &q32[..],
-                q_stride: b.q_stride,
-                k: &k32[..],
-                k_stride: b.k_stride,
-                v: &v32[..],
-                v_stride: b.v_stride,
-                scale: b.scale,
-            };
-            prefill_on(&all, &mut out, 2, path).unwrap();
+            // `b`'s geometry over other rows.
+            fn over<'a, Q: Elem, K: Elem>(
+                b: &PrefillArgs,
+                q: &'a [Q],
+                k: &'a [K],
+                v: &'a [K],
+            ) -> PrefillArgs<'a, Q, K> {
+                PrefillArgs {
+                    shape: b.shape,
+                    q,
+                    q_stride: b.q_stride,
+                    k,
+                    k_stride: b.k_stride,
+                    v,
+                    v_stride: b.v_stride,
+                    scale: b.scale,
+                }
+            }
+            prefill_on(&over(&b, &q32, &k32, &v32), &mut out, 2, path).unwrap();
             assert!(out == want, "{path:?} f32 q, k, v");
-            let wide_q = PrefillArgs {
-                shape: s,
-                q: &q32[..],
-                q_stride: b.q_stride,
-                k: b.k,
-                k_stride: b.k_stride,
-                v: b.v,
-                v_stride: b.v_stride,
-                scale: b.scale,
-            };
-            prefill_on(&wide_q, &mut out, 2, path).unwrap();
+            prefill_on(&over(&b, &q32, b.k, b.v), &mut out, 2, path).unwrap();
             assert!(out == want, "{path:?} f32 q over bf16 k, v");
-            let wide_kv = PrefillArgs {
-                shape: s,
-                q: b.q,
-                q_stride: b.q_stride,
-                k: &k32[..],
-                k_stride: b.k_stride,
-                v: &v32[..],
-                v_stride: b.v_stride,
-                scale: b.scale,
-            };
+            let wide_kv = over(&b, b.q, &k32, &v32);
             let mut half = vec![Bf16(0); n];
             prefill_on(&wide_kv, &mut half, 2, path).unwrap();
             assert!(
