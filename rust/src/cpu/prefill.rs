@@ -184,7 +184,7 @@ pub fn prefill<Q: Elem, K: Elem>(
     out: &mut [Q],
     threads: usize,
 ) -> CoreResult<()> {
-    let path = if Path::Bf16Tiles.available(&args.shape) {
+    let path = if Path::Bf16Tiles.available(&args.shape) && tiles_write::<Q>() {
         Path::Bf16Tiles
     } else {
         Path::Generic
@@ -213,6 +213,12 @@ impl<Q> Copy for OutPtr<Q> {}
 unsafe impl<Q> Send for OutPtr<Q> {}
 unsafe impl<Q> Sync for OutPtr<Q> {}
 
+/// Whether the tiles write outputs of type `Q` (bf16, or f32 holding bf16 values).
+fn tiles_write<Q: Elem>() -> bool {
+    use std::any::TypeId;
+    [TypeId::of::<Bf16>(), TypeId::of::<f32>()].contains(&TypeId::of::<Q>())
+}
+
 /// `x` rounded to bf16 (a bf16 as it is): the value every path computes with.
 #[inline(always)]
 pub(crate) fn bf16_of<E: Elem>(x: E) -> Bf16 {
@@ -234,6 +240,12 @@ pub(crate) fn prefill_on<Q: Elem, K: Elem>(
     if !path.available(&args.shape) {
         let r = format!("this CPU or head size cannot run the {path:?} kernel");
         return Err(CoreError::invalid("path", r));
+    }
+    if path == Path::Bf16Tiles && !tiles_write::<Q>() {
+        return Err(CoreError::invalid(
+            "out",
+            "the tiles write bf16 or f32 only",
+        ));
     }
     args.validate(out.len())?;
     let s = args.shape;

@@ -1,5 +1,6 @@
 use super::*;
 
+use crate::cpu::elem::F16;
 use crate::test_rng::Rng;
 
 /// One chunk: q `[n, Hq, D]`, k `[S, Hkv, D]`, v `[S, Hkv, Dv]`, each row followed by `pad`
@@ -355,6 +356,38 @@ fn f32_rows_give_the_bf16_results_widened() {
                 half.iter().map(|x| x.load()).eq(want.iter().copied()),
                 "{path:?} f32 k, v"
             );
+        }
+    }
+}
+
+#[test]
+fn other_output_types_run_on_the_generic_body() {
+    // The tiles write bf16 or f32 only: an f16 output takes the generic body (its bits, stored
+    // as f16), and asking the tiles for it is an error naming `out`.
+    let mut rng = Rng(11);
+    let case = Case::random(&mut rng, &[(64, 64)]);
+    let s = case.shape;
+    let q: Vec<F16> = case.q.iter().map(|x| F16::store(x.load())).collect();
+    let b = case.args();
+    let args = PrefillArgs {
+        shape: s,
+        q: &q[..],
+        q_stride: b.q_stride,
+        k: b.k,
+        k_stride: b.k_stride,
+        v: b.v,
+        v_stride: b.v_stride,
+        scale: b.scale,
+    };
+    let n = s.rows * s.num_q_heads * s.v_dim;
+    let (mut got, mut want) = (vec![F16(0); n], vec![F16(0); n]);
+    prefill(&args, &mut got, 2).unwrap();
+    prefill_on(&args, &mut want, 2, Path::Generic).unwrap();
+    assert!(got == want);
+    if Path::Bf16Tiles.available(&s) {
+        match prefill_on(&args, &mut got, 2, Path::Bf16Tiles) {
+            Err(CoreError::InvalidArgument { name, .. }) => assert_eq!(name, "out"),
+            other => panic!("expected an error naming out, got {other:?}"),
         }
     }
 }
