@@ -82,7 +82,8 @@ class CpuAttention(TorchAttention):
         if q.device.type != "cpu" or dtype is None or cache_dtype is None or (
                 q.dtype != k_cache.dtype and q.dtype != torch.float32):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
-        if not _tiles(q, v, k_cache, window, softcap, sinks)[1]:
+        route = _tiles(q, v, k_cache, window, softcap, sinks)  # once a layer: every chunk of the step alike
+        if not route[1]:
             # As the cache will hold them. Not needed where f32 chunks take the tiles: the cache writes round
             # them, and so does the tile kernel as it reads them.
             k, v = round_to_cache(k, v, k_cache)
@@ -113,7 +114,7 @@ class CpuAttention(TorchAttention):
             if plan.rows is not None:
                 out.index_copy_(0, plan.rows, od)
         for s in plan.prefill:
-            _prefill(q, k, v, k_cache, v_cache, s, scale, window, softcap, sinks, out[s.start : s.end])
+            _prefill(q, k, v, k_cache, v_cache, s, scale, window, softcap, sinks, out[s.start : s.end], route)
         return out
 
     def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -176,18 +177,18 @@ class CpuAttention(TorchAttention):
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              s: _PrefillSeq, scale: float, window: int | None, softcap: float | None, sinks: torch.Tensor | None,
-             out: torch.Tensor) -> None:
-    """One prefill chunk into `out`: plain causal bf16 chunks through the core's tiled kernel where this CPU
-    runs it (`_core.prefill_attention`: AVX-512 BF16 dot products, 3-4x SDPA at 64-1,024 tokens on a Zen 4);
-    else through GEMMs (cpu_prefill) where they beat the torch path (soft-capped logits, sinks, narrow windows;
-    see cpu_prefill.serves), else the torch path (SDPA in bf16 for bf16).
+             out: torch.Tensor, route: tuple[bool, bool]) -> None:
+    """One prefill chunk into `out` (`route`: the layer's `_tiles`): plain causal bf16 chunks through the core's
+    tiled kernel where this CPU runs it (`_core.prefill_attention`: AVX-512 BF16 dot products, 3-4x SDPA at
+    64-1,024 tokens on a Zen 4); else through GEMMs (cpu_prefill) where they beat the torch path (soft-capped
+    logits, sinks, narrow windows; see cpu_prefill.serves), else the torch path (SDPA in bf16 for bf16).
 
     f32 activations over a bf16 cache (a GGUF's quantized weights on a CPU with native bf16: kv_cache_dtype auto)
     take the tiles too, their queries rounded to bf16 as a bf16 model's are: the keys and values are already the
     cache's bf16 values, and the chunk costs 2.3-3.6x less than f32 SDPA (128-2,048 tokens, 9 / 3 heads of 64,
     2-core Zen 4), what a GGUF prompt's prefill spent most of its attention time on. The kernel reads the f32
     rows and writes the f32 output itself (the same bits as casting around a bf16 call, without the casts)."""
-    tiles, wide = _tiles(q, v, k_cache, window, softcap, sinks)
+    tiles, wide = route
     if not tiles and not serves(q.dtype, s.end - s.start, s.seq_len, window, softcap, sinks):
         out.copy_(_prefill_one(q, k, v, k_cache, v_cache, s, scale, softcap, sinks, half=True))
         return
