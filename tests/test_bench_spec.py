@@ -32,5 +32,15 @@ def test_the_bench_reports_both_engines_per_round(tmp_path: Path) -> None:
     assert r["plain_decode_tok_s"] > 0 and r["spec_decode_tok_s"] > 0
     assert r["identical_outputs"] == "2/2"
     assert r["spec_decode_num_drafts"] > 0  # the copy prompts propose from their first decode steps
+    assert len(r["output_tokens"]) == 2 and r["outputs_at_max_tokens"] == sum(n >= 12 for n in r["output_tokens"])
+    assert 0 <= r["output_copied_frac"] + r["output_repeated_frac"] <= 1
     # 2 rounds x 2 prompts x 11 tokens after the first; each accepted token saved a step.
     assert r["free_verification_ceiling"] == 44 / (44 - r["spec_decode_num_accepted_tokens"])
+
+
+def test_sources_tells_copying_from_repeating() -> None:
+    prompt = [1, 2, 3, 4, 5, 6]
+    # 3-grams: [1 2 3] and [2 3 4] copy the prompt; [9 9 9] twice is the answer repeating itself.
+    copied, repeated = spec.sources(prompt, [1, 2, 3, 4, 9, 9, 9, 9, 9, 7], n=3)
+    assert (copied, repeated) == (2, 2)
+    assert spec.sources(prompt, [7, 8], n=3) == (0, 0)
