@@ -11,7 +11,7 @@ memory bandwidth lands on every engine alike; each round's own ratio is reported
 n-gram by default; `--draft` / `--draft-pair` speculate with a draft model instead. `--baseline llama.cpp` adds
 llama.cpp on the same prompts: its plain decode (`llama_cpp_plain`, llama-lookup drafting nothing) and its own
 speculative mode (`llama_cpp`: llama-lookup, or llama-speculative with a draft), and our speed-up over its plain
-decode. The report also says what the plain outputs are made of (`output_copied_frac`: tokens continuing an
+decode. The report also says what the plain outputs are made of (`output_copied_frac`: tokens ending an
 8-gram of the prompt; `output_repeated_frac`: of the answer's own earlier text; `outputs_at_max_tokens`): the
 default model loops once it runs long, and a speed-up earned on a loop is not one earned on copying.
 """
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         "speedup_per_round": per_round, "free_verification_ceiling": ceiling,
         "identical_outputs": f"{same}/{len(prompts)}",
         # What the plain outputs are made of (first round): their lengths, how many ran to max_tokens, and the
-        # shares of output tokens after an 8-gram of the prompt (copying) or only of the output (repeating).
+        # shares of output tokens ending an 8-gram of the prompt (copying) or only of the output (repeating).
         "output_tokens": [len(o) for o in outs], "outputs_at_max_tokens": sum(len(o) >= a.max_tokens for o in outs),
         "output_copied_frac": copied / max(1, out_tokens), "output_repeated_frac": repeated / max(1, out_tokens),
         **metrics, "llama_cpp": llama,
