@@ -796,3 +796,43 @@ fn the_weight_prefetch_does_not_change_a_bit() {
     }
     super::set_prefetch_distances(saved.0, saved.1);
 }
+
+#[test]
+fn rows_past_a_slab_get_the_bits_of_the_row_alone() {
+    // A call of more rows than one slab (`SLAB_ROWS`) runs the groups once per slab: each row's
+    // result is still its own tile sums, the same bits as that row multiplied alone.
+    let mut rng = Rng(43);
+    let k = 256;
+    let raw_q6 = super::q6k_tests::random_raw(&mut rng, 32 * k);
+    let mats = [
+        random_matrix(&mut rng, QKind::Q8, 32, k),
+        random_matrix(&mut rng, QKind::Q4, 32, k),
+        QMatrix::from_ggml(&raw_q6, ggml::Q6_K, 32, k).unwrap(),
+    ];
+    let m = 2 * super::kernel::SLAB_ROWS + 77;
+    let x = rng.floats(m * k);
+    for w in &mats {
+        for isa in isas() {
+            let opts = MatmulOpts {
+                threads: 2,
+                isa: Some(isa),
+                ..MatmulOpts::default()
+            };
+            let mut all = vec![0.0f32; m * 32];
+            w.matmul(&x, m, &mut all, &opts).unwrap();
+            for i in [0, 511, 512, 513, 1023, 1024, m - 1] {
+                let mut one = vec![0.0f32; 32];
+                w.matmul(&x[i * k..(i + 1) * k], 1, &mut one, &opts)
+                    .unwrap();
+                let got = &all[i * 32..(i + 1) * 32];
+                assert!(
+                    got.iter()
+                        .zip(&one)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{:?} {isa:?} row {i}",
+                    w.kind()
+                );
+            }
+        }
+    }
+}
