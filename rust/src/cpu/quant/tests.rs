@@ -761,18 +761,23 @@ fn non_finite_activations_give_nan_rows_on_every_path() {
     }
 }
 
+/// A random `[n, k]` matrix of each x86-tiled kind: Q8, Q4 and Q6K (`k` a multiple of 256).
+fn every_kind(rng: &mut Rng, n: usize, k: usize) -> [QMatrix; 3] {
+    let raw_q6 = super::q6k_tests::random_raw(rng, n * k);
+    [
+        random_matrix(rng, QKind::Q8, n, k),
+        random_matrix(rng, QKind::Q4, n, k),
+        QMatrix::from_ggml(&raw_q6, ggml::Q6_K, n, k).unwrap(),
+    ]
+}
+
 #[test]
 fn the_weight_prefetch_does_not_change_a_bit() {
     // Only the memory traffic may differ: every kind, every path, near and far tiles (below
     // and from 3 rows), with the prefetch off and at two distances.
     let mut rng = Rng(29);
     let k = 256;
-    let raw_q6 = super::q6k_tests::random_raw(&mut rng, 48 * k);
-    let mats = [
-        random_matrix(&mut rng, QKind::Q8, 48, k),
-        random_matrix(&mut rng, QKind::Q4, 48, k),
-        QMatrix::from_ggml(&raw_q6, ggml::Q6_K, 48, k).unwrap(),
-    ];
+    let mats = every_kind(&mut rng, 48, k);
     let saved = super::prefetch_distances();
     for w in &mats {
         for isa in isas() {
@@ -803,12 +808,7 @@ fn rows_past_a_slab_get_the_bits_of_the_row_alone() {
     // result is still its own tile sums, the same bits as that row multiplied alone.
     let mut rng = Rng(43);
     let k = 256;
-    let raw_q6 = super::q6k_tests::random_raw(&mut rng, 32 * k);
-    let mats = [
-        random_matrix(&mut rng, QKind::Q8, 32, k),
-        random_matrix(&mut rng, QKind::Q4, 32, k),
-        QMatrix::from_ggml(&raw_q6, ggml::Q6_K, 32, k).unwrap(),
-    ];
+    let mats = every_kind(&mut rng, 32, k);
     let m = 2 * super::kernel::SLAB_ROWS + 77;
     let x = rng.floats(m * k);
     for w in &mats {
