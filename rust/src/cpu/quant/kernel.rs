@@ -92,7 +92,7 @@ impl Isa {
 /// every group in slabs, so a slab's int8 activations (512 x 1,536 = 768 KiB at most for
 /// SmolLM2's down projection) stay in L2 while the groups stream past, where one pass over ~2,000
 /// rows read them from L3 for every group. Tiles and their sums are the same either way (the
-/// same bits); SmolLM2-135M's four matrices at 1,932 rows, Zen 4, 2 threads: 1.01-1.06x.
+/// same bits); SmolLM2-135M's four matrices at 1,932 rows, Zen 4, 2 threads: a layer 1.01-1.10x.
 pub(super) const SLAB_ROWS: usize = 512;
 
 /// Options of [`QMatrix::matmul`].
