@@ -655,9 +655,10 @@ fn attend<T: Elem, C: Elem>(
 
 /// Ask for `rows` ahead of use (a block ahead here, two in the AVX-512 passes): pages are
 /// scattered, so the hardware prefetcher, which follows one contiguous stream, stalls at every
-/// block boundary without this. Into L2 (T1), not L1: a block ahead is ~200 lines in flight, past L1's few miss buffers, so with T0 one thread
-/// read a long context at 8-9 GB/s (2-core Zen 4, ctx 4000, 30 layers: 0.64-0.67 -> 0.43-0.51 ms
-/// a layer with T1; the default model at ctx 4000 decoded 39.9 -> 61.1 tok/s, medians of 3).
+/// block boundary without this. Into L2 (T1), not L1: a block ahead is ~200 lines in flight,
+/// past L1's few miss buffers, so with T0 one thread read a long context at 8-9 GB/s (2-core
+/// Zen 4, ctx 4000, 30 layers: 0.64-0.67 -> 0.43-0.51 ms a layer with T1; the default model at
+/// ctx 4000 decoded 39.9 -> 61.1 tok/s, medians of 3).
 #[inline(always)]
 fn prefetch<T>(rows: &[T]) {
     #[cfg(target_arch = "x86_64")]

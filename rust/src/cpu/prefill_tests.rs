@@ -298,6 +298,25 @@ fn bad_arguments_are_errors_naming_them() {
     assert!(out.iter().all(|x| x.load().is_finite()));
 }
 
+/// `b`'s geometry over other rows (of other element types).
+fn over<'a, Q: Elem, K: Elem>(
+    b: &PrefillArgs,
+    q: &'a [Q],
+    k: &'a [K],
+    v: &'a [K],
+) -> PrefillArgs<'a, Q, K> {
+    PrefillArgs {
+        shape: b.shape,
+        q,
+        q_stride: b.q_stride,
+        k,
+        k_stride: b.k_stride,
+        v,
+        v_stride: b.v_stride,
+        scale: b.scale,
+    }
+}
+
 #[test]
 fn f32_rows_give_the_bf16_results_widened() {
     // f32 q, k or v are rounded to bf16 as they are read, and an f32 output holds the bf16
@@ -327,24 +346,6 @@ fn f32_rows_give_the_bf16_results_widened() {
         for path in paths(&s) {
             let want: Vec<f32> = rounded.run(2, path).iter().map(|x| x.load()).collect();
             let mut out = vec![f32::NAN; n];
-            // `b`'s geometry over other rows.
-            fn over<'a, Q: Elem, K: Elem>(
-                b: &PrefillArgs,
-                q: &'a [Q],
-                k: &'a [K],
-                v: &'a [K],
-            ) -> PrefillArgs<'a, Q, K> {
-                PrefillArgs {
-                    shape: b.shape,
-                    q,
-                    q_stride: b.q_stride,
-                    k,
-                    k_stride: b.k_stride,
-                    v,
-                    v_stride: b.v_stride,
-                    scale: b.scale,
-                }
-            }
             prefill_on(&over(&b, &q32, &k32, &v32), &mut out, 2, path).unwrap();
             assert!(out == want, "{path:?} f32 q, k, v");
             prefill_on(&over(&b, &q32, b.k, b.v), &mut out, 2, path).unwrap();
@@ -369,16 +370,7 @@ fn other_output_types_run_on_the_generic_body() {
     let s = case.shape;
     let q: Vec<F16> = case.q.iter().map(|x| F16::store(x.load())).collect();
     let b = case.args();
-    let args = PrefillArgs {
-        shape: s,
-        q: &q[..],
-        q_stride: b.q_stride,
-        k: b.k,
-        k_stride: b.k_stride,
-        v: b.v,
-        v_stride: b.v_stride,
-        scale: b.scale,
-    };
+    let args = over(&b, &q, b.k, b.v);
     let n = s.rows * s.num_q_heads * s.v_dim;
     let (mut got, mut want) = (vec![F16(0); n], vec![F16(0); n]);
     prefill(&args, &mut got, 2).unwrap();
