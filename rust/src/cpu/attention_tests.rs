@@ -588,6 +588,7 @@ fn rows_sharing_a_table_equal_each_row_alone() {
         (8, 1, 128, 16),
         (8, 2, 80, 16),
         (8, 2, 48, 16),
+        (10, 2, 64, 16),
     ];
     for (&(hq, hkv, d, bs), path) in shapes.iter().flat_map(|s| paths().map(move |p| (s, p))) {
         for trial in 0..6 {
@@ -652,7 +653,8 @@ fn rows_sharing_a_table_equal_each_row_alone() {
     }
 }
 
-/// Random shapes (GQA groups 1, 3, 4, 8; head dims the AVX-512 and AVX2 paths serve and some
+/// Random shapes (GQA groups 1, 3, 4, 8, and 5 and 6, which the AVX-512 logits take in two
+/// chunks of query heads; head dims the AVX-512 and AVX2 paths serve and some
 /// only the AVX2 one does; odd lengths and block sizes) with random windows, soft-caps and sinks, in f32, bf16 and
 /// f16 caches, on every path: close to the f64 reference, and each row of a batch bit for bit
 /// the row computed alone.
@@ -717,7 +719,7 @@ fn random_shapes_and_options_match_the_reference_row_by_row() {
     let dims = [64, 128, 80, 16, 40, 72, 24, 56];
     for trial in 0..32 {
         let hkv = 1 + rng.index(3);
-        let group = [1, 3, 4, 8][trial % 4];
+        let group = [1, 3, 4, 8, 5, 6][trial % 6];
         let d = dims[rng.index(dims.len())];
         let bs = [16, 16, 1, 5, 8, 32][rng.index(6)];
         let n = 1 + rng.index(6);

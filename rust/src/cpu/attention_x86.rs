@@ -1,16 +1,22 @@
 //! AVX-512 body of `attention::attend` for head dims that are a multiple of 16 (up to 128, and
 //! 256): the same two passes, arranged so that the instructions are the multiply-adds.
 //!
-//! - Logits: per position each KV head's K row is loaded (and widened) once into `D / 16`
-//!   registers and multiplied against every query head of its group in every row; the products
-//!   stay as 16-lane partial sums, one per (row, head, position), in a tile of 16 positions, and
-//!   one transpose-reduce (45 instructions) turns 16 of them into 16 logits. A horizontal sum per
-//!   dot would cost more instructions than the dot itself. On the `Avx512Bf16` path a bf16
-//!   cache's partial sums come from `vdpbf16ps` on the raw K row and query (no widening, half the
-//!   multiply instructions): W's decode shape 0.85-1.0 -> 0.78-0.81 ms a layer (2 threads), one
-//!   600-token sequence 44 -> 35 us, on a 2-core Zen 4. The weighted sum stays in f32 FMAs: a
-//!   `vdpbf16ps` version (V rows interleaved by `vpermt2w`, bf16 probabilities) measured no
-//!   faster there, the loads of scattered V rows being what it waits on.
+//! - Logits: a tile of 16 positions at a time. For each row and KV head, up to four query heads
+//!   of its group hold their queries in registers while the tile's K rows (from L1 after the
+//!   first row) pass by, loaded (and widened) once for them; the products stay as 16-lane partial
+//!   sums, 16 a head, and one transpose-reduce (45 instructions) turns them into 16 logits. A
+//!   horizontal sum per dot would cost more instructions than the dot itself. Holding the queries
+//!   (once loaded again at every position) and a tile that stays in L1 whatever the rows (it once
+//!   held every row's heads: 54 KiB for a 6-row verification of 9 heads) gave the same bits
+//!   1.17-1.2x faster on a 2-core Zen 4 (bf16 cache, 2 threads: W's decode shape with its cache
+//!   in L3 0.334 -> 0.285 ms a layer, a 6-row verification at context 600 0.089 -> 0.075 ms, one
+//!   row 0.022 -> 0.018 ms); with W's cache in DRAM it stays at ~0.5 ms, paced by the misses, not
+//!   the instructions. On the `Avx512Bf16` path a bf16 cache's partial sums come from
+//!   `vdpbf16ps` on the raw K row and query (no widening, half the multiply instructions): W's
+//!   decode shape 0.85-1.0 -> 0.78-0.81 ms a layer (2 threads), one 600-token sequence 44 -> 35
+//!   us, on a 2-core Zen 4. The weighted sum stays in f32 FMAs: a `vdpbf16ps` version (V rows
+//!   interleaved by `vpermt2w`, bf16 probabilities) measured no faster there, the loads of
+//!   scattered V rows being what it waits on.
 //! - Softmax: max, `exp` (the polynomial of `ops::exp`, 16 lanes) and sum, vectorised.
 //! - Weighted sum: per position each KV head's V row is loaded once and multiplied into the
 //!   accumulators of up to 24 registers' worth of (row, head) pairs, kept in registers across all
@@ -174,7 +180,7 @@ unsafe fn attend_dv<T: Elem, C: Elem, const DV: usize>(
     scores.clear();
     scores.resize(total, 0.0);
     tile.clear();
-    tile.resize(spans.len() * hq * 16, Lanes([0.0; 16]));
+    tile.resize(HEADS * 16, Lanes([0.0; 16]));
     // SAFETY: the CPU has AVX-512F (this function's contract); `validate` checked every block
     // id and length, so each row offset and slice below stays inside its buffer.
     unsafe {
@@ -330,9 +336,14 @@ unsafe fn logits_bf16<T: Elem, C: Elem, const DV: usize>(
 /// times `args.scale`, into `scores`; with `DP` (bf16 caches, AVX-512 BF16, DV even) by
 /// `vdpbf16ps` on the raw rows, else from `q` (the rows widened to f32) by f32 FMAs.
 ///
+/// A tile of 16 positions at a time: for each row and KV head, up to `HEADS` query heads hold
+/// their queries in registers while the tile's K rows (in L1 after the first row) pass by once,
+/// their 16-lane partial sums go to `tile` (16 `Lanes` a head, so it stays in L1 however many
+/// rows share the call) and one transpose-reduce per head turns them into 16 logits.
+///
 /// # Safety
 /// AVX-512F in the caller (and with `DP`: AVX-512 BF16, C being Bf16, `qraw` the rows' bf16
-/// queries); `validate` passed.
+/// queries); `validate` passed; `tile` holds `HEADS * 16` lanes.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn logits<T: Elem, C: Elem, const DV: usize, const DP: bool>(
@@ -349,65 +360,16 @@ unsafe fn logits<T: Elem, C: Elem, const DV: usize, const DP: bool>(
     let (d, hq, bs) = (s.head_dim, s.num_q_heads, s.block_size);
     let group = hq / s.num_kv_heads;
     let (lo, hi) = (range.start, range.end);
-    let scale = _mm512_set1_ps(args.scale);
-    let (kp, qp, tp) = (args.k_cache.as_ptr(), q.as_ptr(), tile.as_mut_ptr());
+    let width = s.num_kv_heads * d;
+    let mut rows = [0usize; 16];
     let mut t0 = lo / 16 * 16;
     while t0 < hi {
         for pos in t0.max(lo)..(t0 + 16).min(hi) {
             if pos + AHEAD * bs < hi {
                 let next = geo.row(pos + AHEAD * bs);
-                super::prefetch(&args.k_cache[next..next + s.num_kv_heads * d]);
+                super::prefetch(&args.k_cache[next..next + width]);
             }
-            let slot = pos - t0;
-            // SAFETY: `validate` bounds every row offset; q holds `spans.len() * hq * d` floats and
-            // the tile `spans.len() * hq * 16` lanes.
-            unsafe {
-                let krow = kp.add(geo.row(pos));
-                if DP {
-                    // bf16 pairs: a vector holds 32 elements, so DV / 2 of them make a row
-                    let kraw = krow as *const u16;
-                    for kvh in 0..s.num_kv_heads {
-                        let mut k = [_mm512_setzero_si512(); DV];
-                        for (c, k) in k.iter_mut().take(DV / 2).enumerate() {
-                            *k = _mm512_loadu_si512(kraw.add(kvh * d + c * 32).cast());
-                        }
-                        for (r, &(first, len, _)) in spans.iter().enumerate() {
-                            if pos < first || pos >= len {
-                                continue;
-                            }
-                            let qrow = qraw.ptr.add(r * qraw.stride);
-                            for h in kvh * group..(kvh + 1) * group {
-                                let qh = qrow.add(h * d);
-                                let mut acc = _mm512_setzero_ps();
-                                for (c, &k) in k.iter().take(DV / 2).enumerate() {
-                                    acc = dot2(acc, _mm512_loadu_si512(qh.add(c * 32).cast()), k);
-                                }
-                                _mm512_store_ps(tp.add((r * hq + h) * 16 + slot).cast(), acc);
-                            }
-                        }
-                    }
-                    continue;
-                }
-                for kvh in 0..s.num_kv_heads {
-                    let mut k = [_mm512_setzero_ps(); DV];
-                    for (c, k) in k.iter_mut().enumerate() {
-                        *k = load16(krow.add(kvh * d + c * 16));
-                    }
-                    for (r, &(first, len, _)) in spans.iter().enumerate() {
-                        if pos < first || pos >= len {
-                            continue;
-                        }
-                        for h in kvh * group..(kvh + 1) * group {
-                            let qh = qp.add((r * hq + h) * d);
-                            let mut acc = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
-                            for (c, &k) in k.iter().enumerate().skip(1) {
-                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh.add(c * 16)), k, acc);
-                            }
-                            _mm512_store_ps(tp.add((r * hq + h) * 16 + slot).cast(), acc);
-                        }
-                    }
-                }
-            }
+            rows[pos - t0] = geo.row(pos);
         }
         for (r, &(first, len, base)) in spans.iter().enumerate() {
             let (a, b) = (t0.max(first), (t0 + 16).min(len));
@@ -415,25 +377,134 @@ unsafe fn logits<T: Elem, C: Elem, const DV: usize, const DP: bool>(
                 continue;
             }
             let span = len - first;
-            for h in 0..hq {
-                // SAFETY: the tile holds this pair's 16 lanes; the logits of positions `a..b`
-                // lie inside this row's and head's `span` scores.
-                unsafe {
-                    let x = _mm512_mul_ps(reduce16(tp.add((r * hq + h) * 16)), scale);
-                    let dst = scores.as_mut_ptr().add(base + h * span);
-                    if a == t0 && b == t0 + 16 {
-                        _mm512_storeu_ps(dst.add(t0 - first), x);
-                    } else {
-                        let mut lanes = [0.0f32; 16];
-                        _mm512_storeu_ps(lanes.as_mut_ptr(), x);
-                        for pos in a..b {
-                            *dst.add(pos - first) = lanes[pos - t0];
+            for kvh in 0..s.num_kv_heads {
+                let mut h = kvh * group;
+                while h < (kvh + 1) * group {
+                    let n = ((kvh + 1) * group - h).min(HEADS);
+                    // SAFETY: `validate` bounds every row offset; heads `h..h + n` of row `r` are
+                    // inside q (or `qraw`'s rows); their logits at positions `a..b` lie inside
+                    // the row's `span` scores for each head; the caller's features.
+                    unsafe {
+                        let job = Dots {
+                            k: args.k_cache.as_ptr().add(kvh * d),
+                            rows: &rows,
+                            qb: qraw.ptr.wrapping_add(r * qraw.stride + h * d),
+                            qf: q.as_ptr().wrapping_add((r * hq + h) * d),
+                            d,
+                            t0,
+                            a,
+                            b,
+                            tile: tile.as_mut_ptr(),
+                            dst: scores.as_mut_ptr().add(base + h * span),
+                            span,
+                            first,
+                            scale: args.scale,
+                        };
+                        match n {
+                            1 => dots::<C, DV, DP, 1>(&job),
+                            2 => dots::<C, DV, DP, 2>(&job),
+                            3 => dots::<C, DV, DP, 3>(&job),
+                            _ => dots::<C, DV, DP, 4>(&job),
                         }
                     }
+                    h += n;
                 }
             }
         }
         t0 += 16;
+    }
+}
+
+/// Query heads whose queries one pass of `dots` keeps in registers (a K row load serves them all).
+const HEADS: usize = 4;
+
+/// What `dots` works on: the K cache at one KV head's columns, the tile's cache row offsets, the
+/// first head's query (bf16 `qb` for `vdpbf16ps`, else f32 `qf`; heads `d` elements apart), the
+/// tile at `t0` and its positions `a..b`, and where head `j`'s logits go: `dst + j * span`,
+/// position `pos` at `pos - first`.
+struct Dots<'a, C> {
+    k: *const C,
+    rows: &'a [usize; 16],
+    qb: *const u16,
+    qf: *const f32,
+    d: usize,
+    t0: usize,
+    a: usize,
+    b: usize,
+    tile: *mut Lanes,
+    dst: *mut f32,
+    span: usize,
+    first: usize,
+    scale: f32,
+}
+
+/// The logits of `HC` consecutive query heads of one row over one tile (see `logits`): the same
+/// products, in the same order, and the same reduction as one head at a time.
+///
+/// # Safety
+/// `logits`' contract; the job's pointers valid for `HC` heads and the tile's positions.
+#[inline(always)]
+unsafe fn dots<C: Elem, const DV: usize, const DP: bool, const HC: usize>(job: &Dots<C>) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut qv = [[_mm512_setzero_ps(); DV]; HC];
+        for (j, qv) in qv.iter_mut().enumerate() {
+            if DP {
+                for (c, v) in qv.iter_mut().take(DV / 2).enumerate() {
+                    *v = _mm512_castsi512_ps(_mm512_loadu_si512(
+                        job.qb.add(j * job.d + c * 32).cast(),
+                    ));
+                }
+            } else {
+                for (c, v) in qv.iter_mut().enumerate() {
+                    *v = _mm512_loadu_ps(job.qf.add(j * job.d + c * 16));
+                }
+            }
+        }
+        for pos in job.a..job.b {
+            let slot = pos - job.t0;
+            let krow = job.k.add(job.rows[slot]);
+            if DP {
+                let kraw = krow as *const u16;
+                let mut k = [_mm512_setzero_si512(); DV];
+                for (c, k) in k.iter_mut().take(DV / 2).enumerate() {
+                    *k = _mm512_loadu_si512(kraw.add(c * 32).cast());
+                }
+                for (j, qv) in qv.iter().enumerate() {
+                    let mut acc = _mm512_setzero_ps();
+                    for (c, &k) in k.iter().take(DV / 2).enumerate() {
+                        acc = dot2(acc, _mm512_castps_si512(qv[c]), k);
+                    }
+                    _mm512_store_ps(job.tile.add(j * 16 + slot).cast(), acc);
+                }
+            } else {
+                let mut k = [_mm512_setzero_ps(); DV];
+                for (c, k) in k.iter_mut().enumerate() {
+                    *k = load16(krow.add(c * 16));
+                }
+                for (j, qv) in qv.iter().enumerate() {
+                    let mut acc = _mm512_mul_ps(qv[0], k[0]);
+                    for c in 1..DV {
+                        acc = _mm512_fmadd_ps(qv[c], k[c], acc);
+                    }
+                    _mm512_store_ps(job.tile.add(j * 16 + slot).cast(), acc);
+                }
+            }
+        }
+        let scale = _mm512_set1_ps(job.scale);
+        for j in 0..HC {
+            let x = _mm512_mul_ps(reduce16(job.tile.add(j * 16)), scale);
+            let dst = job.dst.add(j * job.span);
+            if job.a == job.t0 && job.b == job.t0 + 16 {
+                _mm512_storeu_ps(dst.add(job.t0 - job.first), x);
+            } else {
+                let mut lanes = [0.0f32; 16];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), x);
+                for pos in job.a..job.b {
+                    *dst.add(pos - job.first) = lanes[pos - job.t0];
+                }
+            }
+        }
     }
 }
 
