@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from ironlm.bench import report
 from ironlm.bench import serve_rounds as sr
 from ironlm.bench.serve import RequestResult
 
@@ -55,7 +56,7 @@ def test_cpu_split_finds_a_child_process_in_the_server_tree():
     import sys
     import time
 
-    watch = sr.CpuWatch()
+    watch = report.CpuWatch()
     watch.start()
     # a parent whose child burns CPU: the child's time belongs to the parent's tree, not to "other processes"
     code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time\\nt=time.process_time()\\n" \
@@ -64,13 +65,13 @@ def test_cpu_split_finds_a_child_process_in_the_server_tree():
     try:
         child = None
         for _ in range(400):  # wait (up to minutes on a loaded machine) for the child to have burnt its 0.3 s
-            kids = [p for p, (_, ppid, _) in sr._proc_ticks().items() if ppid == parent.pid]
-            if kids and sr._proc_ticks()[kids[0]][2] >= 0.3 * os.sysconf("SC_CLK_TCK") - 1:
+            kids = [p for p, (_, ppid, _) in report.proc_ticks().items() if ppid == parent.pid]
+            if kids and report.proc_ticks()[kids[0]][2] >= 0.3 * os.sysconf("SC_CLK_TCK") - 1:
                 child = kids[0]
                 break
             time.sleep(0.5)
         assert child is not None
-        assert sr._tree(parent.pid, sr._proc_ticks()) >= {parent.pid, child}
+        assert report.process_tree(parent.pid, report.proc_ticks()) >= {parent.pid, child}
         cpu = watch.stop(parent.pid)
     finally:
         parent.communicate(b"")

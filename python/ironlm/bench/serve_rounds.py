@@ -14,77 +14,22 @@ statistics (its TTFT and TPOT are unknown), and the run reports how many there w
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ironlm.bench.datasets import Dataset
-from ironlm.bench.report import cpu_jiffies
+from ironlm.bench.report import CpuWatch
 from ironlm.bench.serve import RequestResult, ServeConfig, drive, summarize
 from ironlm.bench.server_process import ServerProcess
-
-_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
 class Engine:
     name: str
     make: Callable[[], ServerProcess]  # a fresh, unstarted server
-
-
-def _proc_ticks() -> dict[int, tuple[str, int, int]]:
-    """pid -> (command name, parent pid, user + system ticks) of every process readable now."""
-    out = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            text = Path(entry.path, "stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        comm = text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
-        out[int(entry.name)] = (comm, int(fields[1]), int(fields[11]) + int(fields[12]))
-    return out
-
-
-def _tree(root: int, procs: dict[int, tuple[str, int, int]]) -> set[int]:
-    pids, grew = {root}, True
-    while grew:
-        more = {pid for pid, (_, ppid, _) in procs.items() if ppid in pids} - pids
-        pids |= more
-        grew = bool(more)
-    return pids
-
-
-class CpuWatch:
-    """CPU seconds between start() and stop(): the whole machine's, a server tree's, this client's, the rest."""
-
-    def start(self) -> None:
-        self.t0, self.busy0, self.procs0, self.self0 = time.perf_counter(), cpu_jiffies()[0], _proc_ticks(), \
-            time.process_time()
-
-    def stop(self, server_pid: int) -> dict[str, Any]:
-        wall, busy, procs = time.perf_counter() - self.t0, cpu_jiffies()[0] - self.busy0, _proc_ticks()
-        client = time.process_time() - self.self0
-        server = _tree(server_pid, procs)
-
-        def delta(pid: int) -> int:
-            before = self.procs0.get(pid)
-            return procs[pid][2] - (before[2] if before and before[0] == procs[pid][0] else 0)
-
-        server_s = sum(delta(p) for p in server) / _TCK
-        others = sorted(((delta(p) / _TCK, procs[p][0], p) for p in procs if p not in server and p != os.getpid()),
-                        reverse=True)
-        busy_s = busy / _TCK
-        other_s = max(0.0, busy_s - server_s - client)
-        return {"wall_s": wall, "cpus": os.cpu_count(), "machine_busy_cores": busy_s / wall,
-                "server_cores": server_s / wall, "client_cores": client / wall, "other_cores": other_s / wall,
-                "top_others": [{"pid": p, "comm": c, "cores": s / wall} for s, c, p in others[:3] if s > 0]}
 
 
 _LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "ttft_p99_over_median")
