@@ -11,7 +11,8 @@ backends agree is tested in tests/test_attention_torch.py and end to end against
 With ``--kernel`` it times the core kernel alone (``_core.paged_decode_attention``) on random caches at workload
 W's decode shape (SmolLM2-135M: 9 query / 3 KV heads of 64, blocks of 16 in shuffled order; 64 sequences of
 contexts 100-700), on one sequence (context 600) and on one sequence's speculative verification (6 rows sharing a
-block table, context 600), and reports GFLOP/s (4 * head_dim flops per query head and attended position: the
+block table, context 600), one sequence at context 4,000, one with Gemma 3 270M's heads (4 query / 1 KV of 256) at
+2,000, and reports GFLOP/s (4 * head_dim flops per query head and attended position: the
 logits' and the weighted sum's multiply-adds).
 """
 
@@ -139,14 +140,16 @@ def _time_kernel(case: dict[str, Any], threads: int, seconds: float) -> tuple[fl
 
 
 def run_kernel(dtypes: list[str], threads: list[int], seconds: float) -> list[dict[str, Any]]:
-    hq, hkv, d, bs = 9, 3, 64, 16
+    smol, gemma, bs = (9, 3, 64), (4, 1, 256), 16  # (query heads, KV heads, head dim): SmolLM2-135M, Gemma 3 270M
     rng = np.random.default_rng(0)
-    cases = {"W: 64 seqs, ctx 100-700": ([int(x) for x in rng.integers(100, 701, 64)], 1),
-             "one seq, ctx 600": ([600], 1),
-             "verify: 6 rows, one table, ctx 600": ([600], 6)}
+    cases = {"W: 64 seqs, ctx 100-700": ([int(x) for x in rng.integers(100, 701, 64)], 1, smol),
+             "one seq, ctx 600": ([600], 1, smol),
+             "one seq, ctx 4000": ([4000], 1, smol),
+             "one seq, Gemma 3 270M heads, ctx 2000": ([2000], 1, gemma),
+             "verify: 6 rows, one table, ctx 600": ([600], 6, smol)}
     results = []
     for dtype in dtypes:
-        for label, (lens, per) in cases.items():
+        for label, (lens, per, (hq, hkv, d)) in cases.items():
             case = _kernel_case(lens, per, hq, hkv, d, bs, dtype)
             for t in threads:
                 sec, cpu = _time_kernel(case, t, seconds)

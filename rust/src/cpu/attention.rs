@@ -319,9 +319,9 @@ pub(crate) fn paged_decode_on<T: Elem, C: Elem>(
     }
     args.validate(out.len())?;
     let s = args.shape;
-    if s.num_seqs == 1 && threads > 1 && s.num_kv_heads > 1 {
+    if s.num_seqs == 1 && threads > 1 && s.num_q_heads > 1 {
         let (first, len) = args.span(0);
-        if (len - first) * s.kv_stride >= SPLIT_MIN_ELEMS {
+        if (len - first) * s.num_q_heads * s.head_dim >= SPLIT_MIN_WORK {
             split_heads(args, out, threads, path);
             return Ok(());
         }
@@ -361,14 +361,21 @@ fn run_split<T: Elem, C: Elem>(runs: Vec<(DecodeArgs<'_, T, C>, usize, &mut [T])
     });
 }
 
-/// Cache elements (positions x KV heads x head dim, K alone) from which a single sequence's heads
-/// are split over the threads: below it the fork costs about what the second thread saves.
-const SPLIT_MIN_ELEMS: usize = 16 * 1024;
+/// Query elements times positions (positions x query heads x head dim) from which a single
+/// sequence's heads are split over the threads: below it the fork costs about what the second
+/// thread saves. (SmolLM2's 9 / 3 heads of 64: 85 positions, as the K elements' 16 Ki before.)
+const SPLIT_MIN_WORK: usize = 48 * 1024;
+
+/// A view of some heads of the arguments and the output run it writes.
+type View<'a, T, C> = (DecodeArgs<'a, T, C>, &'a mut [T]);
 
 /// One sequence (one query row) on up to `threads` threads, each attending a contiguous run of
-/// its KV heads (with their query heads) through a view of the arguments: the same kernels, each
-/// head's arithmetic unchanged, so the bits do not depend on the split. A single stream's decode
-/// otherwise ran its attention on one thread while the other waited.
+/// its heads through views of the arguments: the same kernels, each head's arithmetic unchanged,
+/// so the bits do not depend on the split. Runs of whole KV heads (with their query heads) while
+/// there are at least as many KV heads as threads; else (MQA's single KV head, say) runs of
+/// query heads, a KV head's group cut between threads that then each read its cache rows: MQA's
+/// decode attention ran on one thread. (Cutting groups when whole KV heads split unevenly, 3 on
+/// 2 threads, measured no faster: a thread's time follows the KV heads it reads.)
 fn split_heads<T: Elem, C: Elem>(
     args: &DecodeArgs<T, C>,
     out: &mut [T],
@@ -376,34 +383,68 @@ fn split_heads<T: Elem, C: Elem>(
     path: Path,
 ) {
     let s = args.shape;
-    let parts = threads.min(s.num_kv_heads);
-    let (group, d) = (s.num_q_heads / s.num_kv_heads, s.head_dim);
-    let mut runs = Vec::with_capacity(parts);
+    let (hq, hkv, d) = (s.num_q_heads, s.num_kv_heads, s.head_dim);
+    let group = hq / hkv;
+    let parts = threads.min(hq);
+    let whole = hkv >= parts;
+    // Each part's views with their disjoint output runs, in head order.
+    let mut runs: Vec<Vec<View<T, C>>> = Vec::with_capacity(parts);
     let mut rest = out;
     for p in 0..parts {
-        let (k0, k1) = (s.num_kv_heads * p / parts, s.num_kv_heads * (p + 1) / parts);
-        let (mine, tail) = std::mem::take(&mut rest).split_at_mut((k1 - k0) * group * d);
-        rest = tail;
-        let view = DecodeArgs {
-            shape: DecodeShape {
-                num_q_heads: (k1 - k0) * group,
-                num_kv_heads: k1 - k0,
-                ..s
-            },
-            q: &args.q[k0 * group * d..],
-            q_stride: args.q_stride,
-            k_cache: &args.k_cache[k0 * d..],
-            v_cache: &args.v_cache[k0 * d..],
-            block_tables: args.block_tables,
-            seq_lens: args.seq_lens,
-            scale: args.scale,
-            window: args.window,
-            softcap: args.softcap,
-            sinks: args.sinks.map(|sk| &sk[k0 * group..k1 * group]),
+        let (h0, h1) = if whole {
+            (hkv * p / parts * group, hkv * (p + 1) / parts * group)
+        } else {
+            (hq * p / parts, hq * (p + 1) / parts)
         };
-        runs.push((view, 0, mine));
+        let mut views = Vec::new();
+        let mut h = h0;
+        while h < h1 {
+            let kv = h / group;
+            // Whole KV heads in one view; a cut group a view of its own.
+            let end = if h % group == 0 && h1 % group == 0 {
+                h1
+            } else {
+                h1.min((kv + 1) * group)
+            };
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut((end - h) * d);
+            rest = tail;
+            let view = DecodeArgs {
+                shape: DecodeShape {
+                    num_q_heads: end - h,
+                    num_kv_heads: (end - h).div_ceil(group),
+                    ..s
+                },
+                q: &args.q[h * d..],
+                q_stride: args.q_stride,
+                k_cache: &args.k_cache[kv * d..],
+                v_cache: &args.v_cache[kv * d..],
+                block_tables: args.block_tables,
+                seq_lens: args.seq_lens,
+                scale: args.scale,
+                window: args.window,
+                softcap: args.softcap,
+                sinks: args.sinks.map(|sk| &sk[h..end]),
+            };
+            views.push((view, mine));
+            h = end;
+        }
+        runs.push(views);
     }
-    run_split(runs, path);
+    if runs.iter().all(|views| views.len() == 1) {
+        let one = |mut views: Vec<_>| {
+            let (view, out) = views.pop().expect("one view");
+            (view, 0, out)
+        };
+        return run_split(runs.into_iter().map(one).collect(), path);
+    }
+    // Each part's views are locked by exactly one thread: the mutex only proves them disjoint.
+    let runs: Vec<_> = runs.into_iter().map(Mutex::new).collect();
+    crate::cpu::parallel::run_parts(runs.len(), &|p| {
+        let mut views = runs[p].lock().unwrap_or_else(|e| e.into_inner());
+        for (args, out) in views.iter_mut() {
+            run_seqs(args, 0, out, path);
+        }
+    });
 }
 
 /// Sequences `first..first + out.len() / (Hq * D)` on `path` (one this CPU has): the generic

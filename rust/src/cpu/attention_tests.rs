@@ -513,9 +513,10 @@ fn sinks_join_the_denominator_only() {
     assert!(paged_decode(&case.args(), &mut out, 1).is_err());
 }
 
-/// One sequence on several threads splits its KV heads between them (long enough contexts):
-/// every path gives the bits of one thread, with windows, soft-caps and sinks, and stays close to
-/// the reference; a stride that is not the cache's row is refused.
+/// One sequence on several threads splits its query heads between them (long enough contexts),
+/// cutting KV heads' groups where the runs end (MQA's one group included): every path gives the
+/// bits of one thread, with windows, soft-caps and sinks, and stays close to the reference; a
+/// stride that is not the cache's row is refused.
 #[test]
 fn one_sequence_split_over_heads_keeps_its_bits() {
     let mut rng = Rng(59);
@@ -525,6 +526,8 @@ fn one_sequence_split_over_heads_keeps_its_bits() {
         (12, 2, 128, 16),
         (6, 6, 16, 8),
         (4, 4, 48, 16),
+        (4, 1, 64, 16),
+        (5, 1, 32, 16),
     ];
     for (&(hq, hkv, d, bs), path) in shapes.iter().flat_map(|s| paths().map(move |p| (s, p))) {
         for trial in 0..4 {
