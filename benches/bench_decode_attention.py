@@ -10,8 +10,8 @@ backends agree is tested in tests/test_attention_torch.py and end to end against
 
 With ``--kernel`` it times the core kernel alone (``_core.paged_decode_attention``) on random caches at workload
 W's decode shape (SmolLM2-135M: 9 query / 3 KV heads of 64, blocks of 16 in shuffled order; 64 sequences of
-contexts 100-700), on one sequence (context 600) and on one sequence's speculative verification (6 rows sharing a
-block table, context 600), one sequence at context 4,000, one with Gemma 3 270M's heads (4 query / 1 KV of 256) at
+contexts 100-700), on one sequence (context 600) and on one sequence's speculative verification (2, 3, 4 and 6 rows sharing
+a block table, context 600), one sequence at context 4,000, one with Gemma 3 270M's heads (4 query / 1 KV of 256) at
 2,000, and reports GFLOP/s (4 * head_dim flops per query head and attended position: the
 logits' and the weighted sum's multiply-adds).
 """
@@ -146,6 +146,9 @@ def run_kernel(dtypes: list[str], threads: list[int], seconds: float) -> list[di
              "one seq, ctx 600": ([600], 1, smol),
              "one seq, ctx 4000": ([4000], 1, smol),
              "one seq, Gemma 3 270M heads, ctx 2000": ([2000], 1, gemma),
+             "verify: 2 rows, one table, ctx 600": ([600], 2, smol),
+             "verify: 3 rows, one table, ctx 600": ([600], 3, smol),
+             "verify: 4 rows, one table, ctx 600": ([600], 4, smol),
              "verify: 6 rows, one table, ctx 600": ([600], 6, smol)}
     results = []
     for dtype in dtypes:

@@ -319,9 +319,11 @@ pub(crate) fn paged_decode_on<T: Elem, C: Elem>(
     }
     args.validate(out.len())?;
     let s = args.shape;
-    if s.num_seqs == 1 && threads > 1 && s.num_q_heads > 1 {
-        let (first, len) = args.span(0);
-        if (len - first) * s.num_q_heads * s.head_dim >= SPLIT_MIN_WORK {
+    // One row, or 3+ rows of one table (2 rows split 1 : 1 by rows measured faster than by heads).
+    let one_table = s.num_seqs != 2 && (1..s.num_seqs).all(|r| args.same_table(0, r));
+    if threads > 1 && s.num_q_heads > 1 && one_table {
+        let (first, len) = args.span(s.num_seqs - 1);
+        if (len - first) * s.num_seqs * s.num_q_heads * s.head_dim >= SPLIT_MIN_WORK {
             split_heads(args, out, threads, path);
             return Ok(());
         }
@@ -366,16 +368,26 @@ fn run_split<T: Elem, C: Elem>(runs: Vec<(DecodeArgs<'_, T, C>, usize, &mut [T])
 /// thread saves. (SmolLM2's 9 / 3 heads of 64: 85 positions, as the K elements' 16 Ki before.)
 const SPLIT_MIN_WORK: usize = 48 * 1024;
 
-/// A view of some heads of the arguments and the output run it writes.
-type View<'a, T, C> = (DecodeArgs<'a, T, C>, &'a mut [T]);
+/// A view of some heads of the arguments, and its output: the run of `out` it writes (one row),
+/// or a buffer of its own (`[rows, its heads, D]`, copied into `out` after).
+type View<'a, T, C> = (DecodeArgs<'a, T, C>, Dest<'a, T>);
 
-/// One sequence (one query row) on up to `threads` threads, each attending a contiguous run of
-/// its heads through views of the arguments: the same kernels, each head's arithmetic unchanged,
-/// so the bits do not depend on the split. Runs of whole KV heads (with their query heads) while
-/// there are at least as many KV heads as threads; else (MQA's single KV head, say) runs of
-/// query heads, a KV head's group cut between threads that then each read its cache rows: MQA's
-/// decode attention ran on one thread. (Cutting groups when whole KV heads split unevenly, 3 on
-/// 2 threads, measured no faster: a thread's time follows the KV heads it reads.)
+enum Dest<'a, T> {
+    Out(&'a mut [T]),
+    Own(Vec<T>),
+}
+
+/// One sequence's query rows (one row, or a speculative verification's rows sharing its table)
+/// on up to `threads` threads, each attending a contiguous run of the heads, for every row,
+/// through views of the arguments: the same kernels, each (row, head)'s arithmetic unchanged, so
+/// the bits do not depend on the split (nor on the rows: the module's promise). One row: runs of
+/// whole KV heads while there are at least as many KV heads as threads, else (MQA's single KV
+/// head, say) runs of query heads, a KV head's group cut between threads that then each read its
+/// cache rows (MQA's decode attention ran on one thread; cutting groups when whole KV heads split
+/// unevenly, 3 on 2 threads, measured no faster at one row: a thread's time follows the KV heads
+/// it reads). Several rows: runs of query heads (their work grows with the rows, the reads do
+/// not), each thread reading its KV heads once for all rows, where a split by rows had every
+/// thread read every head.
 fn split_heads<T: Elem, C: Elem>(
     args: &DecodeArgs<T, C>,
     out: &mut [T],
@@ -383,11 +395,11 @@ fn split_heads<T: Elem, C: Elem>(
     path: Path,
 ) {
     let s = args.shape;
-    let (hq, hkv, d) = (s.num_q_heads, s.num_kv_heads, s.head_dim);
+    let (rows, hq, hkv, d) = (s.num_seqs, s.num_q_heads, s.num_kv_heads, s.head_dim);
     let group = hq / hkv;
     let parts = threads.min(hq);
-    let whole = hkv >= parts;
-    // Each part's views with their disjoint output runs, in head order.
+    let whole = rows == 1 && hkv >= parts;
+    // Each part's views with their outputs, in head order.
     let mut runs: Vec<Vec<View<T, C>>> = Vec::with_capacity(parts);
     let mut rest = out;
     for p in 0..parts {
@@ -406,8 +418,13 @@ fn split_heads<T: Elem, C: Elem>(
             } else {
                 h1.min((kv + 1) * group)
             };
-            let (mine, tail) = std::mem::take(&mut rest).split_at_mut((end - h) * d);
-            rest = tail;
+            let dest = if rows == 1 {
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut((end - h) * d);
+                rest = tail;
+                Dest::Out(mine)
+            } else {
+                Dest::Own(vec![T::store(0.0); rows * (end - h) * d])
+            };
             let view = DecodeArgs {
                 shape: DecodeShape {
                     num_q_heads: end - h,
@@ -425,26 +442,48 @@ fn split_heads<T: Elem, C: Elem>(
                 softcap: args.softcap,
                 sinks: args.sinks.map(|sk| &sk[h..end]),
             };
-            views.push((view, mine));
+            views.push((view, dest));
             h = end;
         }
         runs.push(views);
     }
-    if runs.iter().all(|views| views.len() == 1) {
-        let one = |mut views: Vec<_>| {
-            let (view, out) = views.pop().expect("one view");
-            (view, 0, out)
-        };
-        return run_split(runs.into_iter().map(one).collect(), path);
+    if rows == 1 && runs.iter().all(|views| views.len() == 1) {
+        let mut single = Vec::with_capacity(runs.len());
+        for mut views in runs {
+            match views.pop() {
+                Some((view, Dest::Out(out))) => single.push((view, 0, out)),
+                _ => unreachable!("one row's views write their runs of `out`"),
+            }
+        }
+        return run_split(single, path);
     }
     // Each part's views are locked by exactly one thread: the mutex only proves them disjoint.
     let runs: Vec<_> = runs.into_iter().map(Mutex::new).collect();
     crate::cpu::parallel::run_parts(runs.len(), &|p| {
         let mut views = runs[p].lock().unwrap_or_else(|e| e.into_inner());
-        for (args, out) in views.iter_mut() {
-            run_seqs(args, 0, out, path);
+        for (args, dest) in views.iter_mut() {
+            match dest {
+                Dest::Out(out) => run_seqs(args, 0, out, path),
+                Dest::Own(buf) => run_seqs(args, 0, buf, path),
+            }
         }
     });
+    if rows == 1 {
+        return;
+    }
+    // The views' rows into `out` (`rest` is all of it: no view took a run).
+    let mut h0 = 0;
+    for views in runs {
+        for (view, dest) in views.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            let n = view.shape.num_q_heads * d;
+            if let Dest::Own(buf) = dest {
+                for (r, src) in buf.chunks_exact(n).enumerate() {
+                    rest[r * hq * d + h0..][..n].copy_from_slice(src);
+                }
+            }
+            h0 += n;
+        }
+    }
 }
 
 /// Sequences `first..first + out.len() / (Hq * D)` on `path` (one this CPU has): the generic

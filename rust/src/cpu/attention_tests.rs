@@ -577,6 +577,76 @@ fn one_sequence_split_over_heads_keeps_its_bits() {
     assert!(paged_decode(&case.args(), &mut out, 2).is_err());
 }
 
+/// One sequence's verification rows alone in a call, long enough to split: the threads take runs
+/// of query heads for every row (`split_heads`); each row comes out bit for bit as alone on one
+/// thread, with windows, soft-caps and sinks, and close to the reference.
+#[test]
+fn one_sequences_rows_split_over_heads_keep_their_bits() {
+    let mut rng = Rng(61);
+    let shapes = [
+        (9, 3, 64, 16),
+        (4, 1, 64, 16),
+        (12, 2, 128, 16),
+        (6, 6, 16, 8),
+    ];
+    for (&(hq, hkv, d, bs), path) in shapes.iter().flat_map(|s| paths().map(move |p| (s, p))) {
+        for trial in 0..4 {
+            let k = 2 + rng.index(5);
+            let mut case = Case::random(&mut rng, hq, hkv, d, bs, 1);
+            let blocks = 2048 / (bs * hkv) + 1 + rng.index(8);
+            let num_blocks = blocks + 3;
+            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.index(i + 1));
+            }
+            let table = ids[..blocks].to_vec();
+            let last = (blocks * bs - rng.index(bs)) as i32;
+            case.shape.num_seqs = k;
+            case.shape.max_blocks = blocks;
+            case.shape.num_blocks = num_blocks;
+            case.tables = (0..k).flat_map(|_| table.iter().copied()).collect();
+            case.lens = (0..k as i32).map(|j| last - (k as i32 - 1) + j).collect();
+            case.q = rng.floats(k * hq * d);
+            case.k = rng.floats(num_blocks * bs * hkv * d);
+            case.v = rng.floats(num_blocks * bs * hkv * d);
+            case.window = [None, Some(blocks * bs / 2 + 1)][trial % 2];
+            case.softcap = (trial == 2).then_some(4.0);
+            case.sinks = (trial == 3).then(|| rng.floats(hq));
+            let width = hq * d;
+            let alone: Vec<Vec<f32>> = (0..k)
+                .map(|row| {
+                    let one = DecodeArgs {
+                        shape: DecodeShape {
+                            num_seqs: 1,
+                            ..case.shape
+                        },
+                        q: &case.q[row * width..(row + 1) * width],
+                        block_tables: &case.tables[..blocks],
+                        seq_lens: &case.lens[row..row + 1],
+                        ..case.args()
+                    };
+                    let mut out = vec![f32::NAN; width];
+                    paged_decode_on(&one, &mut out, 1, path).unwrap();
+                    out
+                })
+                .collect();
+            for threads in [2, 3, 8] {
+                let mut out = vec![f32::NAN; k * width];
+                paged_decode_on(&case.args(), &mut out, threads, path).unwrap();
+                for (row, want) in alone.iter().enumerate() {
+                    let got = &out[row * width..(row + 1) * width];
+                    assert!(
+                        got.iter().zip(want).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{path:?} Hq={hq} Hkv={hkv} D={d} trial {trial} threads {threads}: row {row} of {k}"
+                    );
+                }
+            }
+            let err = max_diff(&alone.concat(), &case.reference());
+            assert!(err < 1e-5, "{path:?} trial {trial}: max error {err}");
+        }
+    }
+}
+
 /// A speculative verification's rows: one sequence's table repeated for rows at consecutive
 /// positions (`_row_plan`). They are attended as one group that reads the cache once; each row
 /// must come out bit for bit as when it is the only row of a call, with windows, soft-caps and
