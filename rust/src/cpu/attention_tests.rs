@@ -513,6 +513,33 @@ fn sinks_join_the_denominator_only() {
     assert!(paged_decode(&case.args(), &mut out, 1).is_err());
 }
 
+/// One sequence of `blocks` blocks in a shuffled pool (3 blocks spare), its last block partly
+/// filled, random K and V, and trial `trial`'s variant: a window (odd trials), a soft-cap (2),
+/// sinks (3).
+fn long_case(
+    rng: &mut Rng,
+    (hq, hkv, d, bs): (usize, usize, usize, usize),
+    blocks: usize,
+    trial: usize,
+) -> Case {
+    let mut case = Case::random(rng, hq, hkv, d, bs, 1);
+    let num_blocks = blocks + 3;
+    case.shape.max_blocks = blocks;
+    case.shape.num_blocks = num_blocks;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.index(i + 1));
+    }
+    case.tables = ids[..blocks].to_vec();
+    case.lens = vec![(blocks * bs - rng.index(bs)) as i32];
+    case.k = rng.floats(num_blocks * bs * hkv * d);
+    case.v = rng.floats(num_blocks * bs * hkv * d);
+    case.window = [None, Some(blocks * bs / 2 + 1)][trial % 2];
+    case.softcap = (trial == 2).then_some(4.0);
+    case.sinks = (trial == 3).then(|| rng.floats(hq));
+    case
+}
+
 /// One sequence on several threads splits its query heads between them (long enough contexts),
 /// cutting KV heads' groups where the runs end (MQA's one group included): every path gives the
 /// bits of one thread, with windows, soft-caps and sinks, and stays close to the reference; a
@@ -531,27 +558,13 @@ fn one_sequence_split_over_heads_keeps_its_bits() {
     ];
     for (&(hq, hkv, d, bs), path) in shapes.iter().flat_map(|s| paths().map(move |p| (s, p))) {
         for trial in 0..4 {
-            let mut case = Case::random(&mut rng, hq, hkv, d, bs, 1);
             // contexts past the split threshold (and one under it, trial 0)
             let blocks = if trial == 0 {
                 2
             } else {
                 4096 / (bs * hkv) + 1 + rng.index(8)
             };
-            let num_blocks = blocks + 3;
-            case.shape.max_blocks = blocks;
-            case.shape.num_blocks = num_blocks;
-            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-            for i in (1..ids.len()).rev() {
-                ids.swap(i, rng.index(i + 1));
-            }
-            case.tables = ids[..blocks].to_vec();
-            case.lens = vec![(blocks * bs - rng.index(bs)) as i32];
-            case.k = rng.floats(num_blocks * bs * hkv * d);
-            case.v = rng.floats(num_blocks * bs * hkv * d);
-            case.window = [None, Some(blocks * bs / 2 + 1)][trial % 2];
-            case.softcap = (trial == 2).then_some(4.0);
-            case.sinks = (trial == 3).then(|| rng.floats(hq));
+            let case = long_case(&mut rng, (hq, hkv, d, bs), blocks, trial);
             let run = |threads: usize| {
                 let mut out = vec![f32::NAN; hq * d];
                 paged_decode_on(&case.args(), &mut out, threads, path).unwrap();
@@ -592,26 +605,14 @@ fn one_sequences_rows_split_over_heads_keep_their_bits() {
     for (&(hq, hkv, d, bs), path) in shapes.iter().flat_map(|s| paths().map(move |p| (s, p))) {
         for trial in 0..4 {
             let k = 2 + rng.index(5);
-            let mut case = Case::random(&mut rng, hq, hkv, d, bs, 1);
             let blocks = 2048 / (bs * hkv) + 1 + rng.index(8);
-            let num_blocks = blocks + 3;
-            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-            for i in (1..ids.len()).rev() {
-                ids.swap(i, rng.index(i + 1));
-            }
-            let table = ids[..blocks].to_vec();
-            let last = (blocks * bs - rng.index(bs)) as i32;
+            let mut case = long_case(&mut rng, (hq, hkv, d, bs), blocks, trial);
+            // k rows of the one table, ending at its length
+            let last = case.lens[0];
             case.shape.num_seqs = k;
-            case.shape.max_blocks = blocks;
-            case.shape.num_blocks = num_blocks;
-            case.tables = (0..k).flat_map(|_| table.iter().copied()).collect();
+            case.tables = case.tables.repeat(k);
             case.lens = (0..k as i32).map(|j| last - (k as i32 - 1) + j).collect();
             case.q = rng.floats(k * hq * d);
-            case.k = rng.floats(num_blocks * bs * hkv * d);
-            case.v = rng.floats(num_blocks * bs * hkv * d);
-            case.window = [None, Some(blocks * bs / 2 + 1)][trial % 2];
-            case.softcap = (trial == 2).then_some(4.0);
-            case.sinks = (trial == 3).then(|| rng.floats(hq));
             let width = hq * d;
             let alone: Vec<Vec<f32>> = (0..k)
                 .map(|row| {
