@@ -117,6 +117,9 @@ def test_decoder_byte_by_byte_and_a_plain_body():
     assert [json.loads(g) for g in got[:-1]] == [json.loads(e[6:]) for e in body.split(b"\n\n")[:5]]
     plain = SseDecoder(chunked=False)
     assert plain.feed(body) == got and not plain.complete
+    crlf = body.replace(b"\n", b"\r\n")  # CRLF line ends, fed 3 bytes at a time (some pairs cut in two)
+    dec = SseDecoder(chunked=False, length=len(crlf))
+    assert [e for i in range(0, len(crlf), 3) for e in dec.feed(crlf[i:i + 3])] == got and dec.complete
     with pytest.raises(ValueError):
         SseDecoder(chunked=True).feed(b"zz\r\n")
 

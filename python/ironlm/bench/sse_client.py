@@ -74,8 +74,11 @@ class SseDecoder:
         self.ended = False  # the zero-size chunk seen
 
     def feed(self, data: bytes) -> list[bytes]:
-        """The data fields of the events completed by `data` (`[DONE]` included), in order."""
+        """The data fields of the events completed by `data` (`[DONE]` included), in order. Lines may end in LF or
+        CRLF (SSE allows both)."""
         self.unframe(data)
+        if b"\r\n" in self.text:
+            self.text = self.text.replace(b"\r\n", b"\n")
         *events, self.text = self.text.split(b"\n\n")
         return [e[5:].strip() for e in events if e.startswith(b"data:")]
 

@@ -513,6 +513,13 @@ fn sinks_join_the_denominator_only() {
     assert!(paged_decode(&case.args(), &mut out, 1).is_err());
 }
 
+/// Blocks of `bs` positions that take `rows` rows of `hq` heads of `d` past `split_heads`'
+/// threshold even under the half-context window of odd trials (`long_case`), and not much more:
+/// short contexts keep the debug build's tests quick.
+fn past_split(rows: usize, hq: usize, d: usize, bs: usize) -> usize {
+    2 * (SPLIT_MIN_WORK / (rows * hq * d * bs) + 2)
+}
+
 /// One sequence of `blocks` blocks in a shuffled pool (3 blocks spare), its last block partly
 /// filled, random K and V, and trial `trial`'s variant: a window (odd trials), a soft-cap (2),
 /// sinks (3).
@@ -562,7 +569,7 @@ fn one_sequence_split_over_heads_keeps_its_bits() {
             let blocks = if trial == 0 {
                 2
             } else {
-                4096 / (bs * hkv) + 1 + rng.index(8)
+                past_split(1, hq, d, bs) + rng.index(8)
             };
             let case = long_case(&mut rng, (hq, hkv, d, bs), blocks, trial);
             let run = |threads: usize| {
@@ -590,8 +597,8 @@ fn one_sequence_split_over_heads_keeps_its_bits() {
     assert!(paged_decode(&case.args(), &mut out, 2).is_err());
 }
 
-/// One sequence's verification rows alone in a call, long enough to split: the threads take runs
-/// of query heads for every row (`split_heads`); each row comes out bit for bit as alone on one
+/// One sequence's verification rows (3-6) alone in a call, long enough to split: the threads take
+/// runs of query heads for every row (`split_heads`); each row comes out bit for bit as alone on one
 /// thread, with windows, soft-caps and sinks, and close to the reference.
 #[test]
 fn one_sequences_rows_split_over_heads_keep_their_bits() {
@@ -604,8 +611,8 @@ fn one_sequences_rows_split_over_heads_keep_their_bits() {
     ];
     for (&(hq, hkv, d, bs), path) in shapes.iter().flat_map(|s| paths().map(move |p| (s, p))) {
         for trial in 0..4 {
-            let k = 2 + rng.index(5);
-            let blocks = 2048 / (bs * hkv) + 1 + rng.index(8);
+            let k = 3 + rng.index(4);
+            let blocks = past_split(k, hq, d, bs) + rng.index(8);
             let mut case = long_case(&mut rng, (hq, hkv, d, bs), blocks, trial);
             // k rows of the one table, ending at its length
             let last = case.lens[0];
