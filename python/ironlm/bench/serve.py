@@ -308,10 +308,12 @@ def drive_watched(config: ServeConfig, server: ServerProcess | None, base_url: s
     (None for a server this process did not start)."""
     if warm is not None and warm.requests:
         asyncio.run(_drive(config, base_url, None, warm, desc=f"{label} warm-up"))
-    watch = CpuWatch()
-    watch.start()
+    pid = server.proc.pid if server is not None and server.proc is not None else None
+    watch = CpuWatch() if pid is not None else None  # its /proc scans only where there is a server to account
+    if watch is not None:
+        watch.start()
     results, duration = asyncio.run(_drive(config, base_url, None, ds, desc=label))
-    cpu = watch.stop(server.proc.pid) if server is not None and server.proc is not None else None
+    cpu = watch.stop(pid) if watch is not None and pid is not None else None
     return results, duration, cpu
 
 

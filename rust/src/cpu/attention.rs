@@ -447,6 +447,8 @@ fn split_heads<T: Elem, C: Elem>(
         }
         runs.push(views);
     }
+    // One view a thread (one row, whole KV heads): `run_split`, as before the views; through the
+    // per-thread lists below one row at context 600 took 0.020-0.021 ms against 0.018 (2 threads).
     if rows == 1 && runs.iter().all(|views| views.len() == 1) {
         let mut single = Vec::with_capacity(runs.len());
         for mut views in runs {
