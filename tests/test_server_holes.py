@@ -384,13 +384,16 @@ def test_the_connection_cap_can_be_turned_off(serve):
 
 def test_an_early_answer_to_a_big_body_ends_the_connection_cleanly(serve):
     """A refusal sent before the body was read (here the key check's 401): the client reads that one answer and
-    then the server's FIN, not a second, made-up 431 for the body bytes that followed."""
+    then the server's FIN, not a second, made-up 431 for the body bytes that followed. The answer says
+    `connection: close`, so a pooled client never sends its next request into that FIN (without it httpx below
+    failed now and then with "Server disconnected without sending a response")."""
     server = serve(api_key="k", max_request_bytes=1 << 20)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(raw_head(length=BIG // 4) + b" " * (BIG // 4))
         raw = read_response(sock)
     assert raw.count(b"HTTP/1.1 ") == 1, raw[:400]
     assert status_and_error(raw)[0] == 401
+    assert b"\r\nconnection: close\r\n" in raw.partition(b"\r\n\r\n")[0].lower() + b"\r\n", raw[:400]
     with httpx.Client(timeout=30) as client:  # a pooled client reconnects and goes on
         assert client.post(f"{server.base_url}/completions", content=b" " * (BIG // 4),
                            headers={"Content-Type": "application/json"}).status_code == 401

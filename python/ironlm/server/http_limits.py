@@ -84,10 +84,34 @@ class _HeadLimits:
                 self._refuse(431, f"request headers exceed {self.max_head_bytes} bytes")
             elif self.cycle.more_body:
                 self._body_timer = self.loop.call_later(self.body_timeout, self._body_timed_out)
+                self._close_if_answered_early(self.cycle)
             return
         self._head_bytes += len(data)
         if self._head_bytes > self.max_head_bytes:
             self._refuse(431, f"request line and headers exceed {self.max_head_bytes} bytes")
+
+    def _close_if_answered_early(self, cycle: Any) -> None:
+        """A response that starts before its request's body has come in says `connection: close`: that connection
+        ends after it (`on_response_complete` lingers, then closes), and a keep-alive client that pooled it would
+        send its next request into that close and read "disconnected without a response". httptools' cycle would
+        also close at once on the header, resetting a client still sending its body, so its keep-alive flag is
+        put back and `_linger` does the closing. h11's cycle (uvicorn's fallback without httptools) keeps the
+        old behaviour: its state machine cannot be told to send the header and still linger."""
+        if hasattr(cycle, "conn"):  # h11
+            return
+        send = cycle.send
+
+        async def send_closing(message: Any) -> None:
+            if message["type"] != "http.response.start" or not cycle.more_body:
+                await send(message)
+                return
+            headers = [*message.get("headers", ())]
+            if not any(k.lower() == b"connection" and b"close" in v.lower() for k, v in headers):
+                headers.append((b"connection", b"close"))
+            await send({**message, "headers": headers})
+            cycle.keep_alive = True
+
+        cycle.send = send_closing
 
     def on_response_complete(self) -> None:
         cycle = self.cycle
