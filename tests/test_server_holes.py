@@ -382,6 +382,18 @@ def test_the_connection_cap_can_be_turned_off(serve):
             sock.close()
 
 
+def test_an_early_answer_says_close_and_ends_the_connection_while_the_body_is_pending(serve):
+    """Head and 10 of 100 body bytes, then nothing: the key check's 401 comes at once, says `connection: close`,
+    and the server's FIN follows (read_response would time out on a connection kept waiting for the rest)."""
+    server = serve(api_key="k")
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(raw_head(length=100) + b"{" * 10)
+        raw = read_response(sock)
+    head = raw.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 401") and b"\r\nconnection: close" in head, raw[:400]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
 def test_an_early_answer_to_a_big_body_ends_the_connection_cleanly(serve):
     """A refusal sent before the body was read (here the key check's 401): the client reads that one answer and
     then the server's FIN, not a second, made-up 431 for the body bytes that followed. The answer says

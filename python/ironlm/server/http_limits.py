@@ -50,6 +50,7 @@ class _HeadLimits:
         self._lingering = False
         self._drained = 0
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._told_close: Any = None  # the cycle whose early answer said `connection: close`
         super().connection_made(transport)  # type: ignore[misc]
         peer = transport.get_extra_info("peername")
         host = peer[0] if isinstance(peer, tuple) and peer else None  # None: a Unix socket, not capped
@@ -95,8 +96,9 @@ class _HeadLimits:
         ends after it (`on_response_complete` lingers, then closes), and a keep-alive client that pooled it would
         send its next request into that close and read "disconnected without a response". httptools' cycle would
         also close at once on the header, resetting a client still sending its body, so its keep-alive flag is
-        put back and `_linger` does the closing. h11's cycle (uvicorn's fallback without httptools) keeps the
-        old behaviour: its state machine cannot be told to send the header and still linger."""
+        put back as it was and `_linger` does the closing (also if the rest of the body arrives meanwhile: the
+        client was told). h11's cycle (uvicorn's fallback without httptools) keeps the old behaviour: its state
+        machine cannot be told to send the header and still linger."""
         if hasattr(cycle, "conn"):  # h11
             return
         send = cycle.send
@@ -108,15 +110,19 @@ class _HeadLimits:
             headers = [*message.get("headers", ())]
             if not any(k.lower() == b"connection" and b"close" in v.lower() for k, v in headers):
                 headers.append((b"connection", b"close"))
+            keep_alive = cycle.keep_alive
             await send({**message, "headers": headers})
-            cycle.keep_alive = True
+            cycle.keep_alive = keep_alive  # as it was before our header: a client that asked to close is closed
+            self._told_close = cycle
 
         cycle.send = send_closing
 
     def on_response_complete(self) -> None:
         cycle = self.cycle
         self._disarm_body()
-        unread = cycle is not None and cycle.more_body  # answered before its body was read (401, 503, ...)
+        # Answered before its body was read (401, 503, ...), or told `connection: close` for that reason even if
+        # the rest of the body came in meanwhile: the connection ends either way.
+        unread = cycle is not None and (cycle.more_body or cycle is self._told_close)
         super().on_response_complete()  # type: ignore[misc]
         if self.cycle is not cycle or self.transport.is_closing():  # pipelined, or closing anyway
             return
