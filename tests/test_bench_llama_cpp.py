@@ -35,6 +35,21 @@ def test_server_command_gives_one_slot_per_request_and_the_same_threads():
         lc.server_command("b", "m", host="h", port=1, threads=0, parallel=1, ctx_per_slot=256)
 
 
+def test_baseline_args_end_the_baseline_servers_command(tmp_path, monkeypatch):
+    """`bench serve --baseline-arg ARG` (repeatable): appended to the baseline's own command, after its defaults
+    (llama-server and vllm serve both let a later flag override an earlier one)."""
+    gguf, binary = tmp_path / "m.gguf", tmp_path / "llama-server"
+    gguf.write_bytes(b"GGUF")
+    binary.write_text("")
+    monkeypatch.setattr(lc, "find_binary", lambda name: binary)
+    config = sv.ServeConfig(model=str(gguf), baseline="llama.cpp", baseline_args=["--cache-type-k", "q8_0"])
+    ds = make_dataset("random", 50, random=RandomSpec(num_requests=2, input_len=(8, 8), output_len=(4, 4)))
+    server = sv._baseline_server(config, ds, None, threads=2)
+    assert server is not None and server.command()[-2:] == ["--cache-type-k", "q8_0"]
+    assert server.command()[0] == str(binary)
+    assert sv._baseline_server(sv.ServeConfig(), ds, None, threads=2) is None
+
+
 def test_slot_context_fits_the_longest_request_with_room():
     assert lc.slot_context([BenchRequest([1] * 512, 256), BenchRequest([1] * 32, 16)]) == 1024
     assert lc.slot_context([BenchRequest([1] * 100, 10)]) == 256

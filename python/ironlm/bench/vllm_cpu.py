@@ -176,7 +176,8 @@ class VllmServer(ServerProcess):
 
     def command(self) -> list[str]:
         assert self.model is not None  # always an HF folder (model_folder)
-        return serve_command(self.install, self.model, host=self.host, port=self.port, dtype=self.dtype)
+        return [*serve_command(self.install, self.model, host=self.host, port=self.port, dtype=self.dtype),
+                *self.extra_args]
 
     def describe(self) -> dict[str, Any]:
         return {**describe(self.install, self.command(), self.env), "threads": self.threads, "model": self.model}
