@@ -92,6 +92,8 @@ def run(model: str | None, num_seqs: int, steps: int, repeats: int, input_len: t
 
 
 DTYPES = {"f32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "f16": (torch.float16, "float16")}
+# 8-bit caches under f32 queries (a GGUF's activations): the cache's type, the queries' f32
+FP8 = {"e4m3": (torch.float8_e4m3fn, "float8_e4m3fn"), "e5m2": (torch.float8_e5m2, "float8_e5m2")}
 
 
 def _kernel_case(lens: list[int], rows_per_table: int, hq: int, hkv: int, d: int, bs: int,
@@ -99,7 +101,8 @@ def _kernel_case(lens: list[int], rows_per_table: int, hq: int, hkv: int, d: int
     """paged_decode_attention's arguments: one table per len, each repeated for `rows_per_table` consecutive rows
     (a verification's rows end one position apart)."""
     g = torch.Generator().manual_seed(0)
-    tdtype, name = DTYPES[dtype]
+    tdtype, name = DTYPES.get(dtype, DTYPES["f32"])
+    cdtype, cname = FP8.get(dtype, (tdtype, name))
     need = [-(-(n + rows_per_table) // bs) for n in lens]
     max_blocks, total = max(need), sum(need)
     ids = torch.randperm(total, generator=g).numpy().astype(np.int32)
@@ -112,13 +115,13 @@ def _kernel_case(lens: list[int], rows_per_table: int, hq: int, hkv: int, d: int
             tables.append(row)
             seq_lens.append(n + j)
     rows = len(seq_lens)
-    kc = torch.randn(total, bs, hkv, d, generator=g).to(tdtype)
-    vc = torch.randn(total, bs, hkv, d, generator=g).to(tdtype)
+    kc = torch.randn(total, bs, hkv, d, generator=g).to(cdtype)
+    vc = torch.randn(total, bs, hkv, d, generator=g).to(cdtype)
     q = torch.randn(rows, hq, d, generator=g).to(tdtype)
     out = torch.empty(rows, hq, d, dtype=tdtype)
     return {"q": as_numpy(q), "k_cache": as_numpy(kc), "v_cache": as_numpy(vc),
             "block_tables": np.stack(tables), "seq_lens": np.array(seq_lens, np.int32), "scale": d**-0.5,
-            "out": as_numpy(out), "dtype": name, "_keep": (q, kc, vc, out),
+            "out": as_numpy(out), "dtype": name, "cache_dtype": cname, "_keep": (q, kc, vc, out),
             "_flops": 4 * d * hq * sum(seq_lens)}
 
 
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--kernel", action="store_true", help="time the core kernel alone at W's shape (GFLOP/s)")
-    ap.add_argument("--dtype", nargs="+", default=["bf16", "f32"], choices=sorted(DTYPES), help="with --kernel")
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "f32"], choices=sorted({**DTYPES, **FP8}),
+                    help="with --kernel: the cache's type (e4m3 / e5m2 under f32 queries, the others their own)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="with --kernel")
     ap.add_argument("--seconds", type=float, default=2.0, help="with --kernel: timing per case")
     args = ap.parse_args(argv)

@@ -115,8 +115,11 @@ def test_unsupported_type_pairs_are_refused_by_name():
 
 
 def test_engine_config_refuses_what_it_cannot_run(hf_dir):
+    with pytest.raises(InvalidArgumentError) as err:  # 8-bit caches: under float32 or bfloat16 only
+        LLM(hf_dir, dtype="float16", kv_cache_dtype="fp8", num_kv_blocks=16)
+    assert err.value.param == "kv_cache_dtype"
     with pytest.raises(InvalidArgumentError) as err:
-        LLM(hf_dir, kv_cache_dtype="fp8", num_kv_blocks=16)
+        LLM(hf_dir, kv_cache_dtype="fp4", num_kv_blocks=16)
     assert err.value.param == "kv_cache_dtype"
     with pytest.raises(InvalidArgumentError) as err:
         LLM(hf_dir, dtype="bfloat16", kv_cache_dtype="float16", num_kv_blocks=16)

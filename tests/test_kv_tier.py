@@ -48,7 +48,7 @@ def assert_blocks_equal(a: list[tuple[torch.Tensor, torch.Tensor]], a_blocks: li
         assert torch.equal(va[a_blocks], vb[b_blocks])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("kind", ["memory", "disk"])
 @pytest.mark.parametrize("path", ["index", "runs"])
 def test_store_load_roundtrip(kind, dtype, path, tmp_path):

@@ -132,7 +132,8 @@ def paged_decode_attention(
     ``i``, whose pages are ``block_tables[i]``. q/out ``[n, Hq, D]`` (q's rows may be strided, as views into a
     fused q|k|v row); caches ``[num_blocks, block_size, Hkv, D]``; query head ``h`` reads KV head
     ``h // (Hq // Hkv)``. ``dtype`` is float32, bfloat16 or float16 for every float array but the caches, whose
-    type is ``cache_dtype`` (None: ``dtype``; bfloat16 or float16 under float32); the math is f32.
+    type is ``cache_dtype`` (None: ``dtype``; bfloat16 or float16 under float32; float8_e4m3fn or float8_e5m2,
+    as uint8 views of their codes, under float32 or bfloat16); the math is f32.
     With ``k``/``v`` (``[n, Hkv, D]``, rows may be strided) and ``slot_mapping`` (-1 = skip) those rows are first
     written into the caches. With ``window`` (sliding-window attention) sequence ``i`` attends only its last
     ``window`` positions. With ``softcap`` each logit ``x`` becomes ``softcap * tanh(x / softcap)`` before the
@@ -434,7 +435,7 @@ class LeanStack:
     ) -> list[int]:
         """Every layer over the residual stream ``h`` ``[t, hidden]`` in place; layer ``i`` writes the step's K/V
         rows into ``caches[i] = (k, v)`` (``[blocks, block_size, Hkv, D]`` of ``cache_dtype``, 16-bit ones as int16
-        views of their bits) and attends them. ``block_tables`` ``[t, max_blocks]`` and ``seq_lens`` int32,
+        views of their bits, 8-bit ones as uint8) and attends them. ``block_tables`` ``[t, max_blocks]`` and ``seq_lens`` int32,
         ``slots`` and ``positions`` int64, one row per token; ``tables`` the rotary tables the layers name. Returns
         the expert weight bytes each layer streamed (0 for a dense MLP)."""
 

@@ -25,7 +25,8 @@ PREEMPTION_MODES = ("aggressive", "conservative")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DISTRIBUTED_BACKENDS = ("mp", "torchrun")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = DTYPES  # the same names; what auto picks: engine.kv_cache.resolve_kv_dtype
+# The activations' names and vLLM's 8-bit ones (fp8 = fp8_e4m3); what each picks: engine.kv_cache.resolve_kv_dtype
+KV_CACHE_DTYPES = (*DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors")
 QUANT_GROUP_SIZES = (32, 64, 128)
 # ironlm.structured.tool_parsers.PARSERS' names (tests check they agree); here so the CLI needs no import.
@@ -138,7 +139,9 @@ class EngineConfig:
         "because quantized weights run on the CPU kernels (a GGUF's blocks, int8/int4, under dtype auto), as "
         "llama.cpp's default f16 cache: bfloat16 on CPUs with native bf16 (prompts then attend on the core's bf16 "
         "tiles), float16 elsewhere; float16 or bfloat16 under float32 activations on CPU halve the bytes every "
-        "decode step reads and double the tokens the pool holds; rows are rounded once, on the write",
+        "decode step reads and double the tokens the pool holds; fp8 (= fp8_e4m3) and fp8_e5m2 (CPU, under float32 "
+        "or bfloat16 activations) store 8-bit floats, halving a 16-bit cache again, without scales (values past "
+        "e4m3's +-448 saturate, as vLLM's with its default scale 1.0); rows are rounded once, on the write",
         choices=KV_CACHE_DTYPES)
     device: str = _opt("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     block_size: int = _opt(16, "tokens per KV block (power of two)")

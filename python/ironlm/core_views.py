@@ -11,11 +11,17 @@ import torch
 
 # Dtypes the core's CPU kernels read; half types cross to numpy as int16 views of their bits.
 CORE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# A KV cache may also hold 8-bit floats (EngineConfig.kv_cache_dtype fp8*), crossing as uint8 codes.
+CACHE_DTYPES = {**CORE_DTYPES, torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy numpy view of a CPU tensor for the core: float32 as is, 16-bit floats as int16 bits."""
-    return t.numpy() if t.dtype == torch.float32 else t.view(torch.int16).numpy()
+    """Zero-copy numpy view of a CPU tensor for the core: float32 as is, 16-bit floats as int16 bits, 8-bit
+    floats as uint8 codes."""
+    if t.dtype == torch.float32:
+        return t.numpy()
+    return t.view(torch.uint8 if t.dtype in FP8_DTYPES else torch.int16).numpy()
 
 
 def core_ok(t: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ from ironlm.attention.torch_backend import (
     round_to_cache,
     write_kv_cache,
 )
-from ironlm.core_views import CORE_DTYPES, as_numpy
+from ironlm.core_views import CACHE_DTYPES, CORE_DTYPES, FP8_DTYPES, as_numpy
 
 # Chunks of up to this many rows that extend a cached sequence (a speculative verification: the last token and its
 # proposals; a short prefill tail) are attended row by row in the kernel, each row as a decode row at its own
@@ -78,14 +78,15 @@ class CpuAttention(TorchAttention):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        dtype, cache_dtype = CORE_DTYPES.get(q.dtype), CORE_DTYPES.get(k_cache.dtype)
+        dtype, cache_dtype = CORE_DTYPES.get(q.dtype), CACHE_DTYPES.get(k_cache.dtype)
+        fp8 = k_cache.dtype in FP8_DTYPES
         if q.device.type != "cpu" or dtype is None or cache_dtype is None or (
-                q.dtype != k_cache.dtype and q.dtype != torch.float32):
+                q.dtype != k_cache.dtype and q.dtype != torch.float32 and not (fp8 and q.dtype == torch.bfloat16)):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
         route = _tiles(q, v, k_cache, window, softcap, sinks)  # once a layer: every chunk of the step alike
-        if not route[1]:
-            # As the cache will hold them. Not needed where f32 chunks take the tiles: the cache writes round
-            # them, and so does the tile kernel as it reads them.
+        if not route[1] or fp8:
+            # As the cache will hold them. Not needed where f32 chunks take the tiles over a bf16 cache: the cache
+            # writes round them, and so does the tile kernel as it reads them (to bf16, not to 8 bits).
             k, v = round_to_cache(k, v, k_cache)
         sk = None if sinks is None else _sink_view(sinks)
         if invariant.enabled():
@@ -197,6 +198,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     else:
         ks = _gather_blocks(k_cache, s.blocks, "k")[: s.seq_len]
         vs = ks if v_cache is k_cache else _gather_blocks(v_cache, s.blocks, "v")[: s.seq_len]
+        if tiles and ks.dtype in FP8_DTYPES:  # 8-bit values are exact in bf16, the tiles' type
+            ks, vs = ks.to(torch.bfloat16), vs.to(torch.bfloat16)
     if tiles and wide:  # f32 q and out, K/V this chunk's f32 rows or the cache's bf16 ones
         _core.prefill_attention(as_numpy(q[s.start : s.end]), as_numpy(ks), as_numpy(vs), s.context_len, scale,
                                 as_numpy(out), torch.get_num_threads(), dtype="float32",
@@ -211,8 +214,9 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
 
 def _tiles(q: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, window: int | None, softcap: float | None,
            sinks: torch.Tensor | None) -> tuple[bool, bool]:
-    """Whether prefill chunks take the core's tiles, and whether as f32 rows over a bf16 cache (then both)."""
-    wide = q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+    """Whether prefill chunks take the core's tiles, and whether as f32 rows over a bf16 or 8-bit cache (then
+    both). An 8-bit cache's values are exact in bf16, so its chunks take the tiles as a bf16 cache's do."""
+    wide = q.dtype == torch.float32 and (k_cache.dtype == torch.bfloat16 or k_cache.dtype in FP8_DTYPES)
     tiles = ((q.dtype == torch.bfloat16 or wide) and window is None and softcap is None and sinks is None
              and _core.prefill_attention_serves(q.shape[2], v.shape[2]))
     return tiles, tiles and wide

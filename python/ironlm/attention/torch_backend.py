@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ironlm.attention.metadata import AttentionMetadata
+from ironlm.core_views import FP8_DTYPES
 
 # Decode sequences are sorted by length and cut into chunks of about this many padded context tokens: padding
 # stays small (no batch-wide pad to the longest context) and the gather buffers stay a few MiB. Measured on the
@@ -118,10 +119,19 @@ def write_kv_cache(
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     kc = k_cache.view(-1, *k_cache.shape[2:])
-    kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
+    _scatter(kc, slot_mapping, k)
     if v_cache is not k_cache:  # one latent cache (see AttentionBackend.forward): its rows are written once
-        vc = v_cache.view(-1, *v_cache.shape[2:])
-        vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+        _scatter(v_cache.view(-1, *v_cache.shape[2:]), slot_mapping, v)
+
+
+def _scatter(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[slots] = rows in the cache's type. An 8-bit cache takes its codes as bytes: torch has no fp8
+    index_copy_ on CPU. torch's casts round to nearest even; to e4m3fn they saturate at +-448 (the core's
+    F8E4M3::store agrees, tested)."""
+    rows = rows.to(cache.dtype)
+    if cache.dtype in FP8_DTYPES:
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    cache.index_copy_(0, slots, rows)
 
 
 def round_to_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

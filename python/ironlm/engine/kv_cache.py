@@ -16,6 +16,9 @@ from ironlm.model import resolve_dtype
 from ironlm.model.config import ModelConfig
 from ironlm.model.layers import cpu_has_fast_bf16
 
+# vLLM's names for 8-bit caches: fp8 is e4m3 (the "fn" variant: no infinities, largest 448), as on its GPUs.
+FP8_CACHES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 # Per layer: (keys, values) [blocks, block_size, Hkv, D]. Latent attention (ModelConfig.mla) caches one row per
 # token that is both key and value: its pair is the SAME tensor twice (`k is v`), so it costs one plane of bytes.
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -28,16 +31,23 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.devi
     blocks, int8/int4 under dtype auto), as llama.cpp's default f16 cache: bfloat16 on CPUs with native bf16, whose
     prefill chunks then take the core's bf16 attention tiles (CpuAttention), float16 elsewhere. Explicitly, a 16-bit
     type under float32 activations on CPU, where the core's kernels and the torch path read it (rows rounded once,
-    on the write); anything else must equal `dtype`."""
+    on the write), or an 8-bit float (FP8_CACHES) under float32 or bfloat16 on CPU; anything else must equal
+    `dtype`."""
     if kv_cache_dtype == "auto":
         if quantized and device.type == "cpu" and dtype == torch.float32:
             return torch.bfloat16 if cpu_has_fast_bf16() else torch.float16
         return dtype
+    if kv_cache_dtype in FP8_CACHES:
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise InvalidArgumentError(
+                f"kv_cache_dtype: {kv_cache_dtype} caches are implemented on CPU under float32 or bfloat16 "
+                f"activations, not {str(dtype).removeprefix('torch.')} on {device.type}", "kv_cache_dtype")
+        return FP8_CACHES[kv_cache_dtype]
     try:
         kv = resolve_dtype(kv_cache_dtype, device)  # the dtype names and aliases, one table
     except ValueError:
-        raise InvalidArgumentError(f"kv_cache_dtype: must be auto, float32, float16 or bfloat16, got "
-                                   f"{kv_cache_dtype!r}", "kv_cache_dtype") from None
+        raise InvalidArgumentError(f"kv_cache_dtype: must be auto, float32, float16, bfloat16, fp8, fp8_e4m3 or "
+                                   f"fp8_e5m2, got {kv_cache_dtype!r}", "kv_cache_dtype") from None
     if kv != dtype and not (device.type == "cpu" and dtype == torch.float32 and kv != torch.float32):
         raise InvalidArgumentError(
             f"kv_cache_dtype: a {kv_cache_dtype} cache under {str(dtype).removeprefix('torch.')} activations on "

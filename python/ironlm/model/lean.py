@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ironlm import _core, invariant
-from ironlm.core_views import CORE_DTYPES, as_numpy
+from ironlm.core_views import CACHE_DTYPES, CORE_DTYPES, FP8_DTYPES, as_numpy
 from ironlm.model.config import ModelConfig
 from ironlm.model.layers import CoreRope
 
@@ -106,8 +106,10 @@ def lean_forward(
     if (t > LEAN_MAX_TOKENS or not model.config.lean_supported or model.dtype not in CORE_DTYPES
             or not getattr(backend, "fused_decode_qkv", False) or not kv_caches):
         return None
-    cache_dtype = CORE_DTYPES.get(kv_caches[0][0].dtype)
-    if cache_dtype is None or (kv_caches[0][0].dtype != model.dtype and model.dtype != torch.float32):
+    kv_dtype = kv_caches[0][0].dtype
+    cache_dtype = CACHE_DTYPES.get(kv_dtype)
+    if cache_dtype is None or (kv_dtype != model.dtype and model.dtype != torch.float32
+                               and kv_dtype not in FP8_DTYPES):
         return None
     plan = backend.lean_plan(meta, kv_caches[0][0].shape[1], t)
     if plan is None:

@@ -23,7 +23,7 @@ use std::ops::Range;
 
 use super::x86::{At, Geo, Pair, Spans};
 use super::{DecodeArgs, Lanes, Scratch};
-use crate::cpu::elem::{Bf16, Elem, F16};
+use crate::cpu::elem::{Bf16, Elem, F16, F8E4M3, F8E5M2};
 
 /// Whether this path serves head dim `d` (it needs AVX2, FMA and F16C, checked by the caller).
 pub(super) fn serves(d: usize) -> bool {
@@ -179,6 +179,20 @@ unsafe fn load8<T: Elem>(p: *const T) -> __m256 {
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         } else if TypeId::of::<T>() == TypeId::of::<F16>() {
             _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+        } else if TypeId::of::<T>() == TypeId::of::<F8E5M2>() {
+            let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(p.cast()));
+            _mm256_cvtph_ps(_mm_slli_epi16::<8>(b))
+        } else if TypeId::of::<T>() == TypeId::of::<F8E4M3>() {
+            // As `attention_x86::e4m3_as_half`, 8 lanes.
+            let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(p.cast()));
+            let m = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+            let h = _mm_or_si128(
+                _mm_slli_epi16::<7>(m),
+                _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80))),
+            );
+            let nan = _mm_cmpeq_epi16(m, _mm_set1_epi16(0x7f));
+            let h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)));
+            _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0))
         } else {
             let mut x = [0.0f32; 8];
             for (i, x) in x.iter_mut().enumerate() {
@@ -599,5 +613,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn load8_widens_every_8_bit_code_as_elem_load() {
+        if !has_avx2() || !std::is_x86_feature_detected!("f16c") {
+            return;
+        }
+        fn check<T: Elem>(codes: &[T]) {
+            for chunk in codes.chunks(8) {
+                let mut got = [0.0f32; 8];
+                // SAFETY: AVX2 and F16C checked above; 8 elements each way.
+                unsafe { _mm256_storeu_ps(got.as_mut_ptr(), load8(chunk.as_ptr())) };
+                for (g, c) in got.iter().zip(chunk) {
+                    let want = c.load();
+                    assert!(g.to_bits() == want.to_bits() || g.is_nan() && want.is_nan());
+                }
+            }
+        }
+        check(&(0..=255u8).map(F8E4M3).collect::<Vec<_>>());
+        check(&(0..=255u8).map(F8E5M2).collect::<Vec<_>>());
     }
 }

@@ -32,7 +32,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{DecodeArgs, Lanes, Scratch};
-use crate::cpu::elem::{Bf16, Elem, F16};
+use crate::cpu::elem::{Bf16, Elem, F16, F8E4M3, F8E5M2};
 
 /// How far ahead, in blocks, both passes ask for cache rows (`super::prefetch`). Two, not one:
 /// over a pool on huge pages, W's decode shape (34 sequences, contexts 100-700, bf16 cache)
@@ -155,12 +155,20 @@ unsafe fn attend_dv<T: Elem, C: Elem, const DV: usize>(
         ..
     } = scratch;
     let bf16_cache = TypeId::of::<C>() == TypeId::of::<Bf16>();
+    let byte_cache = [TypeId::of::<F8E4M3>(), TypeId::of::<F8E5M2>()].contains(&TypeId::of::<C>());
     let (half_q, wide_q) = (
         TypeId::of::<T>() == TypeId::of::<Bf16>(),
         TypeId::of::<T>() == TypeId::of::<f32>(),
     );
+    let round_q = dp && byte_cache && wide_q;
     let dp = dp && bf16_cache && (half_q || wide_q);
     let (total, lo, hi) = args.gather(rows.clone(), q, spans);
+    if round_q {
+        // f32 queries over an 8-bit cache where prompts take the bf16 tiles (CpuAttention, which reads the
+        // cache's 8-bit values as the bf16 values they are): rounded to bf16 as the tiles round a chunk's, so a
+        // prefix hit's or a verification's rows (read here) see the queries a fresh prompt's rows saw there.
+        q.iter_mut().for_each(|x| *x = Bf16::store(*x).load());
+    }
     // The raw bf16 query rows `vdpbf16ps` reads: the caller's own, or (f32 queries over a bf16 cache) the
     // group's queries rounded to bf16 here, as the prefill tiles round a chunk's (CpuAttention's f32 path).
     let qraw = if dp && wide_q {
@@ -272,6 +280,16 @@ unsafe fn load16<T: Elem>(p: *const T) -> __m512 {
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
         } else if TypeId::of::<T>() == TypeId::of::<F16>() {
             _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+        } else if TypeId::of::<T>() == TypeId::of::<F8E5M2>() {
+            let b = _mm256_cvtepu8_epi16(_mm_loadu_si128(p.cast()));
+            _mm512_cvtph_ps(_mm256_slli_epi16::<8>(b))
+        } else if TypeId::of::<T>() == TypeId::of::<F8E4M3>() {
+            _mm512_mul_ps(
+                _mm512_cvtph_ps(e4m3_as_half(_mm256_cvtepu8_epi16(_mm_loadu_si128(
+                    p.cast(),
+                )))),
+                _mm512_set1_ps(256.0),
+            )
         } else {
             let mut x = [0.0f32; 16];
             for (i, x) in x.iter_mut().enumerate() {
@@ -279,6 +297,22 @@ unsafe fn load16<T: Elem>(p: *const T) -> __m512 {
             }
             _mm512_loadu_ps(x.as_ptr())
         }
+    }
+}
+
+/// e4m3 codes (zero-extended to 16 bits) as halves worth 2^-8 of their value (`F8E4M3::load`),
+/// the NaN codes as half NaNs.
+#[inline(always)]
+pub(super) unsafe fn e4m3_as_half(b: __m256i) -> __m256i {
+    // SAFETY: register-only AVX2 arithmetic, which AVX-512F implies.
+    unsafe {
+        let m = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+        let h = _mm256_or_si256(
+            _mm256_slli_epi16::<7>(m),
+            _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80))),
+        );
+        let nan = _mm256_cmpeq_epi16(m, _mm256_set1_epi16(0x7f));
+        _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00)))
     }
 }
 
@@ -763,5 +797,25 @@ mod tests {
                 assert_eq!(g.to_bits(), crate::cpu::ops::exp(x).to_bits(), "exp({x})");
             }
         }
+    }
+
+    #[test]
+    fn load16_widens_every_8_bit_code_as_elem_load() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        fn check<T: Elem>(codes: &[T]) {
+            for chunk in codes.chunks(16) {
+                let mut got = [0.0f32; 16];
+                // SAFETY: AVX-512F checked above; 16 elements each way.
+                unsafe { _mm512_storeu_ps(got.as_mut_ptr(), load16(chunk.as_ptr())) };
+                for (g, c) in got.iter().zip(chunk) {
+                    let want = c.load();
+                    assert!(g.to_bits() == want.to_bits() || g.is_nan() && want.is_nan());
+                }
+            }
+        }
+        check(&(0..=255u8).map(F8E4M3).collect::<Vec<_>>());
+        check(&(0..=255u8).map(F8E5M2).collect::<Vec<_>>());
     }
 }

@@ -1,6 +1,7 @@
-//! The element types the CPU kernels read and write: f32, bfloat16 and IEEE half. Kernels load
-//! every element to f32, compute in f32 and round once on the store, so one generic body serves
-//! all three. Half types arrive from Python as the raw 16-bit patterns (numpy has no bfloat16).
+//! The element types the CPU kernels read and write: f32, bfloat16 and IEEE half, and for KV
+//! caches only the two OCP 8-bit floats (e4m3fn, e5m2). Kernels load every element to f32, compute
+//! in f32 and round once on the store, so one generic body serves all of them. Half types arrive
+//! from Python as the raw 16-bit patterns (numpy has no bfloat16), 8-bit ones as uint8.
 
 /// A storage element: `load` widens to f32 exactly, `store` rounds to nearest even (as torch's
 /// own conversions do, so a kernel's output compares bit for bit with torch's casts).
@@ -91,6 +92,77 @@ impl Elem for F16 {
     }
 }
 
+/// A float of `1 + E + M` bits (bias `2^(E-1) - 1`) from `x`, rounded to nearest even, as a
+/// code: the magnitude's code in the low bits, the sign in bit `E + M`. `max_code` is the largest
+/// finite magnitude's code; above it `over` is returned (infinity, or the saturated maximum for a
+/// format without one), and a NaN becomes `nan`. These are torch's conversions (a test checks
+/// every code and ties against its casts).
+#[inline(always)]
+fn to_minifloat<const E: u32, const M: u32>(x: f32, max_code: u32, over: u32, nan: u32) -> u8 {
+    let sign = (x.to_bits() >> 31) << (E + M);
+    let a = x.abs();
+    let bias = (1 << (E - 1)) - 1;
+    let code = if a.is_nan() {
+        nan
+    } else if a < f32::from_bits((128 - bias) << 23) {
+        // Below the smallest normal: the subnormal step is 2^(1 - bias - M), so the scaled value
+        // rounded to an integer is the code (2^M, the smallest normal's code, included).
+        (a * f32::from_bits((127 + bias + M - 1) << 23)).round_ties_even() as u32
+    } else {
+        let b = a.to_bits();
+        let shift = 23 - M;
+        let rounded = b + ((1 << (shift - 1)) - 1) + ((b >> shift) & 1);
+        // `a` is finite here, so `rounded` still fits; the subtraction rebiases the exponent.
+        let c = (rounded >> shift) - ((127 - bias) << M);
+        if c > max_code {
+            over
+        } else {
+            c
+        }
+    };
+    (code | sign) as u8
+}
+
+/// OCP FP8 E4M3 ("fn": no infinities; 0x7f and 0xff are NaN, the largest finite value 448).
+/// Stores saturate to +-448, as torch's cast does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct F8E4M3(pub u8);
+
+impl Elem for F8E4M3 {
+    #[inline(always)]
+    fn load(self) -> f32 {
+        let m = self.0 & 0x7f;
+        if m == 0x7f {
+            return f32::NAN;
+        }
+        // The magnitude's bits placed as a half's (exponent one bit wider, bias 15 for 7): the
+        // half's value times 2^8 is the e4m3 value, subnormals included.
+        let h = ((m as u16) << 7) | ((self.0 as u16 & 0x80) << 8);
+        F16(h).load() * 256.0
+    }
+    #[inline(always)]
+    fn store(x: f32) -> F8E4M3 {
+        F8E4M3(to_minifloat::<4, 3>(x, 0x7e, 0x7e, 0x7f))
+    }
+}
+
+/// OCP FP8 E5M2: the top byte of an IEEE half (infinities and NaNs as a half's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct F8E5M2(pub u8);
+
+impl Elem for F8E5M2 {
+    #[inline(always)]
+    fn load(self) -> f32 {
+        F16((self.0 as u16) << 8).load()
+    }
+    #[inline(always)]
+    fn store(x: f32) -> F8E5M2 {
+        F8E5M2(to_minifloat::<5, 2>(x, 0x7b, 0x7c, 0x7f))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,5 +206,37 @@ mod tests {
         assert_eq!(F16::store(1.0 + 3.0 / 2048.0).0, 0x3c02);
         assert_eq!(F16::store(2f32.powi(-25)).0, 0); // tie to even at the bottom
         assert_eq!(F16::store(-1.0e-30).0, 0x8000);
+    }
+
+    #[test]
+    fn fp8_codes_round_trip_and_round() {
+        for bits in 0..=u8::MAX {
+            let (a, b) = (F8E4M3(bits), F8E5M2(bits));
+            let (x, y) = (a.load(), b.load());
+            if x.is_nan() {
+                assert_eq!(bits & 0x7f, 0x7f);
+            } else {
+                assert_eq!(F8E4M3::store(x), a, "e4m3 {bits:#04x} -> {x}");
+            }
+            if y.is_nan() {
+                assert!(F8E5M2::store(y).load().is_nan());
+            } else {
+                assert_eq!(F8E5M2::store(y), b, "e5m2 {bits:#04x} -> {y}");
+            }
+        }
+        assert_eq!(F8E4M3(0x38).load(), 1.0);
+        assert_eq!(F8E4M3(0x7e).load(), 448.0);
+        assert_eq!(F8E4M3(0x01).load(), 2f32.powi(-9));
+        assert_eq!(F8E4M3::store(1.0e6), F8E4M3(0x7e)); // saturates
+        assert_eq!(F8E4M3::store(-464.0), F8E4M3(0xfe)); // the tie above 448 too
+        assert_eq!(F8E4M3::store(1.0 + 1.0 / 16.0), F8E4M3(0x38)); // tie to even
+        assert_eq!(F8E4M3::store(1.0 + 3.0 / 16.0), F8E4M3(0x3a));
+        assert_eq!(F8E4M3::store(2f32.powi(-10)), F8E4M3(0)); // tie to even at the bottom
+        assert_eq!(F8E5M2(0x3c).load(), 1.0);
+        assert_eq!(F8E5M2::store(57344.0), F8E5M2(0x7b));
+        assert_eq!(F8E5M2::store(61440.0), F8E5M2(0x7c)); // the tie past the largest: infinity
+        assert_eq!(F8E5M2::store(-1.0e6), F8E5M2(0xfc));
+        assert_eq!(F8E5M2::store(1.0 + 1.0 / 8.0), F8E5M2(0x3c));
+        assert_eq!(F8E5M2::store(1.0 + 3.0 / 8.0), F8E5M2(0x3e));
     }
 }

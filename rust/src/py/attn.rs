@@ -5,11 +5,11 @@
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::ops::{dtype_arg, ro, rw, with_elem, DType, Ro, Rw};
+use super::ops::{cache_elem_arg, dtype_arg, ro, rw, with_elem, DType, Ro, Rw};
 use super::value_error;
 use crate::cpu::attention::{paged_decode, write_rows, DecodeArgs, DecodeShape, NewRows};
 use crate::cpu::decode::{decode_from_qkv, QkNorm, QkvStep};
-use crate::cpu::elem::{Bf16, Elem, F16};
+use crate::cpu::elem::{Bf16, Elem, F16, F8E4M3, F8E5M2};
 use crate::cpu::prefill::{prefill, tiles_serve, PrefillArgs, PrefillShape};
 
 /// Run `$body` with `$t` bound to the activations' element type and `$c` to the caches' (one of
@@ -27,6 +27,26 @@ macro_rules! with_elems {
                 type $c = F16;
                 $body
             }
+            (DType::F32, DType::F8E4M3) => {
+                type $t = f32;
+                type $c = F8E4M3;
+                $body
+            }
+            (DType::F32, DType::F8E5M2) => {
+                type $t = f32;
+                type $c = F8E5M2;
+                $body
+            }
+            (DType::Bf16, DType::F8E4M3) => {
+                type $t = Bf16;
+                type $c = F8E4M3;
+                $body
+            }
+            (DType::Bf16, DType::F8E5M2) => {
+                type $t = Bf16;
+                type $c = F8E5M2;
+                $body
+            }
             (dt, _) => with_elem!(dt, $t => {
                 type $c = $t;
                 $body
@@ -39,7 +59,8 @@ macro_rules! with_elems {
 /// sequence `i`'s pages. Shapes: q/out `[n, Hq, D]` (q's rows may be strided, as a view into a
 /// fused q|k|v row), caches `[num_blocks, block_size, Hkv, D]` (C-contiguous), block_tables
 /// `[n, max_blocks]` and seq_lens `[n]` (int32). Every float array has `dtype` but the caches,
-/// which have `cache_dtype` (None: `dtype`; else bfloat16 or float16 under float32). With `k`, `v`
+/// which have `cache_dtype` (None: `dtype`; else bfloat16 or float16 under float32, float8_e4m3fn
+/// or float8_e5m2 as uint8 codes under float32 or bfloat16). With `k`, `v`
 /// (`[n, Hkv, D]`, rows may be strided) and `slot_mapping` (`[n]` int64, -1 = skip), those rows
 /// are first written into the caches: the step's whole attention in one call. With `window`
 /// (sliding-window attention) each query sees only its sequence's last `window` positions. With
@@ -296,16 +317,18 @@ pub(crate) fn decode_attention_qkv(
 }
 
 /// The caches' element type: `dtype`'s without `cache_dtype`; a 16-bit one under float32
-/// activations; else the same as `dtype`.
+/// activations; an 8-bit one under float32 or bfloat16; else the same as `dtype`.
 fn cache_dtype_arg(cache_dtype: Option<&str>, dt: DType) -> PyResult<DType> {
     let Some(name) = cache_dtype else {
         return Ok(dt);
     };
-    let ct = dtype_arg(name).map_err(|_| {
-        let r = format!("must be float32, bfloat16 or float16, got {name:?}");
-        value_error("cache_dtype", r)
-    })?;
-    if ct != dt && dt != DType::F32 {
+    let ct = cache_elem_arg(name, "cache_dtype")?;
+    let byte = matches!(ct, DType::F8E4M3 | DType::F8E5M2);
+    if byte && !matches!(dt, DType::F32 | DType::Bf16) {
+        let r = format!("{name} caches are read under float32 or bfloat16 activations");
+        return Err(value_error("cache_dtype", r));
+    }
+    if ct != dt && dt != DType::F32 && !byte {
         let r = format!("{name} caches are read under float32 activations or their own type only");
         return Err(value_error("cache_dtype", r));
     }

@@ -44,6 +44,12 @@ fn weight_parts(w: &Ro<'_>) -> PyResult<(*const u8, usize, usize, Layout)> {
             let (p, k, n, l) = matrix(a)?;
             (p.cast(), k, n, l)
         }
+        Ro::Byte(_) => {
+            return Err(value_error(
+                "weight",
+                "8-bit float arrays are KV caches only",
+            ))
+        }
     })
 }
 

@@ -10,10 +10,10 @@ use pyo3::prelude::*;
 
 use super::dense::{PyPackedBf16, PyPackedF32};
 use super::moe::PyMoeExperts;
-use super::ops::{dtype_arg, ro, rw, with_elem, DType, Ro, Rw};
+use super::ops::{cache_elem_arg, ro, rw, with_elem, DType, Ro, Rw};
 use super::quant::PyQuantMatrix;
 use super::value_error;
-use crate::cpu::elem::{Bf16, Elem, F16};
+use crate::cpu::elem::{Bf16, Elem, F16, F8E4M3, F8E5M2};
 use crate::cpu::lean::{run, Cache, Layer, Mlp, Moe, Proj, Scratch, Step};
 use crate::cpu::ops::GatedAct;
 use crate::cpu::route::Route;
@@ -331,7 +331,7 @@ impl PyLeanStack {
     /// Every layer over the residual stream `h` (`[t, hidden]` of the stack's `dtype`, bf16 as
     /// int16 bits; in place): layer `i` writes this step's K/V rows into `caches[i] = (k, v)`
     /// (`[blocks, block_size, Hkv, D]` of `cache_dtype`, 16-bit ones as int16 views of their
-    /// bits) and attends them. The plan's `block_tables` `[t, max_blocks]` and `seq_lens` `[t]`
+    /// bits, 8-bit ones as uint8) and attends them. The plan's `block_tables` `[t, max_blocks]` and `seq_lens` `[t]`
     /// (int32), `slots` and `positions` `[t]` (int64), one row per token as
     /// `decode_attention_qkv` takes them; `tables` the rotary tables (the stack's dtype) the
     /// layers' `rotary` indices name. Returns the expert weight bytes each layer streamed.
@@ -351,7 +351,7 @@ impl PyLeanStack {
         threads: usize,
         cache_dtype: &str,
     ) -> PyResult<Vec<usize>> {
-        let ct = dtype_arg(cache_dtype)?;
+        let ct = cache_elem_arg(cache_dtype, "cache_dtype")?;
         if caches.len() != self.layers.len() {
             let r = format!("{} pairs for {} layers", caches.len(), self.layers.len());
             return Err(value_error("caches", r));
@@ -368,6 +368,10 @@ impl PyLeanStack {
             (DType::F32, DType::Bf16) => self.step::<f32, Bf16>(py, args),
             (DType::F32, DType::F16) => self.step::<f32, F16>(py, args),
             (DType::Bf16, DType::Bf16) => self.step::<Bf16, Bf16>(py, args),
+            (DType::F32, DType::F8E4M3) => self.step::<f32, F8E4M3>(py, args),
+            (DType::F32, DType::F8E5M2) => self.step::<f32, F8E5M2>(py, args),
+            (DType::Bf16, DType::F8E4M3) => self.step::<Bf16, F8E4M3>(py, args),
+            (DType::Bf16, DType::F8E5M2) => self.step::<Bf16, F8E5M2>(py, args),
             _ => Err(value_error(
                 "cache_dtype",
                 format!("{cache_dtype} caches under {} rows", self.dtype()),

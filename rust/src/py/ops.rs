@@ -20,6 +20,23 @@ pub(crate) enum DType {
     F32,
     Bf16,
     F16,
+    /// The 8-bit floats: KV cache types only (`cache_dtype_arg`), never activations.
+    F8E4M3,
+    F8E5M2,
+}
+
+/// A KV cache's element type: an activation type or one of the 8-bit floats (torch's names).
+pub(crate) fn cache_elem_arg(name: &str, arg: &str) -> PyResult<DType> {
+    match name.trim_start_matches("torch.") {
+        "float8_e4m3fn" => Ok(DType::F8E4M3),
+        "float8_e5m2" => Ok(DType::F8E5M2),
+        other => dtype_arg(other).map_err(|_| {
+            let r = format!(
+                "must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, got {name:?}"
+            );
+            value_error(arg, r)
+        }),
+    }
 }
 
 pub(crate) fn dtype_arg(dtype: &str) -> PyResult<DType> {
@@ -50,26 +67,33 @@ macro_rules! with_elem {
                 type $t = $crate::cpu::elem::F16;
                 $body
             }
+            $crate::py::ops::DType::F8E4M3 | $crate::py::ops::DType::F8E5M2 => {
+                unreachable!("8-bit floats are cache types: dtype_arg never returns them")
+            }
         }
     };
 }
 pub(crate) use with_elem;
 
-/// A float array from Python, read-only: f32 values or the bits of a 16-bit float.
+/// A float array from Python, read-only: f32 values, the bits of a 16-bit float or the codes of
+/// an 8-bit one.
 pub(crate) enum Ro<'py> {
     F32(PyReadonlyArrayDyn<'py, f32>),
     Half(PyReadonlyArrayDyn<'py, i16>),
+    Byte(PyReadonlyArrayDyn<'py, u8>),
 }
 
 /// The same, writable.
 pub(crate) enum Rw<'py> {
     F32(PyReadwriteArrayDyn<'py, f32>),
     Half(PyReadwriteArrayDyn<'py, i16>),
+    Byte(PyReadwriteArrayDyn<'py, u8>),
 }
 
 fn wrong_type(name: &str, dt: DType) -> PyErr {
     let want = match dt {
         DType::F32 => "a float32 array",
+        DType::F8E4M3 | DType::F8E5M2 => "a uint8 array (the codes of an 8-bit float tensor)",
         _ => "an int16 array (the bits of a 16-bit float tensor)",
     };
     value_error(name, format!("expected {want} for dtype {dt:?}"))
@@ -78,6 +102,7 @@ fn wrong_type(name: &str, dt: DType) -> PyErr {
 pub(crate) fn ro<'py>(obj: &Bound<'py, PyAny>, name: &str, dt: DType) -> PyResult<Ro<'py>> {
     let got = match dt {
         DType::F32 => obj.extract::<PyReadonlyArrayDyn<f32>>().map(Ro::F32),
+        DType::F8E4M3 | DType::F8E5M2 => obj.extract::<PyReadonlyArrayDyn<u8>>().map(Ro::Byte),
         _ => obj.extract::<PyReadonlyArrayDyn<i16>>().map(Ro::Half),
     };
     got.map_err(|_| wrong_type(name, dt))
@@ -86,6 +111,7 @@ pub(crate) fn ro<'py>(obj: &Bound<'py, PyAny>, name: &str, dt: DType) -> PyResul
 pub(crate) fn rw<'py>(obj: &Bound<'py, PyAny>, name: &str, dt: DType) -> PyResult<Rw<'py>> {
     let got = match dt {
         DType::F32 => obj.extract::<PyReadwriteArrayDyn<f32>>().map(Rw::F32),
+        DType::F8E4M3 | DType::F8E5M2 => obj.extract::<PyReadwriteArrayDyn<u8>>().map(Rw::Byte),
         _ => obj.extract::<PyReadwriteArrayDyn<i16>>().map(Rw::Half),
     };
     // Right type but not writable: read-only, or already borrowed (the same array passed twice).
@@ -187,6 +213,7 @@ impl Ro<'_> {
         match self {
             Ro::F32(a) => layout(a, name),
             Ro::Half(a) => layout(a, name),
+            Ro::Byte(a) => layout(a, name),
         }
     }
 
@@ -221,6 +248,7 @@ impl Rw<'_> {
         let l = match self {
             Rw::F32(a) => layout(a, name)?,
             Rw::Half(a) => layout(a, name)?,
+            Rw::Byte(a) => layout(a, name)?,
         };
         l.check::<T>(name)?;
         l.contiguous(name)?;
