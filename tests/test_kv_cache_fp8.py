@@ -16,7 +16,7 @@ import torch
 
 from core_utils import spy_rows
 from ironlm import LLM, SamplingParams, _core
-from ironlm.core_views import as_numpy
+from ironlm.core_views import as_numpy, widen
 from ironlm.model.layers import cpu_has_fast_bf16
 from tiny_models import make_tiny_model
 
@@ -95,6 +95,21 @@ def test_the_kernel_reads_an_8_bit_cache_as_the_f32_kernel_reads_its_values(cach
     _core.paged_decode_attention(as_numpy(qb.float()), kc.float().numpy(), vc.float().numpy(), tables, lens, 0.17,
                                  as_numpy(want_b), 2, dtype="float32")
     assert torch.equal(got_b, want_b.bfloat16()), "bf16 rows: f32 math, one rounding of the output"
+
+
+@pytest.mark.parametrize("cache", sorted(FP8))
+def test_widen_reads_every_code_as_torch_and_the_kernels_do(cache):
+    """core_views.widen (the Python paths' fast fp8 read): torch's value for every code, but e4m3's two NaN codes,
+    read as +-480 as the kernels' vector loads read them."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8[cache])
+    got, want = widen(codes, torch.float32), codes.to(torch.float32)
+    nan = want.isnan()
+    assert torch.equal(got[~nan], want[~nan])
+    if cache == "float8_e4m3fn":
+        assert got[nan].abs().eq(480).all() and int(nan.sum()) == 2
+    else:
+        assert got[nan].isnan().all()
+    assert torch.equal(widen(codes, torch.bfloat16)[~nan], want[~nan].bfloat16())
 
 
 def test_8_bit_caches_are_refused_under_half_activations():

@@ -40,7 +40,7 @@ from ironlm.attention.torch_backend import (
     round_to_cache,
     write_kv_cache,
 )
-from ironlm.core_views import CACHE_DTYPES, CORE_DTYPES, FP8_DTYPES, as_numpy
+from ironlm.core_views import CACHE_DTYPES, CORE_DTYPES, FP8_DTYPES, as_numpy, widen
 
 # Chunks of up to this many rows that extend a cached sequence (a speculative verification: the last token and its
 # proposals; a short prefill tail) are attended row by row in the kernel, each row as a decode row at its own
@@ -84,9 +84,13 @@ class CpuAttention(TorchAttention):
                 q.dtype != k_cache.dtype and q.dtype != torch.float32 and not (fp8 and q.dtype == torch.bfloat16)):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
         route = _tiles(q, v, k_cache, window, softcap, sinks)  # once a layer: every chunk of the step alike
-        if not route[1] or fp8:
+        codes = None
+        if fp8:  # as the cache will hold them; the codes are what a prompt's write then copies
+            codes = (k.to(k_cache.dtype), v.to(v_cache.dtype))
+            k, v = widen(codes[0], k.dtype), widen(codes[1], v.dtype)
+        elif not route[1]:
             # As the cache will hold them. Not needed where f32 chunks take the tiles over a bf16 cache: the cache
-            # writes round them, and so does the tile kernel as it reads them (to bf16, not to 8 bits).
+            # writes round them, and so does the tile kernel as it reads them.
             k, v = round_to_cache(k, v, k_cache)
         sk = None if sinks is None else _sink_view(sinks)
         if invariant.enabled():
@@ -104,7 +108,7 @@ class CpuAttention(TorchAttention):
                 dtype=dtype, k=as_numpy(k), v=as_numpy(v), slot_mapping=plan.slots, window=window, softcap=softcap,
                 sinks=sk, cache_dtype=cache_dtype)
             return out
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
+        write_kv_cache(*(codes or (k, v)), k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
         out = torch.zeros(q.shape, dtype=q.dtype) if plan.num_tokens < q.shape[0] else torch.empty(q.shape, dtype=q.dtype)
         if len(plan.seq_lens):
             qd = q if plan.rows is None else q.index_select(0, plan.rows)
@@ -199,7 +203,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         ks = _gather_blocks(k_cache, s.blocks, "k")[: s.seq_len]
         vs = ks if v_cache is k_cache else _gather_blocks(v_cache, s.blocks, "v")[: s.seq_len]
         if tiles and ks.dtype in FP8_DTYPES:  # 8-bit values are exact in bf16, the tiles' type
-            ks, vs = ks.to(torch.bfloat16), vs.to(torch.bfloat16)
+            ks = widen(ks, torch.bfloat16)
+            vs = ks if v_cache is k_cache else widen(vs, torch.bfloat16)
     if tiles and wide:  # f32 q and out, K/V this chunk's f32 rows or the cache's bf16 ones
         _core.prefill_attention(as_numpy(q[s.start : s.end]), as_numpy(ks), as_numpy(vs), s.context_len, scale,
                                 as_numpy(out), torch.get_num_threads(), dtype="float32",

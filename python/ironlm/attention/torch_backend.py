@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ironlm.attention.metadata import AttentionMetadata
-from ironlm.core_views import FP8_DTYPES
+from ironlm.core_views import FP8_DTYPES, widen
 
 # Decode sequences are sorted by length and cut into chunks of about this many padded context tokens: padding
 # stays small (no batch-wide pad to the longest context) and the gather buffers stay a few MiB. Measured on the
@@ -140,7 +140,7 @@ def round_to_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> t
     recompute, a chunked prefill then all attend the same keys); unchanged when the types agree."""
     if k_cache.dtype == k.dtype:
         return k, v
-    return k.to(k_cache.dtype).to(k.dtype), v.to(k_cache.dtype).to(v.dtype)
+    return widen(k.to(k_cache.dtype), k.dtype), widen(v.to(k_cache.dtype), v.dtype)
 
 
 class TorchAttention:

@@ -124,7 +124,8 @@ fn to_minifloat<const E: u32, const M: u32>(x: f32, max_code: u32, over: u32, na
 }
 
 /// OCP FP8 E4M3 ("fn": no infinities; 0x7f and 0xff are NaN, the largest finite value 448).
-/// Stores saturate to +-448, as torch's cast does.
+/// Stores saturate to +-448, as torch's cast does. (The decode kernels' vector loads read the two
+/// NaN codes as +-480: `attention_x86::e4m3x16` says why.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(transparent)]
 pub struct F8E4M3(pub u8);
