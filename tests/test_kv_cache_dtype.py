@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+import kv_runs
 from core_utils import spy_rows
-from ironlm import LLM, InvalidArgumentError, SamplingParams, _core
+from ironlm import LLM, InvalidArgumentError, _core
 from ironlm.core_views import as_numpy
 from ironlm.model.layers import cpu_has_fast_bf16
 from tiny_models import make_tiny_model
@@ -138,22 +139,11 @@ def test_auto_is_16_bit_where_quantized_weights_alone_made_the_activations_f32(h
     assert wide.engine.runner.kv_dtype == torch.float32
 
 
-def _prompts(vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(5)
-    return [[int(t) for t in rng.integers(6, vocab, size=n)] for n in (7, 19, 33, 50)]
-
-
-def _generate(llm: LLM, prompts, n: int = 24, logprobs: int | None = None):
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0] for o in outs]
-
-
 @pytest.fixture(scope="module")
 def f32_reference(hf_dir):
     llm = LLM(hf_dir, dtype="float32", kv_cache_memory="4MiB", block_size=4, seed=0)
-    prompts = _prompts(llm.engine.model_config.vocab_size)
-    return llm.engine.num_blocks, prompts, _generate(llm, prompts, logprobs=1), llm.get_metrics()["kv_bytes_per_token"]
+    prompts = kv_runs.prompts(llm.engine.model_config.vocab_size)
+    return llm.engine.num_blocks, prompts, kv_runs.generate(llm, prompts, logprobs=1), llm.get_metrics()["kv_bytes_per_token"]
 
 
 @pytest.mark.parametrize("cache", ["bfloat16", "float16"])
@@ -164,7 +154,7 @@ def test_a_16_bit_pool_holds_twice_the_tokens_and_decodes_close_to_f32(hf_dir, f
     assert llm.engine.runner.kv_caches[0][0].dtype == HALF[cache]
     assert llm.engine.num_blocks == 2 * blocks
     assert 2 * llm.get_metrics()["kv_bytes_per_token"] == token_bytes  # what /metrics reports too
-    got = _generate(llm, prompts, logprobs=1)
+    got = kv_runs.generate(llm, prompts, logprobs=1)
     # Greedy over the same random tiny model: the first tokens agree; the chosen tokens' logprobs stay close while
     # the sequences agree. Measured on a Zen 4 (all 4 x 24 tokens agreeing): max |diff| 0.0235 for bf16 (8-bit
     # mantissa), 0.0026 for f16 (11-bit: 9x tighter, as the rounding); bounds 2.5-3x those.
@@ -182,13 +172,13 @@ def test_every_path_attends_the_same_rounded_keys(hf_dir, cache):
     """The cpu backend's kernels and lean step, the torch path, a prefix-cache hit and chunked prefill: one answer."""
     kw = {"dtype": "float32", "kv_cache_dtype": cache, "num_kv_blocks": 256, "block_size": 4, "seed": 0}
     cpu = LLM(hf_dir, attention_backend="cpu", **kw)
-    prompts = _prompts(cpu.engine.model_config.vocab_size)
-    base = [o.token_ids for o in _generate(cpu, prompts)]
-    assert [o.token_ids for o in _generate(cpu, prompts)] == base, "the second run hits the prefix cache"
+    prompts = kv_runs.prompts(cpu.engine.model_config.vocab_size)
+    base = [o.token_ids for o in kv_runs.generate(cpu, prompts)]
+    assert [o.token_ids for o in kv_runs.generate(cpu, prompts)] == base, "the second run hits the prefix cache"
     torch_path = LLM(hf_dir, attention_backend="torch", enable_prefix_caching=False, **kw)
-    assert [o.token_ids for o in _generate(torch_path, prompts)] == base
+    assert [o.token_ids for o in kv_runs.generate(torch_path, prompts)] == base
     chunked = LLM(hf_dir, attention_backend="cpu", max_num_batched_tokens=16, max_num_seqs=16, **kw)
-    assert [o.token_ids for o in _generate(chunked, prompts)] == base
+    assert [o.token_ids for o in kv_runs.generate(chunked, prompts)] == base
 
 
 def test_speculative_greedy_output_equals_plain_over_a_16_bit_cache(hf_dir):
@@ -198,10 +188,10 @@ def test_speculative_greedy_output_equals_plain_over_a_16_bit_cache(hf_dir):
     plain = LLM(hf_dir, **kw)
     spec = LLM(hf_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                                            "cost_model": False}, **kw)
-    base = _prompts(plain.engine.model_config.vocab_size)
+    base = kv_runs.prompts(plain.engine.model_config.vocab_size)
     prompts = [p * 3 + p[: len(p) // 2] for p in base]  # a copy in progress: lookup proposes the rest
-    want = [o.token_ids for o in _generate(plain, prompts, n=40)]
-    got = [o.token_ids for o in _generate(spec, prompts, n=40)]
+    want = [o.token_ids for o in kv_runs.generate(plain, prompts, n=40)]
+    got = [o.token_ids for o in kv_runs.generate(spec, prompts, n=40)]
     assert got == want
     m = spec.get_metrics()
     assert m["spec_decode_num_draft_tokens"] > 0, m

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+import kv_runs
 from core_utils import spy_rows
-from ironlm import LLM, SamplingParams, _core
+from ironlm import LLM, _core
 from ironlm.core_views import as_numpy, widen
 from ironlm.model.layers import cpu_has_fast_bf16
 from tiny_models import make_tiny_model
@@ -121,22 +122,11 @@ def test_8_bit_caches_are_refused_under_half_activations():
                                      as_numpy(torch.empty_like(qh)), dtype="float16", cache_dtype="float8_e5m2")
 
 
-def _prompts(vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(5)
-    return [[int(t) for t in rng.integers(6, vocab, size=n)] for n in (7, 19, 33, 50)]
-
-
-def _generate(llm: LLM, prompts, n: int = 24, logprobs: int | None = None):
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0] for o in outs]
-
-
 @pytest.fixture(scope="module")
 def bf16_reference(hf_dir):
     llm = LLM(hf_dir, dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory="4MiB", block_size=4, seed=0)
-    prompts = _prompts(llm.engine.model_config.vocab_size)
-    return llm.engine.num_blocks, prompts, _generate(llm, prompts), llm.get_metrics()["kv_bytes_per_token"]
+    prompts = kv_runs.prompts(llm.engine.model_config.vocab_size)
+    return llm.engine.num_blocks, prompts, kv_runs.generate(llm, prompts), llm.get_metrics()["kv_bytes_per_token"]
 
 
 @pytest.mark.parametrize("flag", ["fp8", "fp8_e5m2"])
@@ -146,7 +136,7 @@ def test_an_8_bit_pool_holds_twice_the_tokens_of_a_16_bit_one(hf_dir, bf16_refer
     assert llm.engine.runner.kv_caches[0][0].dtype == FLAG[flag]
     assert llm.engine.num_blocks == 2 * blocks
     assert 2 * llm.get_metrics()["kv_bytes_per_token"] == token_bytes  # what /metrics reports too
-    got = _generate(llm, prompts)
+    got = kv_runs.generate(llm, prompts)
     assert [len(o.token_ids) for o in got] == [24] * len(prompts)
     if flag == "fp8":  # e4m3 keeps the random tiny model's first tokens (measured: 3-10 agree); e5m2 did not
         assert [o.token_ids[0] for o in got] == [o.token_ids[0] for o in ref]
@@ -197,20 +187,20 @@ def test_every_path_attends_the_same_8_bit_keys(hf_dir, dtype, monkeypatch):
     and a speculative run over an e4m3 cache: one greedy answer up to near-ties (`_agree`)."""
     kw = {"dtype": dtype, "kv_cache_dtype": "fp8", "num_kv_blocks": 256, "block_size": 4, "seed": 0}
     cpu = LLM(hf_dir, attention_backend="cpu", **kw)
-    prompts = _prompts(cpu.engine.model_config.vocab_size)
+    prompts = kv_runs.prompts(cpu.engine.model_config.vocab_size)
     tiles = spy_rows(monkeypatch, "prefill_attention")
-    base = _generate(cpu, prompts, logprobs=2)
+    base = kv_runs.generate(cpu, prompts, logprobs=2)
     assert cpu.engine.runner.model._lean, "decode steps took the lean step"
     assert tiles or not _core.prefill_attention_serves(64, 64), "prompts took the bf16 tiles where they run"
-    _agree(_generate(cpu, prompts, logprobs=2), base, "prefix-cache hit")
+    _agree(kv_runs.generate(cpu, prompts, logprobs=2), base, "prefix-cache hit")
     assert cpu.get_metrics()["prefix_cache_hits"] > 0
     torch_path = LLM(hf_dir, attention_backend="torch", enable_prefix_caching=False, **kw)
-    _agree(_generate(torch_path, prompts, logprobs=2), base, "torch path")
+    _agree(kv_runs.generate(torch_path, prompts, logprobs=2), base, "torch path")
     chunked = LLM(hf_dir, attention_backend="cpu", max_num_batched_tokens=16, max_num_seqs=16, **kw)
-    _agree(_generate(chunked, prompts, logprobs=2), base, "chunked prefill")
+    _agree(kv_runs.generate(chunked, prompts, logprobs=2), base, "chunked prefill")
     spec = LLM(hf_dir, attention_backend="cpu", speculative_config={
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "cost_model": False}, **kw)
-    _agree(_generate(spec, prompts, logprobs=2), base, "speculative")
+    _agree(kv_runs.generate(spec, prompts, logprobs=2), base, "speculative")
 
 
 def test_an_8_bit_cache_survives_the_kv_tier(hf_dir):
@@ -223,6 +213,6 @@ def test_an_8_bit_cache_survives_the_kv_tier(hf_dir):
     rounds = [[p + [int(t) for t in rng.integers(10, 250, size=8)] for p in prefixes] for _ in range(3)]
     plain, tiered = LLM(hf_dir, **kw), LLM(hf_dir, kv_offload_memory="1MiB", **kw)
     for prompts in rounds:
-        _agree(_generate(tiered, prompts, n=4, logprobs=2), _generate(plain, prompts, n=4, logprobs=2), "tier")
+        _agree(kv_runs.generate(tiered, prompts, n=4, logprobs=2), kv_runs.generate(plain, prompts, n=4, logprobs=2), "tier")
     s = tiered.engine.stats()
     assert s["kv_promotions"] > 0 and s["prefix_hits_tier"] > 0, s
