@@ -47,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"cache": name, "dtype": str(dt).removeprefix("torch."), "ppl": perplexity(got[name]),
                      "seconds": time.perf_counter() - t0})
     ref_name = "float32" if "float32" in got else "served"
-    ref = got[ref_name]
+    ref, ref_ppl = got[ref_name], rows[list(caches).index(ref_name)]["ppl"]
     for r in rows:
         diff = np.abs(got[r["cache"]] - ref)
-        r["ppl_rel"] = r["ppl"] / perplexity(ref) - 1.0
+        r["ppl_rel"] = r["ppl"] / ref_ppl - 1.0
         r["mean_abs_dlogprob"], r["max_abs_dlogprob"] = float(diff.mean()), float(diff.max())
         print(f"{r['cache']:12s} {r['dtype']:14s} ppl {r['ppl']:.4f} ({100 * r['ppl_rel']:+.3f} % vs {ref_name}) "
               f"|dlogprob| mean {r['mean_abs_dlogprob']:.5f} max {r['max_abs_dlogprob']:.4f}")

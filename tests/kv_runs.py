@@ -1,13 +1,26 @@
-"""Greedy runs for the KV cache type tests (test_kv_cache_dtype.py, test_kv_cache_fp8.py): the same four random
-prompts and one call that returns each prompt's first completion."""
+"""Shared pieces of the KV cache type tests (test_kv_cache_dtype.py, test_kv_cache_fp8.py): a random paged decode
+case for the kernel, the same four random prompts and one call that returns each prompt's first completion."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+import torch
 
 from ironlm import LLM, SamplingParams
+
+
+def decode_case(seed: int = 0, n: int = 3, hq: int = 4, hkv: int = 2, d: int = 32, bs: int = 4, blocks: int = 12
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """paged_decode_attention's f32 inputs: q [n, Hq, D], caches [blocks, bs, Hkv, D], n shuffled 4-block tables
+    and context lengths 5, 16, 9 (the first n)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, hq, d, generator=g)
+    k = torch.randn(blocks, bs, hkv, d, generator=g)
+    v = torch.randn(blocks, bs, hkv, d, generator=g)
+    tables = torch.randperm(blocks, generator=g)[: n * 4].reshape(n, 4).to(torch.int32).numpy()
+    return q, k, v, np.ascontiguousarray(tables), np.array([5, 16, 9], dtype=np.int32)[:n]
 
 
 def prompts(vocab: int) -> list[list[int]]:

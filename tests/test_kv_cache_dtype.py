@@ -30,20 +30,10 @@ def hf_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("kvdtype"), arch="llama")
 
 
-def _decode_case(seed: int = 0, n: int = 3, hq: int = 4, hkv: int = 2, d: int = 32, bs: int = 4, blocks: int = 12):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(n, hq, d, generator=g)
-    k = torch.randn(blocks, bs, hkv, d, generator=g)
-    v = torch.randn(blocks, bs, hkv, d, generator=g)
-    tables = torch.randperm(blocks, generator=g)[: n * 4].reshape(n, 4).to(torch.int32).numpy()
-    lens = np.array([5, 16, 9], dtype=np.int32)[:n]
-    return q, k, v, np.ascontiguousarray(tables), lens
-
-
 @pytest.mark.parametrize("cache", ["bfloat16", "float16"])
 def test_the_kernel_reads_a_16_bit_cache_as_the_f32_kernel_reads_its_values(cache):
     # head dim 48: not a multiple of 32, so no `vdpbf16ps` logits (see the next test): the f32 kernel's own bits
-    q, k, v, tables, lens = _decode_case(d=48)
+    q, k, v, tables, lens = kv_runs.decode_case(d=48)
     kc, vc = k.to(HALF[cache]), v.to(HALF[cache])
     got, want = torch.empty_like(q), torch.empty_like(q)
     _core.paged_decode_attention(as_numpy(q), as_numpy(kc), as_numpy(vc), tables, lens, 0.17, as_numpy(got), 2,
@@ -60,7 +50,7 @@ def test_the_kernel_reads_a_16_bit_cache_as_the_f32_kernel_reads_its_values(cach
 def test_a_bf16_cache_takes_bf16_dot_products_where_the_cpu_has_them():
     """Over a bf16 cache at head dims a multiple of 32, CPUs with AVX-512 BF16 take the logits by `vdpbf16ps` on the
     queries rounded to bf16 (as the prefill tiles do): within bf16 of the f32 kernel on the same cached values."""
-    q, k, v, tables, lens = _decode_case(d=64, seed=6)
+    q, k, v, tables, lens = kv_runs.decode_case(d=64, seed=6)
     kc, vc = k.bfloat16(), v.bfloat16()
     got, want, rounded = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
     _core.paged_decode_attention(as_numpy(q), as_numpy(kc), as_numpy(vc), tables, lens, 0.125, as_numpy(got), 2,
@@ -79,7 +69,7 @@ def test_a_bf16_cache_takes_bf16_dot_products_where_the_cpu_has_them():
 
 @pytest.mark.parametrize("cache", ["bfloat16", "float16"])
 def test_new_rows_are_rounded_once_into_the_cache(cache):
-    q, k, v, tables, lens = _decode_case(seed=1)
+    q, k, v, tables, lens = kv_runs.decode_case(seed=1)
     kc, vc = k.to(HALF[cache]), v.to(HALF[cache])
     g = torch.Generator().manual_seed(2)
     nk, nv = torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 32, generator=g)
@@ -99,7 +89,7 @@ def test_new_rows_are_rounded_once_into_the_cache(cache):
 
 
 def test_unsupported_type_pairs_are_refused_by_name():
-    q, k, v, tables, lens = _decode_case()
+    q, k, v, tables, lens = kv_runs.decode_case()
     qb, kc, vc = q.to(torch.bfloat16), k.to(torch.float16), v.to(torch.float16)
     out = torch.empty_like(qb)
     with pytest.raises(InvalidArgumentError) as err:

@@ -30,15 +30,6 @@ def hf_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("kvfp8"), arch="llama")
 
 
-def _case(seed: int, n: int = 3, hq: int = 4, hkv: int = 2, d: int = 32, bs: int = 4, blocks: int = 12):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(n, hq, d, generator=g)
-    k = torch.randn(blocks, bs, hkv, d, generator=g)
-    v = torch.randn(blocks, bs, hkv, d, generator=g)
-    tables = torch.randperm(blocks, generator=g)[: n * 4].reshape(n, 4).to(torch.int32).numpy()
-    return q, k, v, np.ascontiguousarray(tables), np.array([5, 16, 9], dtype=np.int32)[:n]
-
-
 def _awkward_values(count: int) -> torch.Tensor:
     """Values over every binade the formats have, their ties, the saturation edge and infinities."""
     g = torch.Generator().manual_seed(9)
@@ -78,7 +69,7 @@ def test_the_fused_write_rounds_as_torch_casts(cache):
 def test_the_kernel_reads_an_8_bit_cache_as_the_f32_kernel_reads_its_values(cache, d):
     """d = 32/48/64 take the AVX-512 passes (or AVX2's), 20 the generic body: the same bits as the f32 kernel over
     the widened values, for f32 and bf16 queries."""
-    q, k, v, tables, lens = _case(seed=d, d=d)
+    q, k, v, tables, lens = kv_runs.decode_case(seed=d, d=d)
     kc, vc = k.to(FP8[cache]), v.to(FP8[cache])
     got, want = torch.empty_like(q), torch.empty_like(q)
     _core.paged_decode_attention(as_numpy(q), as_numpy(kc), as_numpy(vc), tables, lens, 0.17, as_numpy(got), 2,
@@ -114,7 +105,7 @@ def test_widen_reads_every_code_as_torch_and_the_kernels_do(cache):
 
 
 def test_8_bit_caches_are_refused_under_half_activations():
-    q, k, v, tables, lens = _case(seed=1)
+    q, k, v, tables, lens = kv_runs.decode_case(seed=1)
     qh = q.half()
     with pytest.raises(ValueError, match="cache_dtype"):
         _core.paged_decode_attention(as_numpy(qh), as_numpy(k.to(torch.float8_e5m2)),

@@ -24,6 +24,12 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8 if t.dtype in FP8_DTYPES else torch.int16).numpy()
 
 
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a view of its uint8 codes where it holds 8-bit floats: torch has no fp8 `index_copy_` on CPU, and
+    copying the codes copies the values."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
 def widen(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t.to(dtype)`, but 8-bit floats by bit arithmetic, as the core's vector loads read them: torch converts
     float8 elementwise in scalar code (~1.5 ns an element here, 20x its bf16 cast), what a prompt's K/V rounding

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ironlm.attention.metadata import AttentionMetadata
-from ironlm.core_views import FP8_DTYPES, widen
+from ironlm.core_views import indexable, widen
 
 # Decode sequences are sorted by length and cut into chunks of about this many padded context tokens: padding
 # stays small (no batch-wide pad to the longest context) and the gather buffers stay a few MiB. Measured on the
@@ -125,13 +125,9 @@ def write_kv_cache(
 
 
 def _scatter(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache[slots] = rows in the cache's type. An 8-bit cache takes its codes as bytes: torch has no fp8
-    index_copy_ on CPU. torch's casts round to nearest even; to e4m3fn they saturate at +-448 (the core's
-    F8E4M3::store agrees, tested)."""
-    rows = rows.to(cache.dtype)
-    if cache.dtype in FP8_DTYPES:
-        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
-    cache.index_copy_(0, slots, rows)
+    """cache[slots] = rows in the cache's type (an 8-bit cache as its codes: `indexable`). torch's casts round to
+    nearest even; to e4m3fn they saturate at +-448 (the core's F8E4M3::store agrees, tested)."""
+    indexable(cache).index_copy_(0, slots, indexable(rows.to(cache.dtype)))
 
 
 def round_to_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

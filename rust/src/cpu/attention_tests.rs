@@ -383,8 +383,8 @@ fn a_narrow_cache_under_f32_queries_equals_the_f32_kernel_on_its_values() {
                 let (got, want) = run::<F16>(&case, path, threads);
                 assert_eq!(got, want, "f16 cache, {path:?} D={d} threads={threads}");
                 assert!(max_diff(&got, &case.reference()) < 5e-3, "{path:?} D={d}");
-                // 8-bit caches: the widening loads (e4m3's NaN-aware one included) on every
-                // path; 3 and 2 mantissa bits keep them only roughly near the reference.
+                // 8-bit caches: the widening loads on every path; 3 and 2 mantissa bits keep
+                // them only roughly near the reference.
                 let (got, want) = run::<F8E4M3>(&case, path, threads);
                 assert_eq!(got, want, "e4m3 cache, {path:?} D={d} threads={threads}");
                 assert!(max_diff(&got, &case.reference()) < 0.25, "{path:?} D={d}");

@@ -331,8 +331,8 @@ impl PyLeanStack {
     /// Every layer over the residual stream `h` (`[t, hidden]` of the stack's `dtype`, bf16 as
     /// int16 bits; in place): layer `i` writes this step's K/V rows into `caches[i] = (k, v)`
     /// (`[blocks, block_size, Hkv, D]` of `cache_dtype`, 16-bit ones as int16 views of their
-    /// bits, 8-bit ones as uint8) and attends them. The plan's `block_tables` `[t, max_blocks]` and `seq_lens` `[t]`
-    /// (int32), `slots` and `positions` `[t]` (int64), one row per token as
+    /// bits, 8-bit ones as uint8) and attends them. The plan's `block_tables` `[t, max_blocks]`
+    /// and `seq_lens` `[t]` (int32), `slots` and `positions` `[t]` (int64), one row per token as
     /// `decode_attention_qkv` takes them; `tables` the rotary tables (the stack's dtype) the
     /// layers' `rotary` indices name. Returns the expert weight bytes each layer streamed.
     #[pyo3(signature = (h, caches, block_tables, seq_lens, slots, positions, tables, threads = 1,

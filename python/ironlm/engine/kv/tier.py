@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ironlm import _core
-from ironlm.core_views import FP8_DTYPES
+from ironlm.core_views import indexable
 from ironlm.engine.kv_cache import KVCaches
 from ironlm.exceptions import InvalidArgumentError
 
@@ -157,11 +157,6 @@ def fingerprint(model_path: str | os.PathLike[str], tokenizer: VocabSource | Non
     put("salt", salt)
     put("ironlm", _core.__version__)
     return h.hexdigest()
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """`t` as its bytes where it holds 8-bit floats (torch has no fp8 index_copy_ on CPU), else itself."""
-    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
 def _runs(sorted_slots: np.ndarray) -> list[tuple[int, int]]:
@@ -299,9 +294,9 @@ class KVTier:
             src = torch.from_numpy(blocks)
             dst = torch.from_numpy(slots)
             for layer, (k, v) in enumerate(kv_caches):
-                _raw(self._data[:, layer, 0]).index_copy_(0, dst, _raw(k).index_select(0, src))
+                indexable(self._data[:, layer, 0]).index_copy_(0, dst, indexable(k).index_select(0, src))
                 if v is not k:
-                    _raw(self._data[:, layer, 1]).index_copy_(0, dst, _raw(v).index_select(0, src))
+                    indexable(self._data[:, layer, 1]).index_copy_(0, dst, indexable(v).index_select(0, src))
         else:
             self._store_runs(kv_caches, blocks, slots)
 
@@ -314,9 +309,9 @@ class KVTier:
             src = torch.from_numpy(slots)
             dst = torch.from_numpy(blocks)
             for layer, (k, v) in enumerate(kv_caches):
-                _raw(k).index_copy_(0, dst, _raw(self._data[:, layer, 0]).index_select(0, src))
+                indexable(k).index_copy_(0, dst, indexable(self._data[:, layer, 0]).index_select(0, src))
                 if v is not k:
-                    _raw(v).index_copy_(0, dst, _raw(self._data[:, layer, 1]).index_select(0, src))
+                    indexable(v).index_copy_(0, dst, indexable(self._data[:, layer, 1]).index_select(0, src))
         else:
             self._load_runs(kv_caches, blocks, slots)
 
@@ -353,9 +348,9 @@ class KVTier:
             staged[start:end].copy_(self._data[first:first + end - start], non_blocking=pinned)
         index = torch.from_numpy(blocks).to(device)
         for layer, (k, v) in enumerate(kv_caches):
-            _raw(k).index_copy_(0, index, _raw(staged[:, layer, 0]))
+            indexable(k).index_copy_(0, index, indexable(staged[:, layer, 0]))
             if v is not k:
-                _raw(v).index_copy_(0, index, _raw(staged[:, layer, 1]))
+                indexable(v).index_copy_(0, index, indexable(staged[:, layer, 1]))
 
     def _check(self, kv_caches: KVCaches, pairs: np.ndarray, block_col: int) -> tuple[np.ndarray, np.ndarray]:
         """(device blocks, slots) as contiguous int64 arrays, after range checks: an index torch does not bound
