@@ -44,3 +44,15 @@ def test_sources_tells_copying_from_repeating() -> None:
     copied, repeated = spec.sources(prompt, [1, 2, 3, 4, 9, 9, 9, 9, 9, 7], n=3)
     assert (copied, repeated) == (2, 2)
     assert spec.sources(prompt, [7, 8], n=3) == (0, 0)
+
+
+def test_the_copy_set_holds_16_passages_of_300_to_1000_tokens() -> None:
+    from ironlm.bench.spec_prompts import chat_prompt, load_prompts
+    from ironlm.model.default import default_model_path
+    from ironlm.model.gguf import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(default_model_path())
+    sizes = [len(chat_prompt(tok, t)) for t in load_prompts("copy")]
+    assert len(sizes) == 16 and all(300 <= n <= 1000 for n in sizes), sizes
+    assert len(load_prompts("tasks")) == 8
+    assert all(t.startswith("Copy the following text word for word.") for t in load_prompts("copy"))

@@ -181,7 +181,7 @@ def test_default_model_copying_its_input_is_exact_and_mostly_accepted():
 
     kw = {"kv_cache_memory": "128MiB", "max_model_len": 2048, "seed": 0}
     plain = LLM(**kw)
-    prompt = chat_prompt(plain.engine.tokenizer, load_prompts()[0])
+    prompt = chat_prompt(plain.engine.tokenizer, load_prompts("tasks")[0])
     params = SamplingParams(temperature=0, max_tokens=48)
     want = plain.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
     del plain

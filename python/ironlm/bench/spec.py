@@ -1,10 +1,10 @@
-"""Speculative decoding, single stream: the input-grounded prompts (bench/spec_prompts.json) one at a time,
+"""Speculative decoding, single stream: the input-grounded prompts (bench/spec_prompts.py) one at a time,
 greedy, plain decode vs speculation in one process, decode tok/s (output tokens after the first over the
 time after the first token) and the acceptance figures. Both engines stay loaded and take turns prompt by prompt
 over --rounds passes (with --baseline, llama.cpp's two runs join the rotation), so a drift in the machine's
 memory bandwidth lands on every engine alike; each round's own ratio is reported beside the totals.
 
-    python -m ironlm.bench.spec [--max-tokens 256] [--k 5] [--batch-invariant] [--json PATH]
+    python -m ironlm.bench.spec [--prompts copy|tasks] [--max-tokens 256] [--k 5] [--batch-invariant] [--json PATH]
     python -m ironlm.bench.spec --draft-pair truncated|random [--tiny] [--k 4]   # draft model (spec_pair.py)
     python -m ironlm.bench.spec --model TARGET --draft DRAFT                     # draft model, your own pair
 
@@ -27,7 +27,7 @@ from typing import Any
 from ironlm import LLM, SamplingParams
 from ironlm.bench.report import cpu_jiffies
 from ironlm.bench.spec_pair import build_pair
-from ironlm.bench.spec_prompts import chat_prompt, load_prompts
+from ironlm.bench.spec_prompts import SETS, chat_prompt, load_prompts
 
 
 def _cpu_model() -> str:
@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-layers", type=int, default=4, help="--draft-pair truncated: the draft's layers")
     ap.add_argument("--tiny", action="store_true", help="--draft-pair at toy size (checks the bench, no figures)")
     ap.add_argument("--pair-dir", default="/tmp/ironlm-spec-pair", help="where --draft-pair models are kept")
+    ap.add_argument("--prompts", choices=tuple(SETS), default="copy",
+                    help="copy: random passages to copy word for word; tasks: hand-written repeat/fix/rewrite tasks "
+                         "(bench/spec_prompts.py)")
     ap.add_argument("--num-prompts", type=int, default=None, help="only the first N prompts")
     ap.add_argument("--baseline", choices=("none", "llama.cpp"), default="none",
                     help="then llama.cpp on the same prompts: its plain decode (llama-lookup drafting nothing) and "
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                           "batch_invariant": a.batch_invariant}
     b0 = cpu_jiffies()
     plain = LLM(**kw)
-    texts = load_prompts()[:a.num_prompts]
+    texts = load_prompts(a.prompts)[:a.num_prompts]
     prompts = [chat_prompt(plain.engine.tokenizer, t) for t in texts]
     rendered = [str(plain.engine.tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                                               add_generation_prompt=True, tokenize=False))
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         llama_rounds = [rate(s_) / llama_spec.summarize(p_, "llama-lookup")["decode_tok_s"]
                         for p_, s_ in zip(got["llama_cpp_plain"], got["spec"])]
     report = {
-        "cpu": _cpu_model(), "model": a.model, "draft_pair": a.draft_pair, "prompt_tokens": [len(p) for p in prompts],
+        "cpu": _cpu_model(), "model": a.model, "prompts": a.prompts, "draft_pair": a.draft_pair, "prompt_tokens": [len(p) for p in prompts],
         "max_tokens": a.max_tokens, "rounds": a.rounds,
         "speculative_config": cfg, "plain_decode_tok_s": ours["plain"]["decode_tok_s"],
         "spec_decode_tok_s": ours["spec"]["decode_tok_s"],

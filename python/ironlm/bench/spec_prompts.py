@@ -1,8 +1,12 @@
-"""Input-grounded prompts for the speculative-decoding benchmark: "repeat / fix / rewrite this code or text"
-tasks whose answers copy much of their 300-1,000-token input (where prompt lookup proposes well).
+"""Input-grounded prompts for the speculative-decoding benchmark, two sets of 300-1,000-token inputs:
 
-The texts are a frozen snapshot of a few of this repository's own files (spec_prompts.json), so the benchmark
-never depends on the network or on files that change."""
+- "copy" (spec_copy_prompts.json, benches/make_spec_prompts.py): 16 passages of this repository's source and
+  docs drawn at random, each to be copied word for word. The default model's answers copy about half their
+  tokens from the input and paraphrase the rest; the passages were not chosen by how well it copies them.
+- "tasks" (spec_prompts.json): 8 "repeat / fix / rewrite / rename in" tasks written by hand, whose answers should
+  copy most of their input but, from the 135M default model, mostly describe it instead (about a sixth copied).
+
+Both are frozen snapshots, so the benchmark never depends on the network or on files that change."""
 
 from __future__ import annotations
 
@@ -10,12 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-_FILE = Path(__file__).with_name("spec_prompts.json")
+SETS = {"copy": "spec_copy_prompts.json", "tasks": "spec_prompts.json"}
 
 
-def load_prompts() -> list[str]:
-    """The user messages, in a fixed order."""
-    return [p["text"] for p in json.loads(_FILE.read_text())]
+def load_prompts(name: str = "copy") -> list[str]:
+    """The set's user messages, in a fixed order."""
+    return [p["text"] for p in json.loads(Path(__file__).with_name(SETS[name]).read_text())]
 
 
 def chat_prompt(tokenizer: Any, text: str) -> list[int]:
