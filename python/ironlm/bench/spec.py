@@ -174,8 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     spec_tokens = ours["spec"]["decode_tokens"]
     ceiling = spec_tokens / max(1, spec_tokens - metrics["spec_decode_num_accepted_tokens"])
     outs = [r[0] for r in got["plain"][0]]
-    copied, repeated = map(sum, zip(*(sources(p, o) for p, o in zip(prompts, outs))))
+    shares = [sources(p, o) for p, o in zip(prompts, outs)]
+    copied, repeated = map(sum, zip(*shares))
     out_tokens = sum(len(o) for o in outs)
+    # Each prompt's own speed-up over all rounds beside what its answer is made of, so a reader can tell the
+    # speed-up earned on copying from the one earned on an answer that loops.
+    per_prompt = [{"output_tokens": len(o), "copied": c, "repeated": r,
+                   "speedup": rate([rnd[i] for rnd in got["spec"]]) / rate([rnd[i] for rnd in got["plain"]])}
+                  for i, (o, (c, r)) in enumerate(zip(outs, shares))]
     llama = llama_plain = None
     llama_rounds: list[float] = []
     if a.baseline == "llama.cpp":
@@ -195,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         # shares of output tokens ending an 8-gram of the prompt (copying) or only of the output (repeating).
         "output_tokens": [len(o) for o in outs], "outputs_at_max_tokens": sum(len(o) >= a.max_tokens for o in outs),
         "output_copied_frac": copied / max(1, out_tokens), "output_repeated_frac": repeated / max(1, out_tokens),
+        "per_prompt": per_prompt,
         **metrics, "llama_cpp": llama,
         "llama_cpp_plain": llama_plain,
         "speedup_vs_llama_cpp_plain": None if not llama_plain or not llama_plain["decode_tok_s"]
