@@ -36,6 +36,7 @@ def test_the_bench_reports_both_engines_per_round(tmp_path: Path) -> None:
     assert 0 <= r["output_copied_frac"] + r["output_repeated_frac"] <= 1
     assert [p["output_tokens"] for p in r["per_prompt"]] == r["output_tokens"]
     assert all(p["speedup"] > 0 and p["copied"] + p["repeated"] <= p["output_tokens"] for p in r["per_prompt"])
+    assert r["copying_prompts"] == sum(2 * p["copied"] >= p["output_tokens"] for p in r["per_prompt"])
     # 2 rounds x 2 prompts x 11 tokens after the first; each accepted token saved a step.
     assert r["free_verification_ceiling"] == 44 / (44 - r["spec_decode_num_accepted_tokens"])
 

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     per_prompt = [{"output_tokens": len(o), "copied": c, "repeated": r,
                    "speedup": rate([rnd[i] for rnd in got["spec"]]) / rate([rnd[i] for rnd in got["plain"]])}
                   for i, (o, (c, r)) in enumerate(zip(outs, shares))]
+    copying = [i for i, (o, (c, _)) in enumerate(zip(outs, shares)) if 2 * c >= len(o)]
     llama = llama_plain = None
     llama_rounds: list[float] = []
     if a.baseline == "llama.cpp":
@@ -202,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         "output_tokens": [len(o) for o in outs], "outputs_at_max_tokens": sum(len(o) >= a.max_tokens for o in outs),
         "output_copied_frac": copied / max(1, out_tokens), "output_repeated_frac": repeated / max(1, out_tokens),
         "per_prompt": per_prompt,
+        # The speed-up over only the prompts whose answers copy the input for at least half their tokens.
+        "copying_prompts": len(copying),
+        "speedup_copying": None if not copying else
+        rate([rnd[i] for rnd in got["spec"] for i in copying]) / rate([rnd[i] for rnd in got["plain"] for i in copying]),
         **metrics, "llama_cpp": llama,
         "llama_cpp_plain": llama_plain,
         "speedup_vs_llama_cpp_plain": None if not llama_plain or not llama_plain["decode_tok_s"]
