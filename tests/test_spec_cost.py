@@ -177,6 +177,29 @@ def test_cold_start_speculates_to_measure_and_probes_keep_both_curves_fresh():
     assert b.paused_steps == budgets.count(0)
 
 
+def test_a_budget_a_stall_made_look_slow_is_probed_and_chosen_again():
+    """A draft model's step: every proposal costs a draft forward, and nearly all are accepted, so the full budget
+    is best. Stalled steps at that budget inflate its estimate until a smaller one wins; the smaller budget's
+    steps never refresh the larger one's, so only a probe brings the choice back."""
+    def cost(rows: int) -> float:
+        return 0.010 + 0.002 * (rows - 1)
+
+    b = SpecBudget(4, probe_every=8)
+    for p in (0, 1, 2, 4) * 6:
+        b.observe(1 + p, p, p, cost(1 + p))
+    assert b.choose(1, 1) == 4
+    for _ in range(6):  # stalls at the full budget
+        b.observe(5, 4, 4, 0.2)
+    assert b.choose(1, 1) < 4
+    budgets = []
+    for _ in range(40):
+        p = b.choose(1, 1)
+        budgets.append(p)
+        b.observe(1 + p, p, p, cost(1 + p))
+    # Back at the full budget, but for the plain probe now and then.
+    assert set(budgets[-16:]) <= {0, 4} and budgets[-16:].count(4) >= 14, budgets
+
+
 def test_bad_step_costs_name_the_field(tmp_path_factory):
     from ironlm.spec_config import parse_speculative_config
 

@@ -8,6 +8,7 @@ distribution (chi-square against transformers' own probabilities, enough samples
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +133,33 @@ def test_seeded_sampling_repeats_and_self_draft_accepts_all(models):
     m = spec.get_metrics()
     # p == q: min(1, p/q) = 1 for every proposal.
     assert m["spec_decode_acceptance_rate"] > 0.97, m
+
+
+def test_the_drafts_prompt_catch_up_is_not_counted_as_a_step_cost(models):
+    """The cost model learns what a step of so many rows costs; the draft's prefill of a new sequence's prompt
+    (made slow here) is paid once a sequence whatever the budget, so the step it lands in is observed without it."""
+    spec = LLM(str(models["target"]), num_kv_blocks=512, speculative_config={**_spec(models["target"]),
+                                                                             "cost_model": True}, **KW)
+    eng = spec.engine
+    forward, observe = eng.drafter._forward, eng.spec_budget.observe
+    seen: list[tuple[int, float, float]] = []
+
+    def slow_prefill(ids, *args):  # type: ignore[no-untyped-def]
+        if sum(len(i) for i in ids) > 2:
+            time.sleep(0.5)
+        return forward(ids, *args)
+
+    def record(rows, proposed, accepted, seconds, prefill=False):  # type: ignore[no-untyped-def]
+        seen.append((proposed, eng.drafter.catchup_seconds, seconds))
+        observe(rows, proposed, accepted, seconds, prefill)
+
+    eng.drafter._forward, eng.spec_budget.observe = slow_prefill, record
+    prompt = _prompts()[2] * 4
+    spec.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                  use_tqdm=False)
+    steps = [s for s in seen if s[0] > 0]
+    assert steps and steps[0][1] >= 0.5 and all(c == 0 for _, c, _ in steps[1:]), seen
+    assert max(sec for _, _, sec in steps) < 0.4, seen
 
 
 def _filtered(logits: torch.Tensor, temperature: float, top_k: int) -> np.ndarray:

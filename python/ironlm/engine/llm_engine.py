@@ -336,6 +336,8 @@ class LLMEngine:
         sampled_seqs = np.unique(np.searchsorted(plan.query_start_loc, plan.logits_indices, side="right")).size
         more = plan.num_prefill_tokens and (sampled_seqs < plan.num_seqs or self.scheduler.num_waiting > 0)
         self._prefill_rows = plan.num_prefill_tokens if more else 0
+        if self.drafter is not None:
+            seconds -= self.drafter.catchup_seconds
         self.spec_budget.observe(plan.num_tokens, proposed, accepted, seconds, plan.num_prefill_tokens > 0)
 
     def _draft(self, plan: _core.SchedulerPlan, timer: StepTimer) -> Drafts | None:

@@ -50,8 +50,14 @@ class StepCosts:
     linear between buckets, the last segment's slope above them. A fixed `table` of (rows, seconds) is used as
     given and learns nothing."""
 
-    def __init__(self, alpha: float = 0.1, table: Sequence[tuple[int, float]] | None = None) -> None:
+    def __init__(self, alpha: float = 0.1, table: Sequence[tuple[int, float]] | None = None,
+                 renew_after: int = 64) -> None:
         self.alpha = alpha
+        # A bucket no step refreshed for this many observations takes its next sample as the estimate: the
+        # budget a choice avoids is measured only by an occasional probe, and one probe a clamped EMA step would
+        # take dozens of probes (thousands of steps) to undo one stall's inflation. Were the sample an outlier,
+        # either the choice avoids the bucket as before or runs it and the EMA corrects it step by step.
+        self.renew_after = renew_after
         self.frozen = table is not None
         self.buckets: dict[int, _Bucket] = {}
         self.clock = 0
@@ -70,9 +76,12 @@ class StepCosts:
             return
         self.clock = self.clock + 1 if clock is None else clock
         b = self.buckets.setdefault(self._key(rows), _Bucket(float(rows), seconds))
+        renew = b.count > _WARM and self.clock - b.last > self.renew_after
         b.count += 1
         b.last = self.clock
-        if b.count <= _WARM:
+        if renew:
+            b.rows, b.seconds = float(rows), seconds
+        elif b.count <= _WARM:
             b.first.append((float(rows), seconds))
             b.rows = sorted(r for r, _ in b.first)[len(b.first) // 2]
             b.seconds = sorted(s for _, s in b.first)[len(b.first) // 2]
@@ -136,8 +145,8 @@ class SpecBudget:
         self.k, self.cap, self.margin, self.probe_every = k, cap, margin, probe_every
         self.token_budget = token_budget  # the step's most rows (max_num_batched_tokens); None: no limit
         # Decode-only steps without / with proposals, then the same with prefill rows in the step.
-        self.plain, self.spec = StepCosts(table=table), StepCosts(table=table)
-        self.plain_prefill, self.spec_prefill = StepCosts(table=table), StepCosts(table=table)
+        self.plain, self.spec, self.plain_prefill, self.spec_prefill = (
+            StepCosts(table=table, renew_after=probe_every) for _ in range(4))
         self.acceptance = Acceptance()
         self.steps = 0  # observations
         self.budget: int | None = None  # the last choice (None: none made yet)
@@ -188,14 +197,21 @@ class SpecBudget:
         else:
             g, p = max(gains)
             best = p if g > 1.0 + self.margin else 0
-        # The kind of step the decision avoids is measured again now and then, with a cheap step.
-        probe = min(self.k, most) if best == 0 else 0
+        # The kinds of step the decision avoids are measured again now and then, each with a cheap step: paused,
+        # one sequence's proposals; speculating, a plain step and the next larger budget (one slow step inflates
+        # the estimate of the budget it ran, and without a probe the choice never ran that budget again: a draft
+        # model speculating 2 of its 4 tokens for 60 steps after a stall was seen).
         plain, spec = self._curves(prefill)
-        curve, at = (spec, rows + probe) if best == 0 else (plain, rows)
-        if (self.steps - self.last_probe >= self.probe_every and curve.stale(at, self.steps, self.probe_every)):
+        if best == 0:
+            probes = [(spec, rows + min(self.k, most), min(self.k, most))]
+        else:
+            probes = [(plain, rows, 0)] + [(spec, rows + p, p) for p in grid if p > best][:1]
+        due = self.steps - self.last_probe >= self.probe_every
+        stale = [p for curve, at, p in probes if due and curve.stale(at, self.steps, self.probe_every)]
+        if stale:
             self.last_probe = self.steps
             self.probes += 1
-            best = probe
+            best = stale[0]
         elif best == 0:
             self.paused_steps += 1
         self.budget = best

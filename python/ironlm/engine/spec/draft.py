@@ -18,6 +18,7 @@ each slot's `valid` past the accepted run.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +78,7 @@ class DraftModel:
         self.vocab_size = 0
         self.valid = np.zeros(0, np.int64)  # per slot: positions < valid hold this sequence's draft KV
         self._run: _Run | None = None
+        self.catchup_seconds = 0.0  # this step's prompt catch-up beyond a one-token forward (see `propose`)
 
     def attach(self, target_tokenizer: object, vocab_size: int, num_blocks: int) -> None:
         """Check the tokenizers agree and allocate the draft pool: `num_blocks` blocks, the target's ids."""
@@ -105,6 +107,7 @@ class DraftModel:
     def propose(self, plan: _core.SchedulerPlan, scheduler: _core.Scheduler, sampler: Sampler) -> Drafts | None:
         """Fill the plan's reserved proposal rows (None: the plan has none)."""
         self._run = None
+        self.catchup_seconds = 0.0
         sd = plan.sample_draft
         rows = np.flatnonzero(sd >= 0)
         if not len(rows):
@@ -128,14 +131,18 @@ class DraftModel:
         ids = [plan.input_ids[li[f]:li[f] + 1] if s == n - 1 else
                np.asarray(scheduler.token_ids(int(sl))[s:n], np.int64)
                for f, s, n, sl in zip(first, start, length, slots, strict=True)]
+        t0 = time.perf_counter()
         logits = self._forward(ids, [np.arange(s, n) for s, n in zip(start, length, strict=True)], start, tables)
+        first_s, rest_s = time.perf_counter() - t0, 0.0
         prev = np.zeros(len(first), np.int64)
         constrained = len(plan.mask_rows) > 0
         for j in range(int(k.max())):
             live = np.flatnonzero(k > j)
             if j > 0:  # then one token a forward: the previous proposal, right after the known tokens
                 pos = length[live] + j - 1
+                t0 = time.perf_counter()
                 logits = self._forward([prev[i:i + 1] for i in live], [p[None] for p in pos], pos, tables[live])
+                rest_s += time.perf_counter() - t0
             r = first[live] + j
             # A grammar's sequences propose only what it allows after their proposals so far (the core walks
             # their matchers and rolls them back in `set_proposals`).
@@ -146,6 +153,11 @@ class DraftModel:
             out[at], random[at], prev[live] = tok, rnd, tok
             if qr is not None:
                 q.update(zip(at[rnd].tolist(), qr, strict=True))
+        # A sequence new to the draft (or forgotten) made the first forward a prompt's prefill: what it took beyond
+        # a one-token forward is paid once a sequence, whatever the budget, and is not what a step of these rows
+        # costs (counted as such, one request's catch-up made the full budget look slow for the cost model).
+        if (length - start).max() > 2:
+            self.catchup_seconds = max(0.0, first_s - (rest_s / (int(k.max()) - 1) if k.max() > 1 else 0.0))
         scheduler.set_proposals(plan, out)
         probs = torch.stack([q[a] for a in np.flatnonzero(random).tolist()]) if random.any() else None
         return Drafts(rows, out, random, probs)
