@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         llama_rounds = [rate(s_) / llama_spec.summarize(p_, "llama-lookup")["decode_tok_s"]
                         for p_, s_ in zip(got["llama_cpp_plain"], got["spec"])]
     report = {
-        "cpu": _cpu_model(), "model": a.model, "prompts": a.prompts, "draft_pair": a.draft_pair, "prompt_tokens": [len(p) for p in prompts],
+        "cpu": _cpu_model(), "model": a.model, "prompts": a.prompts, "draft_pair": a.draft_pair,
+        "prompt_tokens": [len(p) for p in prompts],
         "max_tokens": a.max_tokens, "rounds": a.rounds,
         "speculative_config": cfg, "plain_decode_tok_s": ours["plain"]["decode_tok_s"],
         "spec_decode_tok_s": ours["spec"]["decode_tok_s"],
@@ -205,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
         "per_prompt": per_prompt,
         # The speed-up over only the prompts whose answers copy the input for at least half their tokens.
         "copying_prompts": len(copying),
-        "speedup_copying": None if not copying else
-        rate([rnd[i] for rnd in got["spec"] for i in copying]) / rate([rnd[i] for rnd in got["plain"] for i in copying]),
+        "speedup_copying": None if not copying else (rate([rnd[i] for rnd in got["spec"] for i in copying])
+                                                     / rate([rnd[i] for rnd in got["plain"] for i in copying])),
         **metrics, "llama_cpp": llama,
         "llama_cpp_plain": llama_plain,
         "speedup_vs_llama_cpp_plain": None if not llama_plain or not llama_plain["decode_tok_s"]

@@ -54,9 +54,9 @@ class StepCosts:
                  renew_after: int = 64) -> None:
         self.alpha = alpha
         # A bucket no step refreshed for this many observations takes its next sample as the estimate: the
-        # budget a choice avoids is measured only by an occasional probe, and one probe a clamped EMA step would
-        # take dozens of probes (thousands of steps) to undo one stall's inflation. Were the sample an outlier,
-        # either the choice avoids the bucket as before or runs it and the EMA corrects it step by step.
+        # budget a choice avoids is measured only by an occasional probe, and at one clamped EMA step a probe an
+        # estimate a stall inflated took dozens of probes (thousands of steps) to come down. Were the sample an
+        # outlier, either the choice avoids the bucket as before or runs it and the EMA corrects it step by step.
         self.renew_after = renew_after
         self.frozen = table is not None
         self.buckets: dict[int, _Bucket] = {}
