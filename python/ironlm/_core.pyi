@@ -435,9 +435,9 @@ class LeanStack:
     ) -> list[int]:
         """Every layer over the residual stream ``h`` ``[t, hidden]`` in place; layer ``i`` writes the step's K/V
         rows into ``caches[i] = (k, v)`` (``[blocks, block_size, Hkv, D]`` of ``cache_dtype``, 16-bit ones as int16
-        views of their bits, 8-bit ones as uint8) and attends them. ``block_tables`` ``[t, max_blocks]`` and ``seq_lens`` int32,
-        ``slots`` and ``positions`` int64, one row per token; ``tables`` the rotary tables the layers name. Returns
-        the expert weight bytes each layer streamed (0 for a dense MLP)."""
+        views of their bits, 8-bit ones as uint8) and attends them. ``block_tables`` ``[t, max_blocks]`` and
+        ``seq_lens`` int32, ``slots`` and ``positions`` int64, one row per token; ``tables`` the rotary tables the
+        layers name. Returns the expert weight bytes each layer streamed (0 for a dense MLP)."""
 
 def moe_route(
     x: npt.NDArray[np.float32],

@@ -44,7 +44,7 @@ def widen(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-_E4M3_BITS = -0x780F_FFFF - 1  # 0x87F00000 as an int32: the sign bit and the magnitude's 7 bits
+_E4M3_BITS = -0x7810_0000  # 0x87F00000 as an int32: the sign bit and the magnitude's 7 bits
 
 
 def core_ok(t: torch.Tensor) -> bool:

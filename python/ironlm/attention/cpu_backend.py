@@ -5,8 +5,8 @@ path gathers every sequence's pages into a padded buffer before SDPA (the cache 
 again); ``ironlm._core.paged_decode_attention`` reads each page once, in place, with the GIL released and
 the sequences split across torch's thread count. It reads f32, bf16, fp16 and 8-bit (e4m3, e5m2) caches
 (accumulating in f32); when every row of the step is a decode row it also writes the step's K/V into the cache in
-the same call, so a decode step's attention is one call per layer. Short chunks that extend a cached sequence (speculative verification rows)
-go to the kernel row by row too (`ROW_CHUNK_MAX`). Prefill chunks are matmul-shaped: plain causal bf16 ones go to
+the same call, so a decode step's attention is one call per layer. Short chunks that extend a cached sequence
+(speculative verification rows) go to the kernel row by row too (`ROW_CHUNK_MAX`). Prefill chunks are matmul-shaped: plain causal bf16 ones go to
 the core's tiled prefill kernel where the CPU has AVX-512 BF16 (`_core.prefill_attention`), the rest to SDPA, bf16
 ones in bf16 (the torch backend, the kernels' reference, upcasts them to fp32). Steps where every
 decode sequence starts with the same cached blocks (a shared system prompt, n > 1 forks) go to the torch path

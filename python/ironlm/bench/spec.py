@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     per_prompt = [{"output_tokens": len(o), "copied": c, "repeated": r,
                    "speedup": rate([rnd[i] for rnd in got["spec"]]) / rate([rnd[i] for rnd in got["plain"]])}
                   for i, (o, (c, r)) in enumerate(zip(outs, shares))]
-    copying = [i for i, (o, (c, _)) in enumerate(zip(outs, shares)) if 2 * c >= len(o)]
+    copying = [i for i, p in enumerate(per_prompt) if 2 * p["copied"] >= p["output_tokens"]]
     llama = llama_plain = None
     llama_rounds: list[float] = []
     if a.baseline == "llama.cpp":
